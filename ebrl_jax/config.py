@@ -1,0 +1,212 @@
+"""Frozen configuration dataclasses: one per component, validated on construction.
+
+`Config` is the single value a run is built from. `main.py` fills it from absl flags (whose defaults are read
+from these dataclasses); notebooks and tests build it in Python. Each worker receives only its own part.
+Validation errors are `ValueError`s that name the field (as its flag) and the allowed values.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+# Names accepted by the registries; the registries themselves check membership against these same tuples.
+TASKS = ('ant', 'halfcheetah', 'hopper', 'walker2d', 'humanoid', 'pusher', 'reacher', 'inverted_pendulum')
+BACKENDS = ('mujoco_cpu', 'mjx')
+POLICIES = ('mlp', 'transformer')
+ALGORITHMS = ('ppo', 'grpo')
+SCHEDULES = ('fused',)
+
+
+def _check_choice(field: str, value, allowed) -> None:
+  if value not in allowed:
+    raise ValueError(f'--{field}={value!r} is not valid; allowed values: {", ".join(map(str, allowed))}.')
+
+
+def _check_positive(field: str, value, allow_zero: bool = False) -> None:
+  ok = value >= 0 if allow_zero else value > 0
+  if not ok:
+    bound = '>= 0' if allow_zero else '> 0'
+    raise ValueError(f'--{field}={value!r} must be {bound}.')
+
+
+def _check_range(field: str, value: float, lo: float, hi: float) -> None:
+  if not lo <= value <= hi:
+    raise ValueError(f'--{field}={value!r} must lie in [{lo}, {hi}].')
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+  """Simulation: which task, on which backend, how many environments."""
+  task: str = 'inverted_pendulum'
+  backend: str = 'mujoco_cpu'
+  num_envs: int = 64
+  episode_length: int = 1000
+  action_repeat: int = 1
+  # Threads stepping native MuJoCo envs (mj_step releases the GIL); 0 means one per available core.
+  num_threads: int = 0
+  # GRPO: envs come in groups of `group_size` that reset to the same initial state. 1 disables grouping.
+  group_size: int = 1
+  num_eval_envs: int = 16
+
+  def __post_init__(self):
+    _check_choice('task', self.task, TASKS)
+    _check_choice('backend', self.backend, BACKENDS)
+    _check_positive('num_envs', self.num_envs)
+    _check_positive('episode_length', self.episode_length)
+    _check_positive('action_repeat', self.action_repeat)
+    _check_positive('num_threads', self.num_threads, allow_zero=True)
+    _check_positive('group_size', self.group_size)
+    _check_positive('num_eval_envs', self.num_eval_envs)
+    if self.num_envs % self.group_size:
+      raise ValueError(f'--num_envs={self.num_envs} must be a multiple of --group_size={self.group_size}.')
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyConfig:
+  """The actor-critic network. `mlp` follows Brax's PPO defaults; `transformer` stands for a VLA-style policy."""
+  kind: str = 'mlp'
+  policy_hidden_sizes: Tuple[int, ...] = (32, 32, 32, 32)
+  value_hidden_sizes: Tuple[int, ...] = (256, 256, 256, 256, 256)
+  normalize_observations: bool = True
+  min_std: float = 0.001
+  # Transformer only: the observation is cut into tokens of `obs_token_size` values; `action_chunk` actions
+  # (k consecutive env steps) come out of one forward pass.
+  d_model: int = 128
+  num_layers: int = 4
+  num_heads: int = 4
+  mlp_ratio: int = 4
+  obs_token_size: int = 4
+  action_chunk: int = 1
+
+  def __post_init__(self):
+    _check_choice('policy', self.kind, POLICIES)
+    for name in ('d_model', 'num_layers', 'num_heads', 'mlp_ratio', 'obs_token_size', 'action_chunk'):
+      _check_positive(name, getattr(self, name))
+    if not self.policy_hidden_sizes or any(h <= 0 for h in self.policy_hidden_sizes):
+      raise ValueError(f'--policy_hidden_sizes={list(self.policy_hidden_sizes)} must be non-empty and positive.')
+    if not self.value_hidden_sizes or any(h <= 0 for h in self.value_hidden_sizes):
+      raise ValueError(f'--value_hidden_sizes={list(self.value_hidden_sizes)} must be non-empty and positive.')
+    if self.d_model % self.num_heads:
+      raise ValueError(f'--d_model={self.d_model} must be a multiple of --num_heads={self.num_heads}.')
+    if self.kind == 'mlp' and self.action_chunk != 1:
+      raise ValueError(f'--action_chunk={self.action_chunk} needs --policy=transformer (the MLP emits one action).')
+    _check_positive('min_std', self.min_std)
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgoConfig:
+  """PPO or GRPO. Batch shapes follow Brax's PPO naming so its published hyperparameters carry over:
+  one iteration collects `batch_size * num_minibatches` segments of `unroll_length` steps, then runs
+  `num_updates_per_batch` epochs over `num_minibatches` minibatches of `batch_size` segments."""
+  name: str = 'ppo'
+  learning_rate: float = 3e-4
+  discount: float = 0.97
+  gae_lambda: float = 0.95
+  clip_epsilon: float = 0.3
+  entropy_cost: float = 1e-2
+  value_cost: float = 0.25
+  reward_scaling: float = 10.0
+  normalize_advantage: bool = True
+  max_grad_norm: Optional[float] = None
+  unroll_length: int = 5
+  batch_size: int = 256
+  num_minibatches: int = 8
+  num_updates_per_batch: int = 4
+  # Decoupled PPO: the behaviour/proximal importance weight is clipped at this value (async schedules).
+  max_behaviour_ratio: float = 2.0
+
+  def __post_init__(self):
+    _check_choice('algo', self.name, ALGORITHMS)
+    _check_positive('learning_rate', self.learning_rate)
+    _check_range('discount', self.discount, 0.0, 1.0)
+    _check_range('gae_lambda', self.gae_lambda, 0.0, 1.0)
+    _check_range('clip_epsilon', self.clip_epsilon, 0.0, 1.0)
+    _check_positive('entropy_cost', self.entropy_cost, allow_zero=True)
+    _check_positive('value_cost', self.value_cost, allow_zero=True)
+    _check_positive('reward_scaling', self.reward_scaling)
+    if self.max_grad_norm is not None:
+      _check_positive('max_grad_norm', self.max_grad_norm)
+    for name in ('unroll_length', 'batch_size', 'num_minibatches', 'num_updates_per_batch'):
+      _check_positive(name, getattr(self, name))
+    if self.max_behaviour_ratio < 1.0:
+      raise ValueError(f'--max_behaviour_ratio={self.max_behaviour_ratio} must be >= 1.')
+
+  @property
+  def segments_per_iteration(self) -> int:
+    return self.batch_size * self.num_minibatches
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleConfig:
+  """How the stages are run and for how long."""
+  name: str = 'fused'
+  num_timesteps: int = 200_000
+  num_evals: int = 10
+  seed: int = 0
+  # Stop early once the evaluation return reaches this (None: run all `num_timesteps`).
+  target_return: Optional[float] = None
+  run_dir: str = 'runs/default'
+  # Where JAX's persistent compilation cache lives; '' disables it.
+  compilation_cache_dir: str = '~/.cache/ebrl_jax/xla'
+  checkpoint_every: int = 1  # in evaluations; 0 disables checkpoints
+  resume: bool = False
+  progress_bar: bool = True
+
+  def __post_init__(self):
+    _check_choice('schedule', self.name, SCHEDULES)
+    _check_positive('num_timesteps', self.num_timesteps)
+    _check_positive('num_evals', self.num_evals, allow_zero=True)
+    _check_positive('checkpoint_every', self.checkpoint_every, allow_zero=True)
+    if not self.run_dir:
+      raise ValueError('--run_dir must not be empty.')
+
+
+@dataclasses.dataclass(frozen=True)
+class ResourceConfig:
+  """Placement of the stages on the machine. The MPS/quota planner comes with the process schedules."""
+  platform: str = ''  # '' lets JAX choose; else 'cpu' or 'gpu'
+
+  def __post_init__(self):
+    _check_choice('platform', self.platform, ('', 'cpu', 'gpu', 'cuda'))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  sim: SimConfig = dataclasses.field(default_factory=SimConfig)
+  policy: PolicyConfig = dataclasses.field(default_factory=PolicyConfig)
+  algo: AlgoConfig = dataclasses.field(default_factory=AlgoConfig)
+  schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
+  resources: ResourceConfig = dataclasses.field(default_factory=ResourceConfig)
+
+  def __post_init__(self):
+    if self.algo.unroll_length % self.policy.action_chunk:
+      raise ValueError(f'--unroll_length={self.algo.unroll_length} must be a multiple of '
+                       f'--action_chunk={self.policy.action_chunk}.')
+    if self.algo.name == 'grpo':
+      # GRPO rolls out whole episodes (no critic to bootstrap from): minibatches split the envs.
+      if self.sim.group_size < 2:
+        raise ValueError(f'--algo=grpo needs --group_size >= 2 (got {self.sim.group_size}): advantages are '
+                         'normalised within groups of envs that share an initial state.')
+      if self.sim.num_envs % self.algo.num_minibatches:
+        raise ValueError(f'--num_envs={self.sim.num_envs} must be a multiple of '
+                         f'--num_minibatches={self.algo.num_minibatches} for --algo=grpo (minibatches split envs).')
+      if self.sim.episode_length % self.policy.action_chunk:
+        raise ValueError(f'--episode_length={self.sim.episode_length} must be a multiple of '
+                         f'--action_chunk={self.policy.action_chunk} for --algo=grpo.')
+      return
+    seg = self.algo.segments_per_iteration
+    if seg % self.sim.num_envs:
+      raise ValueError(
+          f'--batch_size={self.algo.batch_size} x --num_minibatches={self.algo.num_minibatches} = {seg} segments '
+          f'per iteration must be a multiple of --num_envs={self.sim.num_envs} (each env contributes whole '
+          f'segments of --unroll_length={self.algo.unroll_length} steps).')
+
+  @property
+  def env_steps_per_iteration(self) -> int:
+    if self.algo.name == 'grpo':
+      return self.sim.num_envs * self.sim.episode_length * self.sim.action_repeat
+    return self.algo.segments_per_iteration * self.algo.unroll_length * self.sim.action_repeat
+
+  @property
+  def unrolls_per_env(self) -> int:
+    return self.algo.segments_per_iteration // self.sim.num_envs

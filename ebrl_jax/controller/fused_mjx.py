@@ -1,0 +1,106 @@
+"""Fused schedule on MJX: each call runs a chunk of iterations (rollout scan + train_step) as one jitted program."""
+from __future__ import annotations
+
+import functools
+import time
+from typing import Dict, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from ebrl_jax import config as config_lib
+from ebrl_jax import types
+from ebrl_jax.controller import rollout
+from ebrl_jax.sim import stages as sim_stages
+from ebrl_jax.trainer import stages as trainer_stages
+
+
+def _iteration(cfg: config_lib.Config, env, network, optimizer, carry, key):
+  """One iteration: U unrolls of T policy steps for every env (PPO) or one episode per env (GRPO), then train."""
+  train_state, env_state = carry
+  roll_key, reset_key, train_key = jax.random.split(key, 3)
+  params, version = train_state.params, train_state.policy_version
+  k = cfg.policy.action_chunk
+  min_std = cfg.policy.min_std
+  if cfg.algo.name == 'grpo':
+    env_state = sim_stages.reset(env, reset_key, cfg.sim.num_envs, cfg.sim.group_size)
+    active = jnp.ones((cfg.sim.num_envs,), jnp.float32)
+    env_state, _, batch, stats = rollout.collect_segment(
+        env, network, params, version, env_state, cfg.sim.episode_length // k, True, roll_key, active, min_std)
+  else:
+    active = jnp.ones((cfg.sim.num_envs,), jnp.float32)
+
+    def unroll(env_state, unroll_key):
+      env_state, _, segment, stats = rollout.collect_segment(
+          env, network, params, version, env_state, cfg.algo.unroll_length // k, False, unroll_key, active, min_std)
+      return env_state, (segment, stats)
+
+    env_state, (segments, stats) = jax.lax.scan(unroll, env_state, jax.random.split(roll_key, cfg.unrolls_per_env))
+    batch = rollout.merge_unrolls(segments)
+    stats = jax.tree.map(jnp.sum, stats)
+  train_state, metrics = trainer_stages.train_step(network, optimizer, cfg.algo, min_std, train_state, batch,
+                                                   train_key)
+  metrics = dict(metrics)
+  metrics['episodes'] = stats.count
+  metrics['episode_return_sum'] = stats.return_sum
+  return (train_state, env_state), metrics
+
+
+def _run_chunk(cfg, env, network, optimizer, num_iterations, train_state, env_state, key):
+  step = functools.partial(_iteration, cfg, env, network, optimizer)
+  (train_state, env_state), metrics = jax.lax.scan(step, (train_state, env_state),
+                                                   jax.random.split(key, num_iterations))
+  return train_state, env_state, metrics
+
+
+class MjxFusedLoop:
+  """Holds the env state between chunks; compiles the chunk program once (plus a remainder program if needed)."""
+
+  def __init__(self, cfg: config_lib.Config, spec: types.EnvSpec, network, optimizer):
+    self._cfg = cfg
+    self._env = sim_stages.make_mjx_env(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat,
+                                        auto_reset=cfg.algo.name != 'grpo')
+    self._eval_env = sim_stages.make_mjx_env(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat,
+                                             auto_reset=False)
+    self._network, self._optimizer = network, optimizer
+    key = jax.random.PRNGKey(cfg.schedule.seed + 1)
+    self._env_state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(
+        self._env, key, cfg.sim.num_envs, cfg.sim.group_size)
+    self._programs: Dict[int, object] = {}
+    eval_fn = functools.partial(rollout.evaluate_policy, self._eval_env, network,
+                                num_envs=cfg.sim.num_eval_envs,
+                                num_steps=cfg.sim.episode_length // cfg.policy.action_chunk,
+                                min_std=cfg.policy.min_std)
+    self._eval = jax.jit(eval_fn)
+
+  def _program(self, train_state, num_iterations: int):
+    if num_iterations not in self._programs:
+      fn = functools.partial(_run_chunk, self._cfg, self._env, self._network, self._optimizer, num_iterations)
+      self._programs[num_iterations] = jax.jit(fn, donate_argnums=(0, 1)).lower(
+          train_state, self._env_state, jax.random.PRNGKey(0)).compile()
+    return self._programs[num_iterations]
+
+  def compile(self, train_state, num_iterations: int) -> float:
+    """Compiles the chunk and evaluation programs ahead of time; returns the seconds it took."""
+    t0 = time.monotonic()
+    self._program(train_state, num_iterations)
+    self._eval = self._eval.lower(train_state.params, jax.random.PRNGKey(0)).compile()
+    return time.monotonic() - t0
+
+  def run_iterations(self, train_state, num_iterations: int, key) -> Tuple[object, Dict[str, float]]:
+    program = self._program(train_state, num_iterations)
+    train_state, self._env_state, metrics = program(train_state, self._env_state, key)
+    metrics = jax.device_get(metrics)
+    out = {f'train/{self._cfg.algo.name}/{k}': float(v.mean()) for k, v in metrics.items()
+           if k not in ('episodes', 'episode_return_sum')}
+    episodes = float(metrics['episodes'].sum())
+    if episodes:
+      out['rollout/episode_return'] = float(metrics['episode_return_sum'].sum()) / episodes
+    return train_state, out
+
+  def evaluate(self, params, key) -> Dict[str, float]:
+    ret, length = jax.device_get(self._eval(params, key))
+    return {'eval/episode_return': float(ret), 'eval/episode_length': float(length)}
+
+  def close(self) -> None:
+    self._programs.clear()

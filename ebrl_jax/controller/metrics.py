@@ -1,0 +1,95 @@
+"""Run metrics: one `MetricsLogger` writes every scalar to a JSONL file, TensorBoard event files and absl logging,
+and drives a progress bar. Metric names follow `role/stage/quantity` (e.g. `train/ppo/policy_loss`)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Dict, Mapping, Optional
+
+from absl import logging
+import numpy as np
+
+
+class NonFiniteMetricError(FloatingPointError):
+  """Raised when a loss or return is NaN/inf: training stops at once rather than writing garbage."""
+
+
+def _to_float(value) -> float:
+  return float(np.asarray(value))
+
+
+class MetricsLogger:
+  """Appends `{"env_steps": ..., "wall_s": ..., name: value}` records to `<run_dir>/metrics.jsonl`.
+
+  TensorBoard (tensorboardX) events go to `<run_dir>/tb`. The progress bar (tqdm) counts env steps.
+  """
+
+  def __init__(self, run_dir: str, total_env_steps: int, progress_bar: bool = True,
+               initial_env_steps: int = 0, check_finite: tuple = ('loss', 'return')):
+    os.makedirs(run_dir, exist_ok=True)
+    self._jsonl = open(os.path.join(run_dir, 'metrics.jsonl'), 'a', buffering=1)
+    self._start = time.monotonic()
+    self._check_finite = check_finite
+    try:
+      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+      self._tb = SummaryWriter(os.path.join(run_dir, 'tb'), flush_secs=10)
+    except ImportError:  # optional: a notebook without tensorboardX still logs JSONL
+      logging.warning('tensorboardX is not installed; TensorBoard events are not written.')
+      self._tb = None
+    self._bar = None
+    if progress_bar:
+      from tqdm import auto as tqdm_auto  # pylint: disable=g-import-not-at-top
+      self._bar = tqdm_auto.tqdm(total=total_env_steps, initial=initial_env_steps, unit='step',
+                                 unit_scale=True, dynamic_ncols=True, mininterval=1.0)
+    self._last_steps = initial_env_steps
+    self.history: list = []
+
+  def wall_seconds(self) -> float:
+    return time.monotonic() - self._start
+
+  def log(self, env_steps: int, metrics: Mapping[str, float], echo: bool = True) -> Dict[str, float]:
+    """Records `metrics` at `env_steps`. Raises NonFiniteMetricError on a non-finite loss or return."""
+    values = {k: _to_float(v) for k, v in metrics.items()}
+    for name, value in values.items():
+      if not math.isfinite(value) and any(word in name for word in self._check_finite):
+        raise NonFiniteMetricError(f'metric {name} is {value} at env step {env_steps}; stopping the run.')
+    record = {'env_steps': int(env_steps), 'wall_s': round(self.wall_seconds(), 3), **values}
+    self._jsonl.write(json.dumps(record) + '\n')
+    self.history.append(record)
+    if self._tb is not None:
+      for name, value in values.items():
+        self._tb.add_scalar(name, value, global_step=int(env_steps))
+    if echo:
+      shown = ', '.join(f'{k}={v:.4g}' for k, v in values.items() if k.startswith(('eval/', 'rollout/', 'time/')))
+      message = f'env_steps={env_steps:,} {shown}'
+      if self._bar is not None:
+        self._bar.write(message)
+      else:
+        logging.info(message)
+    return values
+
+  def advance(self, env_steps: int, postfix: Optional[Mapping[str, float]] = None) -> None:
+    if self._bar is None:
+      return
+    self._bar.update(max(0, int(env_steps) - self._last_steps))
+    self._last_steps = int(env_steps)
+    if postfix:
+      self._bar.set_postfix({k: f'{_to_float(v):.4g}' for k, v in postfix.items()}, refresh=False)
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()
+      self._bar = None
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
+    if not self._jsonl.closed:
+      self._jsonl.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()

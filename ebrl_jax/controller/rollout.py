@@ -1,0 +1,96 @@
+"""Pure rollout stages for JAX-native (MJX) simulation: policy steps composed with env steps in a `lax.scan`.
+
+These are what the fused MJX schedule jits into one program per iteration (as Brax's PPO does). They import only
+stage modules, so other JAX projects can use them too:
+`from ebrl_jax.controller import rollout; jax.jit(rollout.collect_segment, static_argnums=(0, 1, 5, 6))`.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from ebrl_jax import types
+from ebrl_jax.generation import stages as gen_stages
+from ebrl_jax.sim import stages as sim_stages
+
+
+class EpisodeStats(NamedTuple):
+  """Sums over the episodes that ended during a rollout: return_sum / count is the mean training return."""
+  return_sum: jax.Array
+  length_sum: jax.Array
+  count: jax.Array
+
+
+def collect_segment(env: Any, network: Any, params: gen_stages.PolicyParams, policy_version: jax.Array,
+                    env_state: Any, num_steps: int, episodic: bool, key: types.PRNGKey, active: jax.Array,
+                    min_std: float = 0.001) -> Tuple[Any, jax.Array, types.Transition, EpisodeStats]:
+  """Runs `num_steps` policy steps (each an action chunk of K env steps) for every env of `env_state`.
+
+  Args:
+    active: [B] 1.0 for envs whose episode is still running. Only episodic (GRPO) rollouts use it: an env whose
+      episode has ended keeps stepping but its transitions get mask 0. Continuing rollouts pass ones.
+  Returns:
+    (env_state, active, segment with leading [T, B], episode statistics).
+  """
+
+  def body(carry, step_key):
+    env_state, active = carry
+    obs = env_state.brax_state.obs
+    out = gen_stages.act(network, params, obs, step_key, min_std=min_std)
+    env_state, res = sim_stages.step_chunk(env, env_state, out.actions)
+    done = res.done.astype(jnp.float32)
+    truncation = res.truncation.astype(jnp.float32)
+    mask = active if episodic else jnp.ones_like(done)
+    transition = types.Transition(
+        obs=obs, raw_action=out.raw_actions, reward=res.reward * mask,
+        termination=done * (1.0 - truncation), truncation=truncation, next_obs=res.obs,
+        behaviour_log_prob=out.log_probs, mask=mask,
+        policy_version=jnp.full(done.shape, policy_version, jnp.int32))
+    finished = done * mask
+    stats = EpisodeStats(jnp.sum(res.episode_return * finished), jnp.sum(res.episode_length * finished),
+                         jnp.sum(finished))
+    if episodic:
+      active = active * (1.0 - done)
+    return (env_state, active), (transition, stats)
+
+  keys = jax.random.split(key, num_steps)
+  (env_state, active), (segment, stats) = jax.lax.scan(body, (env_state, active), keys)
+  stats = jax.tree.map(jnp.sum, stats)
+  return env_state, active, segment, stats
+
+
+def evaluate_policy(env: Any, network: Any, params: gen_stages.PolicyParams, key: types.PRNGKey,
+                    num_envs: int, num_steps: int, min_std: float = 0.001) -> Tuple[jax.Array, jax.Array]:
+  """Deterministic (mode) policy on `num_envs` fresh envs for one episode each. Returns mean return and length.
+
+  `env` must be built without auto-reset; steps after an env's episode ended do not count.
+  """
+  reset_key, _ = jax.random.split(key)
+  env_state = sim_stages.reset(env, reset_key, num_envs)
+
+  def body(carry, _):
+    env_state, active, ret, length = carry
+    out = gen_stages.act(network, params, env_state.brax_state.obs, key, deterministic=True, min_std=min_std)
+    env_state, res = sim_stages.step_chunk(env, env_state, out.actions)
+    ret = ret + res.reward * active
+    steps = jnp.asarray(out.actions.shape[1], jnp.float32)  # K env steps per policy step
+    length = length + steps * active
+    active = active * (1.0 - res.done.astype(jnp.float32))
+    return (env_state, active, ret, length), None
+
+  ones = jnp.ones((num_envs,), jnp.float32)
+  init = (env_state, ones, jnp.zeros_like(ones), jnp.zeros_like(ones))
+  (_, _, ret, length), _ = jax.lax.scan(body, init, None, length=num_steps)
+  return jnp.mean(ret), jnp.mean(length)
+
+
+def merge_unrolls(segments: types.Transition) -> types.Transition:
+  """[U, T, B, ...] (U unrolls of T steps for B envs) -> [T, U*B, ...]: each (unroll, env) pair is a segment."""
+
+  def merge(x):
+    x = jnp.swapaxes(x, 0, 1)  # [T, U, B, ...]
+    return x.reshape((x.shape[0], x.shape[1] * x.shape[2]) + x.shape[3:])
+
+  return jax.tree.map(merge, segments)

@@ -1,0 +1,73 @@
+"""Pytrees that cross stage and process boundaries. Named fields only, never anonymous tuples.
+
+Axis names used in docstrings: `T` time (policy steps of one segment), `B` batch (envs or segments),
+`K` action chunk length (1 for the MLP), `A` action dimension, `O` observation dimension.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+
+Array = jax.Array
+Params = Any
+PRNGKey = jax.Array
+
+
+class EnvSpec(NamedTuple):
+  """Static facts about a task, shared by both simulator backends."""
+  task: str
+  obs_dim: int
+  action_dim: int
+  episode_length: int
+  dt: float  # seconds of simulated time per env step (frame skip included)
+
+
+class ActOutput(NamedTuple):
+  """What the generation stage returns for a batch of observations.
+
+  actions:   [B, K, A] in [-1, 1] (tanh-squashed), executed over the next K env steps.
+  raw_actions: [B, K, A] pre-tanh Gaussian samples; log-probs are recomputed from these during training.
+  log_probs: [B] log-probability of the whole chunk (sum over K and A).
+  values:    [B] critic value of the observation (zeros for critic-free policies).
+  """
+  actions: Array
+  raw_actions: Array
+  log_probs: Array
+  values: Array
+
+
+class Transition(NamedTuple):
+  """One policy step (one action chunk) for a batch of envs; stacked over time it is a trajectory segment.
+
+  Shapes for a segment: obs/next_obs [T, B, O]; raw_action [T, B, K, A]; reward, termination, truncation,
+  behaviour_log_prob, mask [T, B]; policy_version [T, B] (int32).
+  reward is summed over the K env steps of the chunk. termination is 1 where the episode ended by failure
+  (no bootstrap), truncation 1 where it was cut by the time limit. mask is 0 on steps past the end of an
+  episode in episodic (GRPO) rollouts and 1 everywhere else.
+  """
+  obs: Array
+  raw_action: Array
+  reward: Array
+  termination: Array
+  truncation: Array
+  next_obs: Array
+  behaviour_log_prob: Array
+  mask: Array
+  policy_version: Array
+
+
+class StepResult(NamedTuple):
+  """What one env step returns for a batch of envs (both backends, numpy or jax arrays).
+
+  obs [B, O] is the observation to act on next: after an episode ends it is already the reset observation.
+  reward, done, truncation [B]: done is 1 when the episode ended (failure or time limit); truncation is 1 when
+  it ended by the time limit alone. episode_return, episode_length [B] hold the finished episode's totals where
+  done is 1 (and are meaningless elsewhere).
+  """
+  obs: Any
+  reward: Any
+  done: Any
+  truncation: Any
+  episode_return: Any
+  episode_length: Any

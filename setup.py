@@ -1,0 +1,49 @@
+"""Install with `pip install -e .[test]` (see README.md)."""
+import os
+import re
+
+from setuptools import find_packages, setup
+
+_here = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(_here, 'ebrl_jax', '__init__.py')) as f:
+  _version = re.search(r"__version__ = '([^']+)'", f.read()).group(1)
+with open(os.path.join(_here, 'README.md')) as f:
+  _readme = f.read()
+
+setup(
+    name='ebrl_jax',
+    version=_version,
+    description='Accelerator-native embodied RL in JAX: MJX or native MuJoCo simulation, policy generation and '
+                'PPO/GRPO training as separate jitted stages, pipelined and resource-managed on one GPU.',
+    long_description=_readme,
+    long_description_content_type='text/markdown',
+    license='Apache-2.0',
+    packages=find_packages(include=['ebrl_jax', 'ebrl_jax.*']),
+    python_requires='>=3.11,<3.13',
+    # Versions tested together on Python 3.11 (CPU, jax 0.10.2) and 3.12 (H200, jax 0.11.2).
+    install_requires=[
+        'jax>=0.10,<0.12',
+        'flax>=0.12,<0.13',
+        'optax>=0.2.6,<0.3',
+        'chex>=0.1.90,<0.2',
+        'absl-py>=2.1,<3',
+        'numpy>=1.26,<3',
+        'nvidia-ml-py>=12.0',
+        'brax==0.14.2',
+        'mujoco==3.17.0',
+        'mujoco-mjx==3.17.0',
+        'orbax-checkpoint>=0.11,<0.13',
+        'tensorboardX>=2.6,<3',
+        'tqdm>=4.66,<5',
+    ],
+    extras_require={
+        'test': ['pytest>=8,<10', 'pytest-xdist>=3.5,<4'],
+        'cuda': ['jax[cuda12]>=0.10,<0.12'],
+    },
+    entry_points={'console_scripts': ['ebrl_jax=ebrl_jax.main:run_main']},
+    classifiers=[
+        'Programming Language :: Python :: 3.11',
+        'Programming Language :: Python :: 3.12',
+        'Topic :: Scientific/Engineering :: Artificial Intelligence',
+    ],
+)

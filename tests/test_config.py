@@ -1,0 +1,64 @@
+"""Contract tests for config validation: every bad value names its flag and the allowed values."""
+import re
+
+import pytest
+
+from ebrl_jax import config as config_lib
+
+
+@pytest.mark.parametrize('ctor,kwargs,pattern', [
+    (config_lib.SimConfig, {'task': 'antt'}, r'--task=.antt. is not valid; allowed values: ant, halfcheetah'),
+    (config_lib.SimConfig, {'backend': 'gpu'}, r'--backend=.gpu. is not valid; allowed values: mujoco_cpu, mjx'),
+    (config_lib.SimConfig, {'num_envs': 0}, r'--num_envs=0 must be > 0'),
+    (config_lib.SimConfig, {'num_envs': 10, 'group_size': 4}, r'--num_envs=10 must be a multiple of --group_size=4'),
+    (config_lib.PolicyConfig, {'kind': 'cnn'}, r'--policy=.cnn. is not valid; allowed values: mlp, transformer'),
+    (config_lib.PolicyConfig, {'d_model': 100, 'num_heads': 3}, r'--d_model=100 must be a multiple of --num_heads=3'),
+    (config_lib.PolicyConfig, {'action_chunk': 4}, r'--action_chunk=4 needs --policy=transformer'),
+    (config_lib.PolicyConfig, {'policy_hidden_sizes': ()}, r'--policy_hidden_sizes=\[\] must be non-empty'),
+    (config_lib.AlgoConfig, {'name': 'sac'}, r'--algo=.sac. is not valid; allowed values: ppo, grpo'),
+    (config_lib.AlgoConfig, {'discount': 1.5}, r'--discount=1.5 must lie in \[0.0, 1.0\]'),
+    (config_lib.AlgoConfig, {'max_grad_norm': -1.0}, r'--max_grad_norm=-1.0 must be > 0'),
+    (config_lib.ScheduleConfig, {'name': 'warp'}, r'--schedule=.warp. is not valid; allowed values: fused'),
+    (config_lib.ScheduleConfig, {'num_timesteps': 0}, r'--num_timesteps=0 must be > 0'),
+])
+def test_component_validation(ctor, kwargs, pattern):
+  with pytest.raises(ValueError, match=pattern):
+    ctor(**kwargs)
+
+
+def test_batch_must_divide_into_env_segments():
+  # 3 x 5 = 15 segments per iteration cannot be split into whole segments of 4 envs.
+  with pytest.raises(ValueError, match=re.escape('--batch_size=3 x --num_minibatches=5 = 15 segments')):
+    config_lib.Config(sim=config_lib.SimConfig(num_envs=4),
+                      algo=config_lib.AlgoConfig(batch_size=3, num_minibatches=5))
+
+
+def test_grpo_needs_groups_and_divisible_minibatches():
+  with pytest.raises(ValueError, match='--algo=grpo needs --group_size >= 2'):
+    config_lib.Config(algo=config_lib.AlgoConfig(name='grpo'))
+  with pytest.raises(ValueError, match='--num_envs=8 must be a multiple of --num_minibatches=3'):
+    config_lib.Config(sim=config_lib.SimConfig(num_envs=8, group_size=4),
+                      algo=config_lib.AlgoConfig(name='grpo', num_minibatches=3))
+
+
+def test_unroll_must_hold_whole_chunks():
+  with pytest.raises(ValueError, match='--unroll_length=5 must be a multiple of --action_chunk=2'):
+    config_lib.Config(policy=config_lib.PolicyConfig(kind='transformer', action_chunk=2),
+                      algo=config_lib.AlgoConfig(unroll_length=5))
+
+
+def test_derived_sizes():
+  cfg = config_lib.Config(sim=config_lib.SimConfig(num_envs=16),
+                          algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=4, unroll_length=5))
+  # 32 * 4 = 128 segments of 5 steps = 640 env steps; 128 / 16 envs = 8 unrolls per env.
+  assert cfg.env_steps_per_iteration == 640
+  assert cfg.unrolls_per_env == 8
+  grpo = config_lib.Config(sim=config_lib.SimConfig(num_envs=8, group_size=4, episode_length=50),
+                           algo=config_lib.AlgoConfig(name='grpo', num_minibatches=2))
+  assert grpo.env_steps_per_iteration == 8 * 50
+
+
+def test_configs_are_frozen():
+  cfg = config_lib.Config()
+  with pytest.raises(Exception):
+    cfg.sim.num_envs = 3  # type: ignore[misc]
