@@ -149,6 +149,8 @@ class ScheduleConfig:
   # Where JAX's persistent compilation cache lives; '' disables it.
   compilation_cache_dir: str = '~/.cache/ebrl_jax/xla'
   checkpoint_every: int = 1  # in evaluations; 0 disables checkpoints
+  # Evaluate the policy's mode (True) or sample actions as in training (False, Brax's default).
+  deterministic_eval: bool = True
   resume: bool = False
   progress_bar: bool = True
 

@@ -85,7 +85,8 @@ def _machine() -> dict:
 
 def _commit() -> str:
   try:
-    return subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True, timeout=10).stdout.strip()
+    out = subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True, timeout=10)
+    return out.stdout.strip() if out.returncode == 0 else os.environ.get('EBRL_COMMIT', 'unknown')
   except (OSError, subprocess.SubprocessError):
     return 'unknown'
 

@@ -92,6 +92,8 @@ def run(cfg: config_lib.Config) -> RunSummary:
   per_iteration = cfg.env_steps_per_iteration
   total_iterations = max(1, math.ceil(cfg.schedule.num_timesteps / per_iteration))
   iterations_per_eval = max(1, math.ceil(total_iterations / max(1, cfg.schedule.num_evals)))
+  # Whole chunks only: a shorter last chunk would be a second program to compile (MJX) mid-run.
+  total_iterations = math.ceil(total_iterations / iterations_per_eval) * iterations_per_eval
   logging.info('fused/%s: %s, %d params, %d env steps per iteration, %d iterations (%d per evaluation).',
                cfg.sim.backend, cfg.sim.task, num_params, per_iteration, total_iterations, iterations_per_eval)
 

@@ -62,9 +62,11 @@ class CpuFusedLoop:
     self._buffer = _SegmentBuffer(self._steps, self._unrolls * sc.num_envs, spec, k)
     self._obs = None if episodic else self._pool.reset()
     self._act = jax.jit(functools.partial(_act_at, network, cfg.policy.min_std, False))
-    self._act_det = jax.jit(functools.partial(_act_at, network, cfg.policy.min_std, True))
+    self._act_det = jax.jit(functools.partial(_act_at, network, cfg.policy.min_std,
+                                              cfg.schedule.deterministic_eval))
     self._train = jax.jit(functools.partial(trainer_stages.train_step, network, optimizer, cfg.algo,
-                                            cfg.policy.min_std), donate_argnums=(0,))
+                                            cfg.policy.min_std, group_size=sc.group_size,
+                                            recompute_proximal=False), donate_argnums=(0,))
 
   def compile(self, train_state, num_iterations: int) -> float:
     del num_iterations  # the Python loop compiles per-step programs only

@@ -1,6 +1,7 @@
 """Fused schedule on MJX: each call runs a chunk of iterations (rollout scan + train_step) as one jitted program."""
 from __future__ import annotations
 
+from concurrent import futures
 import functools
 import time
 from typing import Dict, Tuple
@@ -39,7 +40,8 @@ def _iteration(cfg: config_lib.Config, env, network, optimizer, carry, key):
     batch = rollout.merge_unrolls(segments)
     stats = jax.tree.map(jnp.sum, stats)
   train_state, metrics = trainer_stages.train_step(network, optimizer, cfg.algo, min_std, train_state, batch,
-                                                   train_key)
+                                                   train_key, group_size=cfg.sim.group_size,
+                                                   recompute_proximal=False)
   metrics = dict(metrics)
   metrics['episodes'] = stats.count
   metrics['episode_return_sum'] = stats.return_sum
@@ -70,7 +72,7 @@ class MjxFusedLoop:
     eval_fn = functools.partial(rollout.evaluate_policy, self._eval_env, network,
                                 num_envs=cfg.sim.num_eval_envs,
                                 num_steps=cfg.sim.episode_length // cfg.policy.action_chunk,
-                                min_std=cfg.policy.min_std)
+                                min_std=cfg.policy.min_std, deterministic=cfg.schedule.deterministic_eval)
     self._eval = jax.jit(eval_fn)
 
   def _program(self, train_state, num_iterations: int):
@@ -81,10 +83,15 @@ class MjxFusedLoop:
     return self._programs[num_iterations]
 
   def compile(self, train_state, num_iterations: int) -> float:
-    """Compiles the chunk and evaluation programs ahead of time; returns the seconds it took."""
+    """Compiles the chunk and evaluation programs ahead of time, side by side; returns the seconds it took."""
     t0 = time.monotonic()
-    self._program(train_state, num_iterations)
-    self._eval = self._eval.lower(train_state.params, jax.random.PRNGKey(0)).compile()
+    fn = functools.partial(_run_chunk, self._cfg, self._env, self._network, self._optimizer, num_iterations)
+    chunk = jax.jit(fn, donate_argnums=(0, 1)).lower(train_state, self._env_state, jax.random.PRNGKey(0))
+    evaluation = self._eval.lower(train_state.params, jax.random.PRNGKey(0))
+    # XLA compiles outside the GIL: the two programs build concurrently.
+    with futures.ThreadPoolExecutor(2) as pool:
+      chunk_future, eval_future = pool.submit(chunk.compile), pool.submit(evaluation.compile)
+      self._programs[num_iterations], self._eval = chunk_future.result(), eval_future.result()
     return time.monotonic() - t0
 
   def run_iterations(self, train_state, num_iterations: int, key) -> Tuple[object, Dict[str, float]]:

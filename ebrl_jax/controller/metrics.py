@@ -12,6 +12,19 @@ from absl import logging
 import numpy as np
 
 
+class _DropChattyInfo(logging.logging.Filter):
+  """Keeps orbax's per-save INFO lines out of the run's log; its warnings and errors still show."""
+
+  def filter(self, record) -> bool:
+    return record.levelno >= logging.logging.WARNING or '/orbax/' not in record.pathname
+
+
+def quiet_library_logs() -> None:
+  handler = logging.get_absl_handler()
+  if not any(isinstance(f, _DropChattyInfo) for f in handler.filters):
+    handler.addFilter(_DropChattyInfo())
+
+
 class NonFiniteMetricError(FloatingPointError):
   """Raised when a loss or return is NaN/inf: training stops at once rather than writing garbage."""
 
@@ -42,7 +55,8 @@ class MetricsLogger:
     if progress_bar:
       from tqdm import auto as tqdm_auto  # pylint: disable=g-import-not-at-top
       self._bar = tqdm_auto.tqdm(total=total_env_steps, initial=initial_env_steps, unit='step',
-                                 unit_scale=True, dynamic_ncols=True, mininterval=1.0)
+                                 unit_scale=True, dynamic_ncols=True, mininterval=1.0,
+                                 disable=None)  # None: no bar when stderr is not a terminal
     self._last_steps = initial_env_steps
     self.history: list = []
 

@@ -62,17 +62,19 @@ def collect_segment(env: Any, network: Any, params: gen_stages.PolicyParams, pol
 
 
 def evaluate_policy(env: Any, network: Any, params: gen_stages.PolicyParams, key: types.PRNGKey,
-                    num_envs: int, num_steps: int, min_std: float = 0.001) -> Tuple[jax.Array, jax.Array]:
-  """Deterministic (mode) policy on `num_envs` fresh envs for one episode each. Returns mean return and length.
+                    num_envs: int, num_steps: int, min_std: float = 0.001,
+                    deterministic: bool = True) -> Tuple[jax.Array, jax.Array]:
+  """The policy (its mode, or sampled) on `num_envs` fresh envs for one episode each: mean return and length.
 
   `env` must be built without auto-reset; steps after an env's episode ended do not count.
   """
-  reset_key, _ = jax.random.split(key)
+  reset_key, act_key = jax.random.split(key)
   env_state = sim_stages.reset(env, reset_key, num_envs)
 
-  def body(carry, _):
+  def body(carry, step_key):
     env_state, active, ret, length = carry
-    out = gen_stages.act(network, params, env_state.brax_state.obs, key, deterministic=True, min_std=min_std)
+    out = gen_stages.act(network, params, env_state.brax_state.obs, step_key, deterministic=deterministic,
+                         min_std=min_std)
     env_state, res = sim_stages.step_chunk(env, env_state, out.actions)
     ret = ret + res.reward * active
     steps = jnp.asarray(out.actions.shape[1], jnp.float32)  # K env steps per policy step
@@ -82,7 +84,7 @@ def evaluate_policy(env: Any, network: Any, params: gen_stages.PolicyParams, key
 
   ones = jnp.ones((num_envs,), jnp.float32)
   init = (env_state, ones, jnp.zeros_like(ones), jnp.zeros_like(ones))
-  (_, _, ret, length), _ = jax.lax.scan(body, init, None, length=num_steps)
+  (_, _, ret, length), _ = jax.lax.scan(body, init, jax.random.split(act_key, num_steps))
   return jnp.mean(ret), jnp.mean(length)
 
 

@@ -40,4 +40,6 @@ def run(cfg: config_lib.Config):
   if cfg.schedule.name not in SCHEDULES:
     raise ValueError(f'--schedule={cfg.schedule.name!r} is not valid; allowed values: {", ".join(SCHEDULES)}.')
   configure_jax(cfg)
+  from ebrl_jax.controller import metrics  # pylint: disable=g-import-not-at-top
+  metrics.quiet_library_logs()
   return SCHEDULES[cfg.schedule.name](cfg)

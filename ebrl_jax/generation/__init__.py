@@ -1,0 +1,1 @@
+"""Generation: policies (MLP, transformer with action chunks) and the act stage."""

@@ -1,0 +1,244 @@
+"""Native MuJoCo backend: a pool of independent envs on one `MjModel`, stepped by a thread pool.
+
+The model is the one Brax's MJX backend steps: the same xml loaded through Brax's loader (which fuses
+jointless bodies into their parents), the same MjOption overrides and the same frame skip. Observations,
+rewards and terminations are the numpy functions of `ebrl_jax.sim.tasks`, evaluated over the batch.
+
+Episode semantics (shared with `ebrl_jax.sim.stages`):
+  * An env step is `action_repeat` Brax env steps with the same action; each is `n_frames` physics steps.
+    As in Brax's EpisodeWrapper the rewards of the repeats are summed and `done` is that of the last repeat.
+  * An episode is cut when its step count (which advances by `action_repeat` per env step) reaches
+    `episode_length`: done=1 and truncation=1 unless it also failed on that step.
+  * A chunk of K actions (`actions` [N, K, A]) executes up to K env steps per env; an env stops at its first
+    done within the chunk. reward sums the executed steps, truncation/episode_* are those of that done.
+  * auto_reset=True: an env that is done starts a fresh episode from a new random initial state (drawn
+    individually, so groups are not kept); the returned obs is that reset observation.
+    auto_reset=False: a finished env is frozen until `reset()`: it is not stepped and returns its final obs,
+    reward 0, done 1, the truncation and episode_return/episode_length of its finished episode.
+  * episode_length counts Brax env steps (so it includes action_repeat), like Brax's episode metrics.
+
+NOTE: the pool is not thread-safe: call it from one thread. Its own worker threads each step a disjoint
+slice of envs and write disjoint rows of the preallocated buffers.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from typing import Dict, Optional, Sequence, Tuple
+
+import mujoco
+import numpy as np
+
+from ebrl_jax import types
+from ebrl_jax.sim import registry
+from ebrl_jax.sim import tasks
+
+
+def load_model(task: registry.TaskDef) -> mujoco.MjModel:
+  """The task's MjModel as Brax builds it for backend='mjx' (fused bodies, option overrides)."""
+  from brax.io import mjcf  # pylint: disable=g-import-not-at-top  # Brax's loader fuses jointless bodies
+  model = mjcf.load_mjmodel(task.xml_path)
+  for field, value in task.mjx_opt_overrides:
+    setattr(model.opt, field, value)
+  return model
+
+
+def _step_slice(model, datas, ids, ctrl, nstep, frame, fields) -> None:
+  """Steps envs `ids` (ctrl [len(ids), A]) and gathers their data fields into `frame` rows."""
+  for j, i in enumerate(ids):
+    d = datas[i]
+    d.ctrl[:] = ctrl[j]
+    mujoco.mj_step(model, d, nstep)  # releases the GIL
+    for f in fields:
+      frame[f][i] = getattr(d, f)
+
+
+class CpuEnvPool:
+  """`num_envs` native-MuJoCo envs of one task; numpy in, numpy out (obs float32)."""
+
+  def __init__(self, task: str, num_envs: int, episode_length: int, action_repeat: int = 1,
+               num_threads: int = 0, seed: int = 0, group_size: int = 1, auto_reset: bool = True):
+    for field, value in (('num_envs', num_envs), ('episode_length', episode_length),
+                         ('action_repeat', action_repeat), ('group_size', group_size)):
+      if value <= 0:
+        raise ValueError(f'CpuEnvPool: {field}={value} must be > 0.')
+    if num_envs % group_size:
+      raise ValueError(f'CpuEnvPool: num_envs={num_envs} must be a multiple of group_size={group_size}.')
+    if num_threads < 0:
+      raise ValueError(f'CpuEnvPool: num_threads={num_threads} must be >= 0 (0: one per available core).')
+    self._task = registry.load(task)
+    self._spec = registry.env_spec(task, episode_length, action_repeat)
+    self.num_envs, self.episode_length, self.action_repeat = num_envs, episode_length, action_repeat
+    self.group_size, self.auto_reset = group_size, auto_reset
+    self.model = load_model(self._task)
+    self._consts = tasks.make_consts(self.model, self._task.n_frames, self._task.params)
+    self._datas = [mujoco.MjData(self.model) for _ in range(num_envs)]
+    self._fields = self._task.data_fields
+    self._frame: Dict[str, np.ndarray] = {
+        f: np.zeros((num_envs,) + getattr(self._datas[0], f).shape) for f in self._fields}
+    self._steps = np.zeros(num_envs, np.int64)
+    self._return = np.zeros(num_envs, np.float64)
+    self._length = np.zeros(num_envs, np.int64)
+    self._finished = np.zeros(num_envs, bool)  # auto_reset=False only
+    self._final_truncation = np.zeros(num_envs, bool)
+    self._rng = np.random.default_rng(seed)
+    self.num_threads = min(num_threads or len(os.sched_getaffinity(0)), num_envs)
+    self._executor = (concurrent.futures.ThreadPoolExecutor(self.num_threads, thread_name_prefix='mj_step')
+                      if self.num_threads > 1 else None)
+    self.reset()
+
+  # -------------------------------------------------------------------------------------------- properties
+  @property
+  def spec(self) -> types.EnvSpec:
+    return self._spec
+
+  @property
+  def task(self) -> registry.TaskDef:
+    return self._task
+
+  # ------------------------------------------------------------------------------------------------ state
+  def _ids(self, env_ids) -> np.ndarray:
+    if env_ids is None:
+      return np.arange(self.num_envs)
+    ids = np.asarray(env_ids, dtype=np.int64).reshape(-1)
+    if ids.size and (ids.min() < 0 or ids.max() >= self.num_envs):
+      raise ValueError(f'env_ids must lie in [0, {self.num_envs}); got {ids.tolist()}.')
+    if np.unique(ids).size != ids.size:
+      raise ValueError(f'env_ids must not repeat; got {ids.tolist()}.')
+    return ids
+
+  def _set(self, ids: np.ndarray, qpos: np.ndarray, qvel: np.ndarray) -> None:
+    """Puts envs `ids` at (qpos, qvel) as a fresh episode; data fields are recomputed with mj_forward."""
+    for j, i in enumerate(ids):
+      d = self._datas[i]
+      mujoco.mj_resetData(self.model, d)  # zero ctrl, time and solver warm start, like mjx.make_data
+      d.qpos[:] = qpos[j]
+      d.qvel[:] = qvel[j]
+      mujoco.mj_forward(self.model, d)
+      for f in self._fields:
+        self._frame[f][i] = getattr(d, f)
+    self._steps[ids] = 0
+    self._return[ids] = 0.0
+    self._length[ids] = 0
+    self._finished[ids] = False
+    self._final_truncation[ids] = False
+
+  def _draw(self, ids: np.ndarray, grouped: bool) -> None:
+    groups = ids // self.group_size if grouped else ids
+    uniq, inverse = np.unique(groups, return_inverse=True)
+    qpos, qvel = self._task.reset_fn(self._rng, uniq.size, self._consts)
+    self._set(ids, qpos[inverse], qvel[inverse])
+
+  def _obs(self, ids: np.ndarray) -> np.ndarray:
+    frame = {f: v[ids] for f, v in self._frame.items()}
+    return self._task.obs_fn(frame, self._consts).astype(np.float32)
+
+  def reset(self, env_ids: Optional[Sequence[int]] = None) -> np.ndarray:
+    """New episodes for `env_ids` (all by default); envs of one group (env_id // group_size) share their
+    initial state. Returns obs [len(env_ids), O]."""
+    ids = self._ids(env_ids)
+    self._draw(ids, grouped=True)
+    return self._obs(ids)
+
+  def set_state(self, env_ids: Sequence[int], qpos: np.ndarray, qvel: np.ndarray) -> np.ndarray:
+    """Starts a fresh episode of envs `env_ids` at qpos [n, nq], qvel [n, nv]; returns their obs [n, O]."""
+    ids = self._ids(env_ids)
+    qpos = np.asarray(qpos, np.float64).reshape(ids.size, self.model.nq)
+    qvel = np.asarray(qvel, np.float64).reshape(ids.size, self.model.nv)
+    self._set(ids, qpos, qvel)
+    return self._obs(ids)
+
+  def get_state(self, env_ids: Optional[Sequence[int]] = None) -> Tuple[np.ndarray, np.ndarray]:
+    ids = self._ids(env_ids)
+    qpos = np.stack([self._datas[i].qpos.copy() for i in ids]) if ids.size else np.zeros((0, self.model.nq))
+    qvel = np.stack([self._datas[i].qvel.copy() for i in ids]) if ids.size else np.zeros((0, self.model.nv))
+    return qpos, qvel
+
+  # ------------------------------------------------------------------------------------------------- step
+  def _physics(self, ids: np.ndarray, ctrl: np.ndarray) -> None:
+    args = (self.model, self._datas)
+    tail = (self._task.n_frames, self._frame, self._fields)
+    if self._executor is None or ids.size < 2:
+      _step_slice(*args, ids, ctrl, *tail)
+      return
+    bounds = np.linspace(0, ids.size, min(self.num_threads, ids.size) + 1).astype(int)
+    futures = [self._executor.submit(_step_slice, *args, ids[lo:hi], ctrl[lo:hi], *tail)
+               for lo, hi in zip(bounds[:-1], bounds[1:])]
+    for fut in futures:
+      fut.result()  # re-raises a worker's exception
+
+  def _env_step(self, ids: np.ndarray, action: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """One (action-repeated) env step of envs `ids`; returns reward [n] and failure [n] of the last repeat."""
+    ctrl = tasks.scale_to_ctrl_range(action, self._consts) if self._task.scale_actions else action
+    reward = np.zeros(ids.size)
+    for _ in range(self.action_repeat):
+      before = {f: v[ids] for f, v in self._frame.items()}
+      self._physics(ids, ctrl)
+      after = {f: v[ids] for f, v in self._frame.items()}
+      r, failed = self._task.reward_fn(before, after, ctrl, self._consts)
+      reward += r
+    return reward, failed
+
+  def step(self, actions: np.ndarray, env_ids: Optional[Sequence[int]] = None) -> types.StepResult:
+    """Steps envs `env_ids` (all by default) with actions [n, A] or a chunk [n, K, A].
+
+    Returns a StepResult of numpy arrays over those envs: obs [n, O] float32; reward, done, truncation,
+    episode_return [n] float32; episode_length [n] int32 (see the module docstring for the semantics).
+    """
+    ids = self._ids(env_ids)
+    actions = np.asarray(actions, np.float64)
+    if actions.ndim == 2:
+      actions = actions[:, None]
+    if actions.shape[0] != ids.size or actions.shape[2] != self._spec.action_dim:
+      raise ValueError(f'actions {actions.shape} must be [{ids.size}, (K,) {self._spec.action_dim}].')
+    n = ids.size
+    running = ~self._finished[ids]
+    reward, done = np.zeros(n), self._finished[ids].copy()
+    truncation = self._final_truncation[ids].copy()
+    ep_return, ep_length = np.zeros(n), np.zeros(n, np.int64)
+    for k in range(actions.shape[1]):
+      pos = np.flatnonzero(running)
+      if not pos.size:
+        break
+      sub = ids[pos]
+      r, failed = self._env_step(sub, actions[pos, k])
+      self._steps[sub] += self.action_repeat
+      self._return[sub] += r
+      self._length[sub] += self.action_repeat
+      reward[pos] += r
+      timeout = self._steps[sub] >= self.episode_length
+      ended = failed | timeout
+      fin_pos, fin_ids = pos[ended], sub[ended]
+      done[fin_pos] = True
+      truncation[fin_pos] = timeout[ended] & ~failed[ended]
+      ep_return[fin_pos], ep_length[fin_pos] = self._return[fin_ids], self._length[fin_ids]
+      running[fin_pos] = False
+      if self.auto_reset:
+        self._draw(fin_ids, grouped=False)
+      else:
+        self._finished[fin_ids] = True
+        self._final_truncation[fin_ids] = truncation[fin_pos]
+    # Frozen (auto_reset=False) and still-running envs report their current totals.
+    keep = ~done | self._finished[ids]
+    ep_return[keep], ep_length[keep] = self._return[ids[keep]], self._length[ids[keep]]
+    return types.StepResult(obs=self._obs(ids), reward=reward.astype(np.float32), done=done.astype(np.float32),
+                            truncation=truncation.astype(np.float32), episode_return=ep_return.astype(np.float32),
+                            episode_length=ep_length.astype(np.int32))
+
+  # -------------------------------------------------------------------------------------------- lifecycle
+  def close(self) -> None:
+    if self._executor is not None:
+      self._executor.shutdown(wait=True)
+      self._executor = None
+
+  def __enter__(self) -> 'CpuEnvPool':
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def __del__(self):
+    try:
+      self.close()
+    except Exception:  # pylint: disable=broad-except  # interpreter shutdown
+      pass

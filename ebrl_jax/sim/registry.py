@@ -1,0 +1,151 @@
+"""Task registry: one `TaskDef` per task, shared by the MJX and native-MuJoCo backends.
+
+    from ebrl_jax.sim import registry
+    task = registry.load('hopper')          # TaskDef; unknown names raise ValueError listing the valid ones
+    spec = registry.env_spec('hopper', episode_length=1000, action_repeat=1)
+
+Physics facts (frame skip, the MuJoCo option overrides Brax applies for backend='mjx') and the parameters of
+reward and termination are copied from `brax.envs.<task>` (brax 0.14.2), with Brax's constructor defaults.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import os
+from typing import Callable, Dict, Mapping, Tuple
+
+from ebrl_jax import config as config_lib
+from ebrl_jax import types
+from ebrl_jax.sim import tasks
+
+# mujoco.mjtSolver.mjSOL_NEWTON and mujoco.mjtDisableBit.mjDSBL_EULERDAMP, as ints so that this module does
+# not import mujoco; tests check them against the enums.
+SOLVER_NEWTON = 2
+DISABLE_EULERDAMP = 1 << 15
+# What Brax's ant and humanoid apply with `sys.tree_replace` for backend='mjx' (the others apply nothing).
+# NOTE: `disableflags` is *replaced*, not or-ed, as Brax does.
+_MJX_NEWTON_1 = (('solver', SOLVER_NEWTON), ('disableflags', DISABLE_EULERDAMP), ('iterations', 1),
+                 ('ls_iterations', 4))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TaskDef:
+  """Everything both backends need to know about a task.
+
+  reset_fn(rng, n, consts) -> (qpos [n, nq], qvel [n, nv]); obs_fn(frame, consts) -> [n, O];
+  reward_fn(before, after, ctrl, consts) -> (reward [n], done [n] bool). See `ebrl_jax.sim.tasks`.
+  """
+  name: str
+  brax_name: str
+  xml_file: str  # file name under brax/envs/assets
+  n_frames: int  # physics steps per env step (Brax's default for backend='mjx')
+  obs_dim: int
+  action_dim: int
+  mjx_opt_overrides: Tuple[Tuple[str, int], ...]  # (MjOption field, value) pairs
+  params: Mapping[str, float]
+  data_fields: Tuple[str, ...]  # MjData fields obs_fn/reward_fn read
+  scale_actions: bool  # Brax maps [-1, 1] to the actuator ctrlrange before stepping
+  reset_fn: Callable
+  obs_fn: Callable
+  reward_fn: tasks.RewardFn
+  default_episode_length: int = 1000
+
+  def __post_init__(self):
+    if self.n_frames <= 0:
+      raise ValueError(f'TaskDef {self.name!r}: n_frames={self.n_frames} must be > 0.')
+    unknown = set(dict(self.mjx_opt_overrides)) - {'solver', 'disableflags', 'iterations', 'ls_iterations'}
+    if unknown:
+      raise ValueError(f'TaskDef {self.name!r}: unsupported mjx_opt_overrides {sorted(unknown)}.')
+
+  @property
+  def xml_path(self) -> str:
+    """The MJCF file inside the installed brax package (brax is not imported to find it)."""
+    spec = importlib.util.find_spec('brax')
+    if spec is None or not spec.submodule_search_locations:
+      raise ImportError('brax is not installed; the task models ship with it.')
+    return os.path.join(list(spec.submodule_search_locations)[0], 'envs', 'assets', self.xml_file)
+
+
+_REGISTRY: Dict[str, TaskDef] = {}
+
+
+def register(name: str, task_def: TaskDef) -> None:
+  if name in _REGISTRY:
+    raise ValueError(f'Task {name!r} is already registered.')
+  _REGISTRY[name] = task_def
+
+
+def names() -> Tuple[str, ...]:
+  return tuple(sorted(_REGISTRY))
+
+
+def load(name: str) -> TaskDef:
+  if name not in _REGISTRY:
+    raise ValueError(f'Unknown task {name!r}; valid tasks: {", ".join(names())}.')
+  return _REGISTRY[name]
+
+
+def get_default_config(name: str) -> config_lib.SimConfig:
+  """A `SimConfig` for the task with Brax's episode length (1000 for every task here) and no action repeat."""
+  task = load(name)
+  return config_lib.SimConfig(task=name, episode_length=task.default_episode_length, action_repeat=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _timestep(xml_path: str) -> float:
+  import mujoco  # pylint: disable=g-import-not-at-top
+  return float(mujoco.MjModel.from_xml_path(xml_path).opt.timestep)
+
+
+def env_spec(name: str, episode_length: int, action_repeat: int = 1) -> types.EnvSpec:
+  """EnvSpec of the wrapped env: dt is the simulated time of one wrapped step (n_frames x action_repeat)."""
+  task = load(name)
+  if episode_length <= 0 or action_repeat <= 0:
+    raise ValueError(f'episode_length={episode_length} and action_repeat={action_repeat} must be > 0.')
+  dt = _timestep(task.xml_path) * task.n_frames * action_repeat
+  return types.EnvSpec(task=name, obs_dim=task.obs_dim, action_dim=task.action_dim,
+                       episode_length=episode_length, dt=dt)
+
+
+def _params(**kw) -> Mapping[str, float]:
+  return dict(kw)  # NOTE: treat as read-only; shared by every pool of the task
+
+
+_BASIC = ('qpos', 'qvel', 'xpos')
+_WALKER_PARAMS = dict(forward_reward_weight=1.0, ctrl_cost_weight=1e-3, healthy_reward=1.0)
+
+_TASKS = (
+    TaskDef('ant', 'ant', 'ant.xml', 5, 27, 8, _MJX_NEWTON_1,
+            _params(ctrl_cost_weight=0.5, healthy_reward=1.0, healthy_z_min=0.2, healthy_z_max=1.0),
+            _BASIC, False, tasks.reset_ant, tasks.obs_ant, tasks.reward_ant),
+    TaskDef('halfcheetah', 'halfcheetah', 'half_cheetah.xml', 5, 17, 6, (),
+            _params(forward_reward_weight=1.0, ctrl_cost_weight=0.1),
+            _BASIC, False, tasks.reset_halfcheetah, tasks.obs_halfcheetah, tasks.reward_halfcheetah),
+    TaskDef('hopper', 'hopper', 'hopper.xml', 4, 11, 3, (),
+            _params(**_WALKER_PARAMS, healthy_z_min=0.7, healthy_z_max=float('inf'), healthy_angle_min=-0.2,
+                    healthy_angle_max=0.2, healthy_state_min=-100.0, healthy_state_max=100.0),
+            _BASIC, False, tasks.reset_hopper, tasks.obs_planar_walker, tasks.reward_planar_walker),
+    TaskDef('walker2d', 'walker2d', 'walker2d.xml', 4, 17, 6, (),
+            _params(**_WALKER_PARAMS, healthy_z_min=0.8, healthy_z_max=2.0, healthy_angle_min=-1.0,
+                    healthy_angle_max=1.0),
+            _BASIC, False, tasks.reset_walker2d, tasks.obs_planar_walker, tasks.reward_planar_walker),
+    TaskDef('humanoid', 'humanoid', 'humanoid.xml', 5, 244, 17, _MJX_NEWTON_1,
+            _params(forward_reward_weight=1.25, ctrl_cost_weight=0.1, healthy_reward=5.0, healthy_z_min=1.0,
+                    healthy_z_max=2.0),
+            ('qpos', 'qvel', 'xpos', 'xipos', 'ximat', 'cvel', 'subtree_com', 'qfrc_actuator'), True,
+            tasks.reset_humanoid, tasks.obs_humanoid, tasks.reward_humanoid),
+    TaskDef('pusher', 'pusher', 'pusher.xml', 5, 23, 7, (),
+            _params(ctrl_cost_weight=0.1, near_weight=0.5),
+            ('qpos', 'qvel', 'xipos'), True, tasks.reset_pusher, tasks.obs_pusher, tasks.reward_pusher),
+    TaskDef('reacher', 'reacher', 'reacher.xml', 2, 11, 2, (), _params(),
+            ('qpos', 'qvel', 'xpos', 'xmat', 'cvel', 'subtree_com'), False,
+            tasks.reset_reacher, tasks.obs_reacher, tasks.reward_reacher),
+    TaskDef('inverted_pendulum', 'inverted_pendulum', 'inverted_pendulum.xml', 2, 4, 1, (),
+            _params(max_pole_angle=0.2), ('qpos', 'qvel'), True,
+            tasks.reset_inverted_pendulum, tasks.obs_inverted_pendulum, tasks.reward_inverted_pendulum),
+)
+
+for _task in _TASKS:
+  register(_task.name, _task)
+assert set(names()) == set(config_lib.TASKS), (names(), config_lib.TASKS)

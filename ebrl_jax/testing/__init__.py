@@ -1,0 +1,1 @@
+"""ebrl_jax.testing (filled in by the process-schedule work)."""

@@ -1,0 +1,1 @@
+"""Training: PPO/GRPO losses, the train_step stage and checkpoints."""

@@ -1,0 +1,152 @@
+"""Training stage: one PPO/GRPO update (several epochs of minibatch SGD) on a batch of trajectory segments.
+
+Pure functions; jit with (network, optimizer, algo, min_std) static and the state donated:
+
+  train_fn = jax.jit(stages.train_step, static_argnums=(0, 1, 2, 3),
+                     static_argnames=('group_size', 'recompute_proximal'), donate_argnums=(4,))
+  state, metrics = train_fn(network, optimizer, algo, min_std, state, batch, key)
+
+Axis names: T time, S segments (PPO: batch_size * num_minibatches) or envs (GRPO), O obs dim, K chunk, A action.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Tuple
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from ebrl_jax.config import AlgoConfig
+from ebrl_jax.generation import normalization
+from ebrl_jax.generation import stages as gen_stages
+from ebrl_jax.trainer import losses
+from ebrl_jax.types import Array, PRNGKey, Transition
+
+
+@struct.dataclass
+class TrainState:
+  """params: policy parameters; opt_state: optax state of params.network; num_updates: optimizer steps taken
+  (int32 []); policy_version: train steps taken (int32 []), the tag attached to segments the policy produces."""
+  params: gen_stages.PolicyParams
+  opt_state: Any
+  num_updates: Array
+  policy_version: Array
+
+
+def make_optimizer(algo: AlgoConfig) -> optax.GradientTransformation:
+  """Adam at `algo.learning_rate`, after global-norm clipping when `algo.max_grad_norm` is set (as Brax)."""
+  adam = optax.adam(algo.learning_rate)
+  if algo.max_grad_norm is None:
+    return adam
+  return optax.chain(optax.clip_by_global_norm(algo.max_grad_norm), adam)
+
+
+def init_train_state(network: nn.Module, optimizer: optax.GradientTransformation, key: PRNGKey, obs_dim: int,
+                     normalize_observations: bool = True) -> TrainState:
+  params = gen_stages.init_policy_params(network, key, obs_dim, normalize_observations)
+  return TrainState(params=params, opt_state=optimizer.init(params.network),
+                    num_updates=jnp.zeros((), jnp.int32), policy_version=jnp.zeros((), jnp.int32))
+
+
+def _proximal_log_prob(network: nn.Module, params: gen_stages.PolicyParams, batch: Transition,
+                       min_std: float) -> Array:
+  """[T, S] log-probs of the stored raw actions under `params` (the proximal policy)."""
+  t, s = batch.reward.shape
+  out = gen_stages.evaluate(network, params, batch.obs.reshape((t * s,) + batch.obs.shape[2:]),
+                            batch.raw_action.reshape((t * s,) + batch.raw_action.shape[2:]),
+                            jax.random.PRNGKey(0), min_std)  # the entropy (and its key) is unused
+  return jax.lax.stop_gradient(out.log_probs.reshape(t, s))
+
+
+def _shuffle_into_minibatches(key: PRNGKey, time_major: Any, per_segment: Array, num_minibatches: int):
+  """Permutes the segment axis (1 of `time_major` leaves [T, S, ...], 0 of `per_segment` [S]) and splits it:
+  leaves become [M, T, S/M, ...] and [M, S/M]."""
+  s = per_segment.shape[0]
+  perm = jax.random.permutation(key, s)
+
+  def split_time_major(x):
+    x = jnp.take(x, perm, axis=1)
+    x = x.reshape((x.shape[0], num_minibatches, s // num_minibatches) + x.shape[2:])
+    return jnp.swapaxes(x, 0, 1)
+
+  return (jax.tree_util.tree_map(split_time_major, time_major),
+          jnp.take(per_segment, perm, axis=0).reshape(num_minibatches, -1))
+
+
+def _minibatch_loss(network_params, network, algo, min_std, params, minibatch, key):
+  """Loss of one minibatch as a function of the network variables only (the normaliser is not trained)."""
+  batch, proximal, advantages = minibatch
+  params = params.replace(network=network_params)
+  if algo.name == 'grpo':
+    return losses.grpo_loss(network, params, batch, advantages, proximal, key, algo, min_std)
+  return losses.ppo_loss(network, params, batch, proximal, key, algo, min_std)
+
+
+def _sgd_epoch(network, optimizer, algo, min_std, carry, key, data):
+  """One pass over the batch: reshuffle segments, then one optax update per minibatch (lax.scan)."""
+  key_perm, key_loss = jax.random.split(key)
+  (batch, proximal), advantages = data
+  (batch, proximal), advantages = _shuffle_into_minibatches(key_perm, (batch, proximal), advantages,
+                                                            algo.num_minibatches)
+  grad_fn = jax.grad(_minibatch_loss, has_aux=True)
+
+  def minibatch_step(carry, xs):
+    params, opt_state = carry
+    minibatch, k = xs
+    grads, metrics = grad_fn(params.network, network, algo, min_std, params, minibatch, k)
+    updates, opt_state = optimizer.update(grads, opt_state, params.network)
+    metrics['grad_norm'] = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree_util.tree_leaves(grads)))
+    return (params.replace(network=optax.apply_updates(params.network, updates)), opt_state), metrics
+
+  keys = jax.random.split(key_loss, algo.num_minibatches)
+  return jax.lax.scan(minibatch_step, carry, ((batch, proximal, advantages), keys))
+
+
+def train_step(network: nn.Module, optimizer: optax.GradientTransformation, algo: AlgoConfig, min_std: float,
+               state: TrainState, batch: Transition, key: PRNGKey, *, group_size: int = 1,
+               recompute_proximal: bool = True) -> Tuple[TrainState, Dict[str, Array]]:
+  """One training iteration on `batch` (leading axes [T, S]).
+
+  1. Proximal log-probs of the stored raw actions under the params at entry (before the normaliser moves).
+     With `recompute_proximal=False` the behaviour log-probs are used instead: exactly Brax's fused PPO, and
+     one forward pass cheaper, valid only when the batch came from these very params (on-policy).
+  2. The observation normaliser takes in batch.obs (masked), as Brax does before its SGD epochs.
+  3. GRPO: advantages from the per-env returns sum_t(mask * reward), normalised within consecutive groups of
+     `group_size` envs (static) and broadcast over T.
+  4. `algo.num_updates_per_batch` epochs; each reshuffles the S segments into `algo.num_minibatches`
+     minibatches and takes one optimizer step per minibatch.
+  Returns the new state (policy_version + 1, num_updates + epochs * minibatches) and metrics averaged over all
+  minibatch steps (total_loss, policy_loss, value_loss, entropy_loss, entropy, approx_kl, clip_fraction,
+  behaviour_weight, grad_norm).
+  """
+  t, s = batch.reward.shape
+  chex.assert_shape([batch.termination, batch.truncation, batch.behaviour_log_prob, batch.mask], (t, s))
+  chex.assert_rank([batch.obs, batch.next_obs, batch.raw_action], [3, 3, 4])
+  if s % algo.num_minibatches:
+    raise ValueError(f'{s} segments do not split into --num_minibatches={algo.num_minibatches}.')
+  if recompute_proximal:
+    proximal = _proximal_log_prob(network, state.params, batch, min_std)
+  else:
+    proximal = batch.behaviour_log_prob
+  if algo.name == 'grpo':
+    returns = jnp.sum(batch.reward * batch.mask, axis=0)
+    advantages = losses.grpo_advantages(returns, group_size)
+  else:
+    advantages = jnp.zeros((s,), jnp.float32)  # unused by PPO (GAE runs per minibatch)
+
+  params = state.params
+  if params.normalize_observations:
+    params = params.replace(normalizer=normalization.update_stats(params.normalizer, batch.obs, batch.mask))
+
+  def epoch(carry, k):
+    return _sgd_epoch(network, optimizer, algo, min_std, carry, k, ((batch, proximal), advantages))
+
+  (params, opt_state), metrics = jax.lax.scan(
+      epoch, (params, state.opt_state), jax.random.split(key, algo.num_updates_per_batch))
+  num_steps = algo.num_updates_per_batch * algo.num_minibatches
+  new_state = state.replace(params=params, opt_state=opt_state, num_updates=state.num_updates + num_steps,
+                            policy_version=state.policy_version + 1)
+  return new_state, jax.tree_util.tree_map(jnp.mean, metrics)

@@ -1,0 +1,78 @@
+"""MJX stages on inverted_pendulum (the cheapest model to compile): groups, bookkeeping, chunks.
+
+Every test uses the same env and batch shape, so each stage compiles once for the module.
+"""
+import jax
+from jax import numpy as jnp
+import numpy as np
+
+from ebrl_jax import types
+from ebrl_jax.sim import stages
+
+NUM_ENVS, GROUP_SIZE, EPISODE_LENGTH = 4, 2, 5
+ENV = stages.make_mjx_env('inverted_pendulum', EPISODE_LENGTH, 1)
+_reset = jax.jit(stages.reset, static_argnums=(0, 2, 3))
+_step = jax.jit(stages.step, static_argnums=0)
+_chunk = jax.jit(stages.step_chunk, static_argnums=0)
+
+
+def _initial(seed=0):
+  return _reset(ENV, jax.random.PRNGKey(seed), NUM_ENVS, GROUP_SIZE)
+
+
+def test_make_mjx_env_is_memoised():
+  assert stages.make_mjx_env('inverted_pendulum', EPISODE_LENGTH, 1) is ENV
+  assert hash(ENV) == hash(stages.make_mjx_env('inverted_pendulum', EPISODE_LENGTH, 1))
+
+
+def test_groups_share_the_initial_state_and_groups_differ():
+  q = np.asarray(_initial().brax_state.pipeline_state.q)
+  np.testing.assert_array_equal(q[0], q[1])
+  np.testing.assert_array_equal(q[2], q[3])
+  assert not np.allclose(q[0], q[2])
+
+
+def test_time_limit_truncates_reports_totals_and_auto_resets():
+  # Zero force: the pole needs ~13 steps to pass 0.2 rad (see test_cpu_env), so the 5-step limit ends it.
+  state = _initial()
+  first_obs = np.asarray(state.brax_state.obs)
+  total = np.zeros(NUM_ENVS)
+  for t in range(EPISODE_LENGTH):
+    state, res = _step(ENV, state, jnp.zeros((NUM_ENVS, 1)))
+    assert isinstance(res, types.StepResult)
+    total += np.asarray(res.reward)
+    assert np.all(np.asarray(res.done) == (t == EPISODE_LENGTH - 1))
+  np.testing.assert_array_equal(res.truncation, np.ones(NUM_ENVS))
+  np.testing.assert_allclose(res.episode_return, total)  # 5 x reward 1.0
+  np.testing.assert_array_equal(res.episode_length, np.full(NUM_ENVS, EPISODE_LENGTH))
+  # Brax's AutoResetWrapper restarts from the env's first initial state.
+  np.testing.assert_array_equal(np.asarray(res.obs), first_obs)
+  state, res = _step(ENV, state, jnp.zeros((NUM_ENVS, 1)))
+  assert not np.asarray(res.done).any()
+  np.testing.assert_array_equal(res.episode_length, np.ones(NUM_ENVS))
+
+
+def test_chunk_of_one_equals_step():
+  actions = jax.random.uniform(jax.random.PRNGKey(1), (NUM_ENVS, 1), minval=-0.3, maxval=0.3)
+  state_a, res_a = _step(ENV, _initial(), actions)
+  state_b, res_b = _chunk(ENV, _initial(), actions[:, None])
+  for x, y in zip(res_a, res_b):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  np.testing.assert_array_equal(np.asarray(state_a.brax_state.pipeline_state.qpos),
+                                np.asarray(state_b.brax_state.pipeline_state.qpos))
+
+
+def test_chunk_stops_each_env_at_its_first_done():
+  state = _initial()
+  first_obs = np.asarray(state.brax_state.obs)
+  state, res = _chunk(ENV, state, jnp.zeros((NUM_ENVS, 3, 1)))  # steps 1-3
+  np.testing.assert_allclose(res.reward, np.full(NUM_ENVS, 3.0))
+  assert not np.asarray(res.done).any()
+  state, res = _chunk(ENV, state, jnp.zeros((NUM_ENVS, 3, 1)))  # steps 4, 5 (time limit); 3rd not run
+  np.testing.assert_allclose(res.reward, np.full(NUM_ENVS, 2.0))
+  np.testing.assert_array_equal(res.done, np.ones(NUM_ENVS))
+  np.testing.assert_array_equal(res.truncation, np.ones(NUM_ENVS))
+  np.testing.assert_allclose(res.episode_return, np.full(NUM_ENVS, 5.0))
+  np.testing.assert_array_equal(res.episode_length, np.full(NUM_ENVS, 5))
+  np.testing.assert_array_equal(np.asarray(res.obs), first_obs)  # at the reset state, not run on
+  np.testing.assert_array_equal(state.episode_length, np.zeros(NUM_ENVS))
