@@ -101,6 +101,7 @@ def run(cfg: config_lib.Config) -> RunSummary:
   logger = metrics_lib.MetricsLogger(run_dir, total_iterations * per_iteration, cfg.schedule.progress_bar,
                                      initial_env_steps=env_steps)
   eval_curve, target_hit = [], None
+  last_saved = iterations  # a resumed run's starting point is already on disk
   train_wall, steps_this_session, compile_s = 0.0, 0, 0.0
   try:
     compile_s = loop.compile(train_state, iterations_per_eval)
@@ -116,8 +117,11 @@ def run(cfg: config_lib.Config) -> RunSummary:
       if (cfg.schedule.target_return is not None and target_hit is None
           and eval_return >= cfg.schedule.target_return):
         target_hit = (env_steps, time.monotonic() - start, train_wall)
-      if checkpointer is not None and eval_index % cfg.schedule.checkpoint_every == 0 and iterations:
+      if (checkpointer is not None and iterations > last_saved
+          and (eval_index % cfg.schedule.checkpoint_every == 0 or iterations >= total_iterations
+               or target_hit is not None)):
         checkpointer.save(iterations, train_state, {'env_steps': env_steps, 'iterations': iterations})
+        last_saved = iterations
       eval_index += 1
       if iterations >= total_iterations or target_hit is not None:
         break

@@ -1,1 +1,0 @@
-"""ebrl_jax.testing (filled in by the process-schedule work)."""

@@ -1,0 +1,169 @@
+"""Transport interfaces: `Channel` (FIFO of fixed-shape records), `ParamStore` (latest policy parameters) and
+`Mailbox` (request/response between env groups and a generation server, built on channels).
+
+Ownership of data: `put` copies the record into the channel, so the caller may reuse its arrays at once; `get`
+returns a fresh record whose arrays the caller owns (one copy out of the slot; no `release()` to forget).
+Records with the same field names, shapes and dtypes as the channel's `RecordSpec` are accepted; anything else
+is a `ValueError` that names the field. Jax arrays are accepted too (copied to the host).
+
+NOTE: closing is abortive for producers and draining for consumers: after `close()`, `put` raises
+`ChannelClosed`; `get` still returns records already in the channel, then raises `ChannelClosed`. `close()` wakes
+every blocked `put`/`get`, in any process. It is idempotent and callable from any thread or process.
+"""
+from __future__ import annotations
+
+import abc
+import time
+from typing import Any, List, Optional, Sequence, Tuple
+
+from ebrl_jax.transport.specs import RecordSpec
+
+
+class ChannelClosed(Exception):
+  """Raised by put/get on a closed channel (get: once the channel is also empty)."""
+
+
+class Channel(abc.ABC):
+  """A bounded FIFO of records of one `RecordSpec`. Many producers and many consumers may share it.
+
+  FIFO means records come out in the order their `put`s completed (per producer: in the order it put them).
+  """
+  spec: RecordSpec
+  capacity: int
+
+  @abc.abstractmethod
+  def put(self, record: Any, timeout: Optional[float] = None) -> None:
+    """Copies `record` in; blocks while full. Raises ChannelClosed, TimeoutError, or ValueError (bad record)."""
+
+  @abc.abstractmethod
+  def get(self, timeout: Optional[float] = None) -> Any:
+    """Next record (a copy the caller owns); blocks while empty. Raises ChannelClosed or TimeoutError."""
+
+  def get_nowait(self) -> Any:
+    """Next record without blocking. Raises `Empty` if none is ready (or ChannelClosed)."""
+    try:
+      return self.get(timeout=0)
+    except TimeoutError:
+      raise Empty() from None
+
+  def try_get(self) -> Optional[Any]:
+    """Next record, or None if none is ready. Raises ChannelClosed once closed and drained."""
+    try:
+      return self.get(timeout=0)
+    except TimeoutError:
+      return None
+
+  def get_many(self, max_records: int, timeout: Optional[float] = None) -> List[Any]:
+    """Blocks (up to `timeout`) for one record, then takes up to `max_records - 1` more that are ready."""
+    records = [self.get(timeout)]
+    while len(records) < max_records:
+      try:
+        record = self.try_get()
+      except ChannelClosed:
+        break
+      if record is None:
+        break
+      records.append(record)
+    return records
+
+  @abc.abstractmethod
+  def qsize(self) -> int:
+    """Approximate number of records in the channel."""
+
+  @abc.abstractmethod
+  def close(self) -> None:
+    """Marks the channel closed for every party and wakes all blocked callers."""
+
+  @property
+  @abc.abstractmethod
+  def closed(self) -> bool:
+    """Whether `close()` has been called (by anyone)."""
+
+
+class Empty(TimeoutError):
+  """`get_nowait` found no record ready."""
+
+
+class ParamStore(abc.ABC):
+  """Latest policy parameters: one writer publishes versions, any number of readers take the latest.
+
+  The template pytree (treedef + leaf shapes/dtypes) is fixed at construction. Readers never see a torn set:
+  every leaf of a returned set comes from the same `publish`. Versions must strictly increase.
+  """
+
+  @abc.abstractmethod
+  def publish(self, version: int, params: Any) -> None:
+    """Copies `params` (a pytree matching the template) in as `version`. ValueError on mismatch or old version."""
+
+  @abc.abstractmethod
+  def latest(self) -> Tuple[int, Any]:
+    """(version, params) of the newest publish; params are arrays the caller may keep (treat as read-only).
+
+    Raises LookupError if nothing has been published yet.
+    """
+
+  @abc.abstractmethod
+  def version(self) -> int:
+    """Version of the newest publish, -1 before the first. Cheap: poll it, then call `latest()` when it moves."""
+
+  def wait_for_version(self, min_version: int, timeout: Optional[float] = None, poll_s: float = 1e-3
+                       ) -> Tuple[int, Any]:
+    """Polls until `version() >= min_version`, then returns `latest()`. Raises TimeoutError."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while self.version() < min_version:
+      if deadline is not None and time.monotonic() > deadline:
+        raise TimeoutError(f'parameter version {min_version} not published within {timeout} s '
+                           f'(latest is {self.version()}).')
+      time.sleep(poll_s)
+    return self.latest()
+
+  def close(self) -> None:
+    """Releases this process's resources (the owner's registry frees shared memory)."""
+
+
+class Mailbox:
+  """Request/response between many env groups and one generation server: the cheapest form is one shared request
+  channel (many producers) plus one reply channel per group (single producer, single consumer).
+
+  Each request record carries its group id in the integer field `group_field` (shape ()), so the server knows
+  where to reply. The server batches whichever groups are ready with `gather`. A group has at most one
+  request outstanding, so reply channels need capacity 1.
+  """
+
+  def __init__(self, requests: Channel, replies: Sequence[Channel], group_field: str = 'group'):
+    if group_field not in requests.spec or requests.spec[group_field].shape != ():
+      raise ValueError(f'request spec {requests.spec} needs a scalar integer field {group_field!r} (the group id).')
+    self.requests = requests
+    self.replies = list(replies)
+    self.group_field = group_field
+
+  @property
+  def num_groups(self) -> int:
+    return len(self.replies)
+
+  def ask(self, request: Any, timeout: Optional[float] = None) -> None:
+    """Sim side: sends a request for group `request.<group_field>`."""
+    group = int(getattr(request, self.group_field))
+    if not 0 <= group < len(self.replies):
+      raise ValueError(f'{self.group_field}={group} is outside [0, {len(self.replies)}).')
+    self.requests.put(request, timeout)
+
+  def receive(self, group: int, timeout: Optional[float] = None) -> Any:
+    """Sim side: waits for the reply to group `group`'s outstanding request."""
+    return self.replies[group].get(timeout)
+
+  def gather(self, max_requests: int, timeout: Optional[float] = None) -> List[Tuple[int, Any]]:
+    """Server side: blocks for one request, then takes up to `max_requests - 1` more that are ready.
+
+    Returns [(group, request), ...] in arrival order.
+    """
+    return [(int(getattr(r, self.group_field)), r) for r in self.requests.get_many(max_requests, timeout)]
+
+  def reply(self, group: int, response: Any, timeout: Optional[float] = None) -> None:
+    """Server side: sends the response for `group`."""
+    self.replies[group].put(response, timeout)
+
+  def close(self) -> None:
+    self.requests.close()
+    for channel in self.replies:
+      channel.close()
