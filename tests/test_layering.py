@@ -9,12 +9,12 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STAGE_PACKAGES = ('sim', 'generation', 'trainer')
+STAGE_PACKAGES = ('sim', 'generation', 'trainer', 'rollout')
 # Third-party roots a stage may import. brax and mujoco only in sim; orbax only in the trainer's checkpoint module.
 COMMON = {'jax', 'flax', 'optax', 'chex', 'numpy', 'typing', 'functools', 'dataclasses', '__future__', 'math',
           'collections', 'os', 'concurrent', 'threading', 'enum', 'abc', 'itertools', 'time', 'json', 'shutil',
           'contextlib', 'logging', 'etils', 'importlib', 'pathlib', 'warnings'}
-EXTRA = {'sim': {'brax', 'mujoco'}, 'generation': set(), 'trainer': {'orbax'}}
+EXTRA = {'sim': {'brax', 'mujoco'}, 'generation': set(), 'trainer': {'orbax'}, 'rollout': set()}
 FORBIDDEN_INTERNAL = ('ebrl_jax.main', 'ebrl_jax.controller', 'ebrl_jax.transport', 'ebrl_jax.resources')
 
 

@@ -1,7 +1,8 @@
 """Fused schedule on native MuJoCo: the CPU env pool stepped from a Python loop around jitted `act`/`train_step`.
 
-NOTE: one policy step costs one `act` dispatch plus one threaded env-pool step; the trajectory is written into
-preallocated numpy buffers and handed to `train_step` once per iteration.
+NOTE: one policy step costs one `act` dispatch plus one env-pool step; the trajectory is written into
+preallocated numpy buffers and handed to `train_step` once per iteration. Keys depend only on the iteration
+index (`iteration_keys`), so a process schedule with one env group replays exactly this run.
 """
 from __future__ import annotations
 
@@ -14,36 +15,36 @@ import numpy as np
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import types
-from ebrl_jax.generation import stages as gen_stages
+from ebrl_jax.rollout import cpu as cpu_rollout
 from ebrl_jax.sim import cpu_env
 from ebrl_jax.trainer import stages as trainer_stages
 
 
-def _act_at(network, min_std, deterministic, params, obs, key, index):
-  """`act` with the step key folded in on the device, so the host loop does no key arithmetic per step."""
-  return gen_stages.act(network, params, obs, jax.random.fold_in(key, index), deterministic=deterministic,
-                        min_std=min_std)
+def iteration_keys(base_key, iteration: int, group: int = 0):
+  """(rollout key of env group `group`, train key) for `iteration`: the same in every schedule."""
+  it_key = jax.random.fold_in(base_key, iteration)
+  roll_key, train_key = jax.random.split(it_key)
+  return jax.random.fold_in(roll_key, group), train_key
 
 
-class _SegmentBuffer:
-  """Preallocated host arrays for one iteration's trajectories: [T, S, ...] (S = segments)."""
+def make_pool(cfg: config_lib.Config, num_envs: int, seed: int, auto_reset: bool) -> cpu_env.CpuEnvPool:
+  sc = cfg.sim
+  return cpu_env.CpuEnvPool(sc.task, num_envs, sc.episode_length, sc.action_repeat, sc.num_threads, seed=seed,
+                            group_size=sc.group_size, auto_reset=auto_reset)
 
-  def __init__(self, t: int, s: int, spec: types.EnvSpec, k: int):
-    f32 = np.float32
-    self.obs = np.zeros((t, s, spec.obs_dim), f32)
-    self.next_obs = np.zeros((t, s, spec.obs_dim), f32)
-    self.raw_action = np.zeros((t, s, k, spec.action_dim), f32)
-    self.log_prob = np.zeros((t, s), f32)
-    self.reward = np.zeros((t, s), f32)
-    self.termination = np.zeros((t, s), f32)
-    self.truncation = np.zeros((t, s), f32)
-    self.mask = np.ones((t, s), f32)
 
-  def transition(self, version: int) -> types.Transition:
-    return types.Transition(
-        obs=self.obs, raw_action=self.raw_action, reward=self.reward, termination=self.termination,
-        truncation=self.truncation, next_obs=self.next_obs, behaviour_log_prob=self.log_prob, mask=self.mask,
-        policy_version=np.full(self.reward.shape, version, np.int32))
+def make_train_fn(cfg: config_lib.Config, network, optimizer, recompute_proximal: bool):
+  return jax.jit(functools.partial(trainer_stages.train_step, network, optimizer, cfg.algo, cfg.policy.min_std,
+                                   group_size=cfg.sim.group_size, recompute_proximal=recompute_proximal),
+                 donate_argnums=(0,))
+
+
+def collector_shape(cfg: config_lib.Config) -> Tuple[int, int]:
+  """(unrolls per env, policy steps per segment) of one iteration."""
+  k = cfg.policy.action_chunk
+  if cfg.algo.name == 'grpo':
+    return 1, cfg.sim.episode_length // k
+  return cfg.unrolls_per_env, cfg.algo.unroll_length // k
 
 
 class CpuFusedLoop:
@@ -51,22 +52,18 @@ class CpuFusedLoop:
 
   def __init__(self, cfg: config_lib.Config, spec: types.EnvSpec, network, optimizer):
     self._cfg, self._spec = cfg, spec
-    sc, k = cfg.sim, cfg.policy.action_chunk
     episodic = cfg.algo.name == 'grpo'
-    self._pool = cpu_env.CpuEnvPool(sc.task, sc.num_envs, sc.episode_length, sc.action_repeat, sc.num_threads,
-                                    seed=cfg.schedule.seed, group_size=sc.group_size, auto_reset=not episodic)
-    self._eval_pool = cpu_env.CpuEnvPool(sc.task, sc.num_eval_envs, sc.episode_length, sc.action_repeat,
-                                         sc.num_threads, seed=cfg.schedule.seed + 10_000, auto_reset=False)
-    self._steps = (sc.episode_length if episodic else cfg.algo.unroll_length) // k
-    self._unrolls = 1 if episodic else cfg.unrolls_per_env
-    self._buffer = _SegmentBuffer(self._steps, self._unrolls * sc.num_envs, spec, k)
-    self._obs = None if episodic else self._pool.reset()
-    self._act = jax.jit(functools.partial(_act_at, network, cfg.policy.min_std, False))
-    self._act_det = jax.jit(functools.partial(_act_at, network, cfg.policy.min_std,
-                                              cfg.schedule.deterministic_eval))
-    self._train = jax.jit(functools.partial(trainer_stages.train_step, network, optimizer, cfg.algo,
-                                            cfg.policy.min_std, group_size=sc.group_size,
-                                            recompute_proximal=False), donate_argnums=(0,))
+    self._pool = make_pool(cfg, cfg.sim.num_envs, cfg.schedule.seed, auto_reset=not episodic)
+    self._eval_pool = cpu_env.CpuEnvPool(cfg.sim.task, cfg.sim.num_eval_envs, cfg.sim.episode_length,
+                                         cfg.sim.action_repeat, cfg.sim.num_threads,
+                                         seed=cfg.schedule.seed + 10_000, auto_reset=False)
+    unrolls, steps = collector_shape(cfg)
+    self._act = cpu_rollout.make_act(network, cfg.policy.min_std)
+    self._act_det = cpu_rollout.make_act(network, cfg.policy.min_std, cfg.schedule.deterministic_eval)
+    self._collector = cpu_rollout.CpuCollector(self._pool, spec, None, unrolls, steps, cfg.policy.action_chunk,
+                                               episodic)
+    self._train = make_train_fn(cfg, network, optimizer, recompute_proximal=False)
+    self._base_key = jax.random.PRNGKey(cfg.schedule.seed + 1)
 
   def compile(self, train_state, num_iterations: int) -> float:
     del num_iterations  # the Python loop compiles per-step programs only
@@ -74,57 +71,23 @@ class CpuFusedLoop:
     obs = np.zeros((self._cfg.sim.num_envs, self._spec.obs_dim), np.float32)
     key = jax.random.PRNGKey(0)
     self._act = self._act.lower(train_state.params, obs, key, 0).compile()
+    self._collector._act = self._act  # pylint: disable=protected-access
     eval_obs = np.zeros((self._cfg.sim.num_eval_envs, self._spec.obs_dim), np.float32)
     self._act_det = self._act_det.lower(train_state.params, eval_obs, key, 0).compile()
-    batch = jax.tree.map(np.asarray, self._buffer.transition(0))
+    batch = jax.tree.map(np.asarray, self._collector.buffer.transition())
     self._train = self._train.lower(train_state, batch, key).compile()
     return time.monotonic() - t0
 
-  def _collect(self, params, version: int, key) -> Tuple[float, float]:
-    """Fills the buffer; returns (sum of finished-episode returns, number of finished episodes)."""
-    buf, n = self._buffer, self._cfg.sim.num_envs
-    episodic = self._cfg.algo.name == 'grpo'
-    if episodic:
-      self._obs = self._pool.reset()
-      active = np.ones((n,), np.float32)
-      buf.mask[:] = 1.0
-    ret_sum, count, index = 0.0, 0.0, 0
-    for u in range(self._unrolls):
-      cols = slice(u * n, (u + 1) * n)
-      for t in range(self._steps):
-        out = self._act(params, self._obs, key, index)
-        index += 1
-        raw, log_prob = np.asarray(out.raw_actions), np.asarray(out.log_probs)
-        res = self._pool.step(np.asarray(out.actions))
-        done = np.asarray(res.done, np.float32)
-        trunc = np.asarray(res.truncation, np.float32)
-        mask = active if episodic else 1.0
-        buf.obs[t, cols] = self._obs
-        buf.raw_action[t, cols] = raw
-        buf.log_prob[t, cols] = log_prob
-        buf.reward[t, cols] = res.reward * mask
-        buf.termination[t, cols] = done * (1.0 - trunc)
-        buf.truncation[t, cols] = trunc
-        buf.next_obs[t, cols] = res.obs
-        finished = done * mask
-        ret_sum += float(np.sum(res.episode_return * finished))
-        count += float(np.sum(finished))
-        if episodic:
-          buf.mask[t, cols] = active
-          active = active * (1.0 - done)
-        self._obs = res.obs
-    return ret_sum, count
-
   def run_iterations(self, train_state, num_iterations: int, key) -> Tuple[object, Dict[str, float]]:
+    del key  # keys come from the iteration index
     sums: Dict[str, float] = {}
     ret_sum = count = 0.0
-    for i in range(num_iterations):
-      it_key = jax.random.fold_in(key, i)
-      roll_key, train_key = jax.random.split(it_key)
-      version = int(train_state.policy_version)
-      r, c = self._collect(train_state.params, version, roll_key)
-      ret_sum, count = ret_sum + r, count + c
-      train_state, metrics = self._train(train_state, self._buffer.transition(version), train_key)
+    for _ in range(num_iterations):
+      version = int(train_state.policy_version)  # = iterations trained so far
+      roll_key, train_key = iteration_keys(self._base_key, version)
+      batch, stats = self._collector.collect(train_state.params, version, roll_key)
+      ret_sum, count = ret_sum + stats.return_sum, count + stats.count
+      train_state, metrics = self._train(train_state, batch, train_key)
       for name, value in jax.device_get(metrics).items():
         sums[name] = sums.get(name, 0.0) + float(value)
     out = {f'train/{self._cfg.algo.name}/{k}': v / num_iterations for k, v in sums.items()}
@@ -133,20 +96,9 @@ class CpuFusedLoop:
     return train_state, out
 
   def evaluate(self, params, key) -> Dict[str, float]:
-    n, k = self._cfg.sim.num_eval_envs, self._cfg.policy.action_chunk
-    obs = self._eval_pool.reset()
-    active = np.ones((n,), np.float32)
-    ret, length = np.zeros((n,), np.float64), np.zeros((n,), np.float64)
-    for t in range(self._cfg.sim.episode_length // k):
-      out = self._act_det(params, obs, key, t)
-      res = self._eval_pool.step(np.asarray(out.actions))
-      ret += res.reward * active
-      length += k * active
-      active = active * (1.0 - np.asarray(res.done, np.float32))
-      obs = res.obs
-      if not active.any():
-        break
-    return {'eval/episode_return': float(ret.mean()), 'eval/episode_length': float(length.mean())}
+    ret, length = cpu_rollout.evaluate(self._eval_pool, self._act_det, params, key, self._cfg.sim.episode_length,
+                                       self._cfg.policy.action_chunk)
+    return {'eval/episode_return': ret, 'eval/episode_length': length}
 
   def close(self) -> None:
     self._pool.close()

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import types
-from ebrl_jax.controller import rollout
+from ebrl_jax.rollout import mjx as rollout
 from ebrl_jax.sim import stages as sim_stages
 from ebrl_jax.trainer import stages as trainer_stages
 

@@ -2,7 +2,7 @@
 
 These are what the fused MJX schedule jits into one program per iteration (as Brax's PPO does). They import only
 stage modules, so other JAX projects can use them too:
-`from ebrl_jax.controller import rollout; jax.jit(rollout.collect_segment, static_argnums=(0, 1, 5, 6))`.
+`from ebrl_jax.rollout import mjx as rollout; jax.jit(rollout.collect_segment, static_argnums=(0, 1, 5, 6))`.
 """
 from __future__ import annotations
 

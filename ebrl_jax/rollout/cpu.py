@@ -1,0 +1,130 @@
+"""Rollouts on native MuJoCo: an env pool stepped from a host loop around a jitted `act`.
+
+Used by the fused schedule (one collector over all envs) and by rollout workers (one collector per env group).
+NOTE: a collector's buffer is reused by the next `collect`; consumers copy it (or hand it on) before then.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional, Tuple
+
+import jax
+import numpy as np
+
+from ebrl_jax import types
+from ebrl_jax.generation import stages as gen_stages
+
+
+class EpisodeStats(NamedTuple):
+  """Sums over episodes that ended during a collection: return_sum / count is the mean training return."""
+  return_sum: float
+  length_sum: float
+  count: float
+
+
+def _act_at(network, min_std, deterministic, params, obs, key, index):
+  """`act` with the step key folded in on the device, so the host loop does no key arithmetic per step."""
+  return gen_stages.act(network, params, obs, jax.random.fold_in(key, index), deterministic=deterministic,
+                        min_std=min_std)
+
+
+def make_act(network, min_std: float, deterministic: bool = False):
+  """A jitted `act(params, obs [B, O], key, index) -> ActOutput` with the index folded into the key."""
+  return jax.jit(functools.partial(_act_at, network, min_std, deterministic))
+
+
+class SegmentBuffer:
+  """Preallocated host arrays for [T, S, ...] trajectories (S segments)."""
+
+  def __init__(self, t: int, s: int, spec: types.EnvSpec, k: int):
+    f32 = np.float32
+    self.obs = np.zeros((t, s, spec.obs_dim), f32)
+    self.next_obs = np.zeros((t, s, spec.obs_dim), f32)
+    self.raw_action = np.zeros((t, s, k, spec.action_dim), f32)
+    self.log_prob = np.zeros((t, s), f32)
+    self.reward = np.zeros((t, s), f32)
+    self.termination = np.zeros((t, s), f32)
+    self.truncation = np.zeros((t, s), f32)
+    self.mask = np.ones((t, s), f32)
+    self.version = np.zeros((t, s), np.int32)
+
+  def transition(self) -> types.Transition:
+    return types.Transition(
+        obs=self.obs, raw_action=self.raw_action, reward=self.reward, termination=self.termination,
+        truncation=self.truncation, next_obs=self.next_obs, behaviour_log_prob=self.log_prob, mask=self.mask,
+        policy_version=self.version)
+
+  def write(self, t: int, cols: slice, obs, out_raw, out_log_prob, res: types.StepResult, version: int,
+            mask) -> np.ndarray:
+    """Stores one policy step; returns `done` as float32."""
+    done = np.asarray(res.done, np.float32)
+    trunc = np.asarray(res.truncation, np.float32)
+    self.obs[t, cols] = obs
+    self.raw_action[t, cols] = out_raw
+    self.log_prob[t, cols] = out_log_prob
+    self.reward[t, cols] = res.reward * mask
+    self.termination[t, cols] = done * (1.0 - trunc)
+    self.truncation[t, cols] = trunc
+    self.next_obs[t, cols] = res.obs
+    self.mask[t, cols] = mask
+    self.version[t, cols] = version
+    return done
+
+
+class CpuCollector:
+  """Collects `unrolls` segments of `steps` policy steps from every env of `pool` (PPO), or one whole episode per
+  env with resets at the start (`episodic`, GRPO). Segment s = u * num_envs + env (unroll-major)."""
+
+  def __init__(self, pool, spec: types.EnvSpec, act_fn, unrolls: int, steps: int, action_chunk: int,
+               episodic: bool):
+    self._pool, self._act = pool, act_fn
+    self._n = pool.num_envs
+    self._unrolls, self._steps, self._episodic = unrolls, steps, episodic
+    self.buffer = SegmentBuffer(steps, unrolls * self._n, spec, action_chunk)
+    self._obs: Optional[np.ndarray] = None if episodic else pool.reset()
+
+  def reset(self) -> None:
+    """Fresh episodes for every env (after a fault, say)."""
+    self._obs = None if self._episodic else self._pool.reset()
+
+  def collect(self, params, version: int, key) -> Tuple[types.Transition, EpisodeStats]:
+    buf, n = self.buffer, self._n
+    if self._episodic:
+      self._obs = self._pool.reset()
+      active = np.ones((n,), np.float32)
+    ret_sum, len_sum, count, index = 0.0, 0.0, 0.0, 0
+    for u in range(self._unrolls):
+      cols = slice(u * n, (u + 1) * n)
+      for t in range(self._steps):
+        out = self._act(params, self._obs, key, index)
+        index += 1
+        res = self._pool.step(np.asarray(out.actions))
+        mask = active if self._episodic else 1.0
+        done = buf.write(t, cols, self._obs, np.asarray(out.raw_actions), np.asarray(out.log_probs), res,
+                         version, mask)
+        finished = done * mask
+        ret_sum += float(np.sum(res.episode_return * finished))
+        len_sum += float(np.sum(res.episode_length * finished))
+        count += float(np.sum(finished))
+        if self._episodic:
+          active = active * (1.0 - done)
+        self._obs = res.obs
+    return buf.transition(), EpisodeStats(ret_sum, len_sum, count)
+
+
+def evaluate(pool, act_fn, params, key, episode_length: int, action_chunk: int) -> Tuple[float, float]:
+  """One episode on every env of `pool` (built with auto_reset=False): mean return and mean length."""
+  obs = pool.reset()
+  n = obs.shape[0]
+  active = np.ones((n,), np.float32)
+  ret, length = np.zeros((n,), np.float64), np.zeros((n,), np.float64)
+  for t in range(episode_length // action_chunk):
+    out = act_fn(params, obs, key, t)
+    res = pool.step(np.asarray(out.actions))
+    ret += res.reward * active
+    length += action_chunk * active
+    active = active * (1.0 - np.asarray(res.done, np.float32))
+    obs = res.obs
+    if not active.any():
+      break
+  return float(ret.mean()), float(length.mean())
