@@ -14,7 +14,9 @@ TASKS = ('ant', 'halfcheetah', 'hopper', 'walker2d', 'humanoid', 'pusher', 'reac
 BACKENDS = ('mujoco_cpu', 'mjx')
 POLICIES = ('mlp', 'transformer')
 ALGORITHMS = ('ppo', 'grpo')
-SCHEDULES = ('fused',)
+SCHEDULES = ('fused', 'sync', 'async')
+TRANSPORTS = ('shm', 'thread')
+FAULT_POLICIES = ('restart', 'stop')
 
 
 def _check_choice(field: str, value, allowed) -> None:
@@ -151,6 +153,14 @@ class ScheduleConfig:
   checkpoint_every: int = 1  # in evaluations; 0 disables checkpoints
   # Evaluate the policy's mode (True) or sample actions as in training (False, Brax's default).
   deterministic_eval: bool = True
+  # Process schedules (sync, async): env groups, each stepped by its own rollout worker process.
+  num_groups: int = 2
+  # async: a group may run at most this many policy versions ahead of the trainer (sync is 0 by definition).
+  max_staleness: int = 1
+  transport: str = 'shm'  # 'shm': worker processes over shared memory; 'thread': threads in one process
+  # What happens when a rollout worker dies: restart it (its group resets) or stop the run cleanly.
+  worker_fault: str = 'restart'
+  trace_dir: str = ''  # '' disables the Perfetto/chrome://tracing timeline
   resume: bool = False
   progress_bar: bool = True
 
@@ -161,6 +171,15 @@ class ScheduleConfig:
     _check_positive('checkpoint_every', self.checkpoint_every, allow_zero=True)
     if not self.run_dir:
       raise ValueError('--run_dir must not be empty.')
+    _check_positive('num_groups', self.num_groups)
+    _check_positive('max_staleness', self.max_staleness, allow_zero=True)
+    _check_choice('transport', self.transport, TRANSPORTS)
+    _check_choice('worker_fault', self.worker_fault, FAULT_POLICIES)
+
+  @property
+  def staleness_bound(self) -> int:
+    """Versions a segment's policy may lag the trainer's: 0 for fused and sync (on-policy)."""
+    return self.max_staleness if self.name == 'async' else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +200,12 @@ class Config:
   resources: ResourceConfig = dataclasses.field(default_factory=ResourceConfig)
 
   def __post_init__(self):
+    if self.sim.num_envs % self.schedule.num_groups and self.schedule.name != 'fused':
+      raise ValueError(f'--num_envs={self.sim.num_envs} must be a multiple of --num_groups='
+                       f'{self.schedule.num_groups} (env groups are equal in size).')
+    if self.schedule.name != 'fused' and (self.sim.num_envs // self.schedule.num_groups) % self.sim.group_size:
+      raise ValueError(f'each env group ({self.sim.num_envs} / --num_groups={self.schedule.num_groups}) must hold '
+                       f'whole GRPO groups of --group_size={self.sim.group_size}.')
     if self.algo.unroll_length % self.policy.action_chunk:
       raise ValueError(f'--unroll_length={self.algo.unroll_length} must be a multiple of '
                        f'--action_chunk={self.policy.action_chunk}.')

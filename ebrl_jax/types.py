@@ -71,3 +71,27 @@ class StepResult(NamedTuple):
   truncation: Any
   episode_return: Any
   episode_length: Any
+
+
+class SegmentRecord(NamedTuple):
+  """One env group's share of an iteration, as it crosses from a rollout worker to the trainer.
+
+  The first nine fields are a `Transition` with leading [T, S_g] (S_g = the group's segments). group, iteration:
+  [1] int32 — which group, and that group's iteration counter (unique per group: the trainer counts duplicates).
+  episode_stats: [3] float32 — return sum, length sum and count of the episodes that ended in the segment.
+  """
+  obs: Any
+  raw_action: Any
+  reward: Any
+  termination: Any
+  truncation: Any
+  next_obs: Any
+  behaviour_log_prob: Any
+  mask: Any
+  policy_version: Any
+  group: Any
+  iteration: Any
+  episode_stats: Any
+
+  def transition(self) -> Transition:
+    return Transition(*self[:len(Transition._fields)])

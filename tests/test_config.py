@@ -18,7 +18,7 @@ from ebrl_jax import config as config_lib
     (config_lib.AlgoConfig, {'name': 'sac'}, r'--algo=.sac. is not valid; allowed values: ppo, grpo'),
     (config_lib.AlgoConfig, {'discount': 1.5}, r'--discount=1.5 must lie in \[0.0, 1.0\]'),
     (config_lib.AlgoConfig, {'max_grad_norm': -1.0}, r'--max_grad_norm=-1.0 must be > 0'),
-    (config_lib.ScheduleConfig, {'name': 'warp'}, r'--schedule=.warp. is not valid; allowed values: fused'),
+    (config_lib.ScheduleConfig, {'name': 'warp'}, r'--schedule=.warp. is not valid; allowed values: fused, sync, async'),
     (config_lib.ScheduleConfig, {'num_timesteps': 0}, r'--num_timesteps=0 must be > 0'),
 ])
 def test_component_validation(ctor, kwargs, pattern):

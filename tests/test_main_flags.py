@@ -18,7 +18,7 @@ def _run(*args, timeout=120):
     ('--task=antt', "--task='antt' is not valid; allowed values: ant, halfcheetah, hopper"),
     ('--backend=physx', "--backend='physx' is not valid; allowed values: mujoco_cpu, mjx"),
     ('--policy=cnn', "--policy='cnn' is not valid; allowed values: mlp, transformer"),
-    ('--schedule=warp', "--schedule='warp' is not valid; allowed values: fused"),
+    ('--schedule=warp', "--schedule='warp' is not valid; allowed values: fused, sync, async"),
     ('--algo=sac', "--algo='sac' is not valid; allowed values: ppo, grpo"),
     ('--policy_hidden_sizes=32,x', '--policy_hidden_sizes=32,x must be a comma-separated list of integers'),
 ])

@@ -42,9 +42,11 @@ class RunSummary:
   train_s_to_target: Optional[float]  # collection + training time only
   eval_curve: list
   num_params: int
+  schedule: str
   backend: str
   task: str
   device: str
+  extra: dict  # schedule-specific figures (segments consumed, dropped, duplicates, worker restarts, ...)
 
 
 def _make_loop(cfg: config_lib.Config, spec, network, optimizer):
@@ -71,6 +73,16 @@ def _restore(cfg: config_lib.Config, checkpointer, train_state):
 
 def run(cfg: config_lib.Config) -> RunSummary:
   """Trains with the fused schedule until `num_timesteps` env steps or the target return. Returns the summary."""
+  return run_training(cfg, _make_loop)
+
+
+def run_training(cfg: config_lib.Config, make_loop) -> RunSummary:
+  """The training driver shared by every schedule: evaluation cadence, checkpoints, target, metrics, summary.
+
+  `make_loop(cfg, spec, network, optimizer)` returns the object that produces training iterations:
+  `compile(state, n) -> seconds`, `run_iterations(state, n, key) -> (state, metrics)`,
+  `evaluate(params, key) -> metrics`, `close()`, and optionally `summary_extra() -> dict`.
+  """
   start = time.monotonic()
   run_dir = cfg.schedule.run_dir
   os.makedirs(run_dir, exist_ok=True)
@@ -94,10 +106,10 @@ def run(cfg: config_lib.Config) -> RunSummary:
   iterations_per_eval = max(1, math.ceil(total_iterations / max(1, cfg.schedule.num_evals)))
   # Whole chunks only: a shorter last chunk would be a second program to compile (MJX) mid-run.
   total_iterations = math.ceil(total_iterations / iterations_per_eval) * iterations_per_eval
-  logging.info('fused/%s: %s, %d params, %d env steps per iteration, %d iterations (%d per evaluation).',
-               cfg.sim.backend, cfg.sim.task, num_params, per_iteration, total_iterations, iterations_per_eval)
+  logging.info('%s/%s: %s, %d params, %d env steps per iteration, %d iterations (%d per evaluation).',
+               cfg.schedule.name, cfg.sim.backend, cfg.sim.task, num_params, per_iteration, total_iterations, iterations_per_eval)
 
-  loop = _make_loop(cfg, spec, network, optimizer)
+  loop = make_loop(cfg, spec, network, optimizer)
   logger = metrics_lib.MetricsLogger(run_dir, total_iterations * per_iteration, cfg.schedule.progress_bar,
                                      initial_env_steps=env_steps)
   eval_curve, target_hit = [], None
@@ -137,6 +149,7 @@ def run(cfg: config_lib.Config) -> RunSummary:
       logger.log(env_steps, train_metrics)
       logger.advance(env_steps, {'return': eval_return, 'steps/s': train_metrics['rollout/env_steps_per_s']})
   finally:
+    loop_extra = loop.summary_extra() if hasattr(loop, 'summary_extra') else {}
     logger.close()
     loop.close()
     if checkpointer is not None:
@@ -150,8 +163,9 @@ def run(cfg: config_lib.Config) -> RunSummary:
       env_steps_to_target=target_hit[0] if target_hit else None,
       wall_s_to_target=target_hit[1] if target_hit else None,
       train_s_to_target=target_hit[2] if target_hit else None,
-      eval_curve=eval_curve, num_params=num_params, backend=cfg.sim.backend, task=cfg.sim.task,
-      device=str(jax.devices()[0].device_kind))
+      eval_curve=eval_curve, num_params=num_params, schedule=cfg.schedule.name, backend=cfg.sim.backend,
+      task=cfg.sim.task, device=str(jax.devices()[0].device_kind),
+      extra=loop_extra)
   with open(os.path.join(run_dir, 'summary.json'), 'w') as f:
     json.dump(dataclasses.asdict(summary), f, indent=2)
   logging.info('Finished: %d env steps, final eval return %.1f, %.0f env steps/s, compile %.1f s.',

@@ -14,8 +14,14 @@ def _run_fused(cfg: config_lib.Config):
   return fused.run(cfg)
 
 
-# Schedule registry: the process schedules (`sync`, `async`) register here beside `fused`.
-SCHEDULES: Dict[str, Callable[[config_lib.Config], object]] = {'fused': _run_fused}
+def _run_pipeline(cfg: config_lib.Config):
+  from ebrl_jax.controller import pipeline  # pylint: disable=g-import-not-at-top
+  return pipeline.run(cfg)
+
+
+# Schedule registry: every name in config.SCHEDULES.
+SCHEDULES: Dict[str, Callable[[config_lib.Config], object]] = {
+    'fused': _run_fused, 'sync': _run_pipeline, 'async': _run_pipeline}
 
 
 def configure_jax(cfg: config_lib.Config) -> None:

@@ -1,0 +1,197 @@
+"""The process schedules, `sync` and `async`: one trainer worker and one rollout worker per env group.
+
+The controller builds the transport (a segment channel and a versioned parameter store), starts the workers as
+processes (`--transport=shm`, spawned, each with its own JAX client and environment) or threads
+(`--transport=thread`), watches them, restarts a dead rollout worker (`--worker_fault=restart`) or stops
+cleanly, and on exit — normal, error, Ctrl-C or SIGTERM — stops every child and unlinks every shared-memory
+segment. `sync` is the staleness bound 0 (a barrier each iteration); `async` lets each group run up to
+`--max_staleness` versions ahead of the trainer, with the decoupled PPO correction.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import threading
+import time
+from typing import Any, Dict, Optional
+
+from absl import logging
+import jax
+
+from ebrl_jax import config as config_lib
+from ebrl_jax import sim
+from ebrl_jax import transport
+from ebrl_jax import types
+from ebrl_jax.controller import fused
+from ebrl_jax.controller import fused_cpu
+from ebrl_jax.generation import policies
+from ebrl_jax.sim import worker as sim_worker
+from ebrl_jax.trainer import stages as trainer_stages
+from ebrl_jax.trainer import worker as trainer_worker
+
+_JOIN_S = 10.0
+
+
+class WorkerFailure(RuntimeError):
+  """A worker died and the run could not go on; the message names the worker and its exit code."""
+
+
+def _segment_spec(cfg: config_lib.Config, spec: types.EnvSpec) -> transport.RecordSpec:
+  unrolls, steps = fused_cpu.collector_shape(cfg)
+  s = unrolls * (cfg.sim.num_envs // cfg.schedule.num_groups)
+  t, k, o, a = steps, cfg.policy.action_chunk, spec.obs_dim, spec.action_dim
+  shapes = {'obs': (t, s, o), 'raw_action': (t, s, k, a), 'reward': (t, s), 'termination': (t, s),
+            'truncation': (t, s), 'next_obs': (t, s, o), 'behaviour_log_prob': (t, s), 'mask': (t, s),
+            'policy_version': (t, s), 'group': (1,), 'iteration': (1,), 'episode_stats': (3,)}
+  return transport.record_spec(types.SegmentRecord, shapes,
+                               dtypes={'policy_version': 'int32', 'group': 'int32', 'iteration': 'int32'})
+
+
+def _param_template(cfg: config_lib.Config, spec: types.EnvSpec):
+  """Shapes of the policy parameters, without computing them (the controller touches no accelerator)."""
+  network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
+  optimizer = trainer_stages.make_optimizer(cfg.algo)
+  state = jax.eval_shape(lambda: trainer_stages.init_train_state(
+      network, optimizer, jax.random.PRNGKey(0), spec.obs_dim, cfg.policy.normalize_observations))
+  return state.params
+
+
+def _worker_env(role: str) -> Dict[str, str]:
+  """Per-worker environment (the resource manager will add SM quotas, memory fractions and CPU affinity)."""
+  return {'EBRL_ROLE': role}
+
+
+class _Workers:
+  """Starts, watches and stops the workers; records their pids in `<run_dir>/workers.json`."""
+
+  def __init__(self, cfg: config_lib.Config, seg_channel, store, use_processes: bool):
+    self._cfg, self._use_processes = cfg, use_processes
+    self._ctx = multiprocessing.get_context('spawn') if use_processes else None
+    self.stop = self._ctx.Event() if use_processes else threading.Event()
+    self._trainer_ch = trainer_worker.TrainerChannels(seg_channel, store, self.stop)
+    self._rollout_ch = sim_worker.RolloutChannels(seg_channel, store, self.stop)
+    self.workers: Dict[str, Any] = {}
+    self.restarts = 0
+
+  def _start(self, role: str, target, args) -> None:
+    kwargs = {'env': _worker_env(role)}
+    if self._use_processes:
+      worker = self._ctx.Process(target=target, args=args, kwargs=kwargs, name=role, daemon=True)
+    else:
+      worker = threading.Thread(target=target, args=args, kwargs=kwargs, name=role, daemon=True)
+    worker.start()
+    self.workers[role] = worker
+    self._write_pids()
+
+  def _write_pids(self) -> None:
+    if not self._use_processes:
+      return
+    pids = {role: w.pid for role, w in self.workers.items()}
+    with open(os.path.join(self._cfg.schedule.run_dir, 'workers.json'), 'w') as f:
+      json.dump({'controller': os.getpid(), 'workers': pids, 'restarts': self.restarts}, f)
+
+  def start_all(self) -> None:
+    self._start('trainer', trainer_worker.trainer_main, (self._cfg, self._trainer_ch))
+    for g in range(self._cfg.schedule.num_groups):
+      self._start(f'rollout/{g}', sim_worker.rollout_main, (self._cfg, g, self._rollout_ch))
+
+  def watch(self) -> None:
+    """Returns when the trainer has finished; handles rollout-worker deaths on the way."""
+    while True:
+      trainer = self.workers['trainer']
+      if self._use_processes:
+        multiprocessing.connection.wait([w.sentinel for w in self.workers.values()], timeout=0.5)
+      else:
+        trainer.join(timeout=0.5)
+      if not trainer.is_alive():
+        code = getattr(trainer, 'exitcode', 0)
+        if code not in (0, None):
+          raise WorkerFailure(f'the trainer worker (pid {trainer.pid}) died with exit code {code}; the run '
+                              f'stopped. Its last checkpoint in {self._cfg.schedule.run_dir}/checkpoints stays '
+                              'loadable: continue with --resume.')
+        return
+      for role, w in list(self.workers.items()):
+        if role != 'trainer' and not w.is_alive() and not self.stop.is_set():
+          self._on_rollout_death(role, w)
+
+  def _on_rollout_death(self, role: str, w) -> None:
+    code = getattr(w, 'exitcode', None)
+    if self._cfg.schedule.worker_fault != 'restart':
+      raise WorkerFailure(f'{role} (pid {getattr(w, "pid", None)}) died with exit code {code}; stopping '
+                          '(--worker_fault=stop).')
+    self.restarts += 1
+    logging.warning('%s (pid %s) died with exit code %s; restarting it (restart %d); its env group resets.',
+                    role, getattr(w, 'pid', None), code, self.restarts)
+    group = int(role.split('/')[1])
+    self._start(role, sim_worker.rollout_main, (self._cfg, group, self._rollout_ch))
+
+  def stop_all(self) -> None:
+    self.stop.set()
+    deadline = time.monotonic() + _JOIN_S
+    for w in self.workers.values():
+      w.join(timeout=max(0.1, deadline - time.monotonic()))
+    if self._use_processes:
+      for w in self.workers.values():
+        if w.is_alive():
+          logging.warning('%s (pid %d) did not stop in %.0f s; terminating it.', w.name, w.pid, _JOIN_S)
+          w.terminate()
+          w.join(timeout=2.0)
+        if w.is_alive():
+          w.kill()
+          w.join(timeout=2.0)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+  """SIGTERM stops the run like Ctrl-C does (main thread only; elsewhere the handler is left alone)."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def handler(signum, frame):
+    del signum, frame
+    raise KeyboardInterrupt('SIGTERM')
+
+  previous = signal.signal(signal.SIGTERM, handler)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+
+
+def run(cfg: config_lib.Config) -> fused.RunSummary:
+  """Runs `sync` or `async` and returns the trainer's summary (plus worker restarts)."""
+  os.makedirs(cfg.schedule.run_dir, exist_ok=True)
+  summary_path = os.path.join(cfg.schedule.run_dir, 'summary.json')
+  if os.path.exists(summary_path):
+    os.remove(summary_path)
+  spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
+  use_processes = cfg.schedule.transport == 'shm'
+  registry: Optional[transport.ShmRegistry] = transport.ShmRegistry() if use_processes else None
+  workers = None
+  try:
+    capacity = cfg.schedule.num_groups * (cfg.schedule.staleness_bound + 1)
+    seg_channel = transport.make_channel(cfg.schedule.transport, _segment_spec(cfg, spec), capacity, registry)
+    store = transport.make_param_store(cfg.schedule.transport, _param_template(cfg, spec), registry)
+    workers = _Workers(cfg, seg_channel, store, use_processes)
+    with _sigterm_as_interrupt():
+      workers.start_all()
+      workers.watch()
+  finally:
+    if workers is not None:
+      workers.stop_all()
+    if registry is not None:
+      registry.close()
+  if not os.path.exists(summary_path):
+    raise WorkerFailure(f'the trainer ended without writing {summary_path}; see its log above.')
+  with open(summary_path) as f:
+    data = json.load(f)
+  data['extra']['worker_restarts'] = workers.restarts
+  with open(summary_path, 'w') as f:
+    json.dump(data, f, indent=2)
+  return fused.RunSummary(**data)

@@ -1,0 +1,111 @@
+"""Rollout worker: one env group, simulated and acted on in one process, segments sent to the trainer.
+
+Generation is co-located with simulation here (the policy runs in this process): for small policies a separate
+generation process would cost a hand-off every env step. Each group advances on its own: it waits only for the
+staleness bound, never for other groups (`--schedule=sync` is the bound 0: every iteration waits for the
+parameters trained on the previous one, which is the barrier).
+NOTE: a segment is put on the channel only once complete, so a worker killed mid-segment loses that segment's
+work but never hands the trainer a partial one; its replacement starts at the trainer's current version.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, NamedTuple, Optional
+
+from absl import logging
+import numpy as np
+
+from ebrl_jax import config as config_lib
+from ebrl_jax import types
+
+
+class RolloutChannels(NamedTuple):
+  segments: Any
+  params: Any
+  stop: Any
+
+
+def _wait_for_version(store, min_version: int, stop) -> bool:
+  """Blocks until the store holds `min_version` or later; False if a stop was requested meanwhile."""
+  while not stop.is_set():
+    if store.version() >= min_version:
+      return True
+    time.sleep(0.0005)
+  return False
+
+
+class _CpuGroup:
+  """A native-MuJoCo env group and its collector."""
+
+  def __init__(self, cfg: config_lib.Config, group: int, network):
+    from ebrl_jax.controller import fused_cpu  # pylint: disable=g-import-not-at-top
+    from ebrl_jax.rollout import cpu as cpu_rollout  # pylint: disable=g-import-not-at-top
+    from ebrl_jax import sim  # pylint: disable=g-import-not-at-top
+    n = cfg.sim.num_envs // cfg.schedule.num_groups
+    spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
+    episodic = cfg.algo.name == 'grpo'
+    # Group 0 uses the run's seed, so one group replays the fused schedule's envs exactly.
+    self._pool = fused_cpu.make_pool(cfg, n, cfg.schedule.seed + 7919 * group, auto_reset=not episodic)
+    unrolls, steps = fused_cpu.collector_shape(cfg)
+    act = cpu_rollout.make_act(network, cfg.policy.min_std)
+    self.collector = cpu_rollout.CpuCollector(self._pool, spec, act, unrolls, steps, cfg.policy.action_chunk,
+                                              episodic)
+
+  def collect(self, params, version: int, key):
+    transition, stats = self.collector.collect(params, version, key)
+    return transition, (stats.return_sum, stats.length_sum, stats.count)
+
+  def close(self):
+    self._pool.close()
+
+
+def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, env: Optional[dict] = None):
+  """Process entry point for env group `group`. Runs until the stop event is set."""
+  if env:
+    os.environ.update(env)
+  import jax  # pylint: disable=g-import-not-at-top
+  from ebrl_jax import sim  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.controller import fused_cpu, runner  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.generation import policies  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.transport import ChannelClosed  # pylint: disable=g-import-not-at-top
+  runner.configure_jax(cfg)
+  spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
+  network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
+  if cfg.sim.backend == 'mjx':
+    from ebrl_jax.rollout import mjx_group  # pylint: disable=g-import-not-at-top
+    worker = mjx_group.MjxGroup(cfg, group, network)
+  else:
+    worker = _CpuGroup(cfg, group, network)
+  base_key = jax.random.PRNGKey(cfg.schedule.seed + 1)
+  bound = cfg.schedule.staleness_bound
+  store, stop = channels.params, channels.stop
+  params_version, params = -1, None
+  try:
+    if not _wait_for_version(store, 0, stop):  # the trainer publishes version 0 once it has initialised
+      return
+    iteration = store.version()  # a restarted worker resumes at the trainer's version
+    while not stop.is_set():
+      # NOTE: the staleness bound: iteration i may start once version i - bound is published.
+      if not _wait_for_version(store, iteration - bound, stop):
+        break
+      if store.version() != params_version:
+        params_version, host_params = store.latest()
+        params = jax.device_put(host_params)
+      roll_key, _ = fused_cpu.iteration_keys(base_key, iteration, group)
+      transition, stats = worker.collect(params, params_version, roll_key)
+      record = types.SegmentRecord(*[np.asarray(x) for x in transition], group=np.array([group], np.int32),
+                                   iteration=np.array([iteration], np.int32),
+                                   episode_stats=np.asarray(stats, np.float32))
+      while not stop.is_set():
+        try:
+          channels.segments.put(record, timeout=0.5)
+          break
+        except TimeoutError:
+          continue
+      iteration += 1
+  except ChannelClosed:
+    pass
+  finally:
+    worker.close()
+  logging.info('rollout worker %d: stopped.', group)

@@ -1,0 +1,183 @@
+"""Trainer worker: consumes finished env-group segments, runs `train_step`, publishes parameters.
+
+It runs the same training driver as the fused schedule (`controller.fused.run_training`: evaluation cadence,
+checkpoints, target, metrics, summary) around a `PipelineLoop` whose iterations come from the segment channel
+instead of a local rollout.
+NOTE: versions. The trainer publishes version v = iterations trained so far. A segment collected with version b
+is `v - b` versions stale when trained on; segments staler than the bound are dropped (and counted).
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Dict, NamedTuple, Optional
+
+from absl import logging
+import jax
+import numpy as np
+
+from ebrl_jax import config as config_lib
+from ebrl_jax import types
+
+
+class TrainerChannels(NamedTuple):
+  """What the controller hands the trainer process: the segment channel, parameter store and stop event."""
+  segments: Any
+  params: Any
+  stop: Any
+
+
+def _host_params(params) -> Any:
+  return jax.tree.map(np.asarray, jax.device_get(params))
+
+
+class PipelineLoop:
+  """The `run_training` loop interface over a segment channel fed by rollout workers."""
+
+  def __init__(self, cfg: config_lib.Config, spec: types.EnvSpec, network, optimizer, channels: TrainerChannels):
+    from ebrl_jax.controller import fused_cpu  # pylint: disable=g-import-not-at-top
+    self._cfg, self._spec, self._ch = cfg, spec, channels
+    self._num_groups = cfg.schedule.num_groups
+    self._bound = cfg.schedule.staleness_bound
+    self._train = fused_cpu.make_train_fn(cfg, network, optimizer, recompute_proximal=self._bound > 0)
+    self._base_key = jax.random.PRNGKey(cfg.schedule.seed + 1)
+    self._evaluator = _make_evaluator(cfg, network)
+    self._seen: Dict[tuple, int] = {}
+    self.counts = {'segments_consumed': 0, 'segments_dropped_stale': 0, 'segments_duplicated': 0,
+                   'wait_s': 0.0, 'train_s': 0.0, 'max_staleness_seen': 0}
+
+  def compile(self, train_state, num_iterations: int) -> float:
+    del num_iterations
+    t0 = time.monotonic()
+    self._ch.params.publish(int(train_state.policy_version), _host_params(train_state.params))
+    self._evaluator.compile(train_state.params)
+    return time.monotonic() - t0
+
+  def _next_records(self, version: int):
+    """Blocks until `num_groups` usable records are in; drops stale ones. Raises ChannelClosed on stop."""
+    records = []
+    while len(records) < self._num_groups:
+      if self._ch.stop.is_set():
+        raise InterruptedError('stop requested')
+      try:
+        record = self._ch.segments.get(timeout=0.5)
+      except TimeoutError:
+        continue
+      key = (int(record.group[0]), int(record.iteration[0]))
+      if key in self._seen:
+        self.counts['segments_duplicated'] += 1
+        continue
+      self._seen[key] = version
+      staleness = version - int(record.policy_version.min())
+      if staleness > self._bound:
+        self.counts['segments_dropped_stale'] += 1
+        continue
+      self.counts['max_staleness_seen'] = max(self.counts['max_staleness_seen'], staleness)
+      records.append(record)
+    return records
+
+  def run_iterations(self, train_state, num_iterations: int, key):
+    del key  # keys come from the iteration index, as in the fused schedule
+    from ebrl_jax.controller import fused_cpu  # pylint: disable=g-import-not-at-top
+    sums: Dict[str, float] = {}
+    ret_sum = count = 0.0
+    for _ in range(num_iterations):
+      version = int(train_state.policy_version)
+      t0 = time.monotonic()
+      records = self._next_records(version)
+      t1 = time.monotonic()
+      records.sort(key=lambda r: int(r.group[0]))
+      batch = types.Transition(*[np.concatenate([getattr(r, f) for r in records], axis=1)
+                                 for f in types.Transition._fields])
+      _, train_key = fused_cpu.iteration_keys(self._base_key, version)
+      train_state, metrics = self._train(train_state, batch, train_key)
+      metrics = jax.device_get(metrics)
+      self._ch.params.publish(int(train_state.policy_version), _host_params(train_state.params))
+      self.counts['wait_s'] += t1 - t0
+      self.counts['train_s'] += time.monotonic() - t1
+      self.counts['segments_consumed'] += len(records)
+      for r in records:
+        ret_sum, count = ret_sum + float(r.episode_stats[0]), count + float(r.episode_stats[2])
+      for name, value in metrics.items():
+        sums[name] = sums.get(name, 0.0) + float(value)
+    out = {f'train/{self._cfg.algo.name}/{k}': v / num_iterations for k, v in sums.items()}
+    if count:
+      out['rollout/episode_return'] = ret_sum / count
+    out['trainer/wait/seconds'] = self.counts['wait_s']
+    out['trainer/train_step/seconds'] = self.counts['train_s']
+    return train_state, out
+
+  def evaluate(self, params, key) -> Dict[str, float]:
+    return self._evaluator.evaluate(params, key)
+
+  def summary_extra(self) -> Dict[str, Any]:
+    return dict(self.counts)
+
+  def close(self) -> None:
+    self._evaluator.close()
+
+
+class _CpuEvaluator:
+
+  def __init__(self, cfg: config_lib.Config, network):
+    from ebrl_jax.rollout import cpu as cpu_rollout  # pylint: disable=g-import-not-at-top
+    from ebrl_jax.sim import cpu_env  # pylint: disable=g-import-not-at-top
+    sc = cfg.sim
+    self._cfg = cfg
+    self._pool = cpu_env.CpuEnvPool(sc.task, sc.num_eval_envs, sc.episode_length, sc.action_repeat, sc.num_threads,
+                                    seed=cfg.schedule.seed + 10_000, auto_reset=False)
+    self._act = cpu_rollout.make_act(network, cfg.policy.min_std, cfg.schedule.deterministic_eval)
+    self._evaluate = cpu_rollout.evaluate
+
+  def compile(self, params) -> None:
+    obs = np.zeros((self._cfg.sim.num_eval_envs, self._pool.spec.obs_dim), np.float32)
+    self._act = self._act.lower(params, obs, jax.random.PRNGKey(0), 0).compile()
+
+  def evaluate(self, params, key) -> Dict[str, float]:
+    ret, length = self._evaluate(self._pool, self._act, params, key, self._cfg.sim.episode_length,
+                                 self._cfg.policy.action_chunk)
+    return {'eval/episode_return': ret, 'eval/episode_length': length}
+
+  def close(self) -> None:
+    self._pool.close()
+
+
+class _MjxEvaluator:
+
+  def __init__(self, cfg: config_lib.Config, network):
+    import functools  # pylint: disable=g-import-not-at-top
+    from ebrl_jax.rollout import mjx as mjx_rollout  # pylint: disable=g-import-not-at-top
+    from ebrl_jax.sim import stages as sim_stages  # pylint: disable=g-import-not-at-top
+    env = sim_stages.make_mjx_env(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat, auto_reset=False)
+    self._eval = jax.jit(functools.partial(
+        mjx_rollout.evaluate_policy, env, network, num_envs=cfg.sim.num_eval_envs,
+        num_steps=cfg.sim.episode_length // cfg.policy.action_chunk, min_std=cfg.policy.min_std,
+        deterministic=cfg.schedule.deterministic_eval))
+
+  def compile(self, params) -> None:
+    self._eval = self._eval.lower(params, jax.random.PRNGKey(0)).compile()
+
+  def evaluate(self, params, key) -> Dict[str, float]:
+    ret, length = jax.device_get(self._eval(params, key))
+    return {'eval/episode_return': float(ret), 'eval/episode_length': float(length)}
+
+  def close(self) -> None:
+    pass
+
+
+def _make_evaluator(cfg: config_lib.Config, network):
+  return _MjxEvaluator(cfg, network) if cfg.sim.backend == 'mjx' else _CpuEvaluator(cfg, network)
+
+
+def trainer_main(cfg: config_lib.Config, channels: TrainerChannels, env: Optional[dict] = None) -> None:
+  """Process entry point: trains until done, writes `<run_dir>/summary.json`, then sets the stop event."""
+  if env:
+    os.environ.update(env)
+  from ebrl_jax.controller import fused, runner  # pylint: disable=g-import-not-at-top
+  runner.configure_jax(cfg)
+  try:
+    fused.run_training(cfg, lambda c, s, n, o: PipelineLoop(c, s, n, o, channels))
+  except InterruptedError:
+    logging.warning('trainer: stopped before the run finished; the last checkpoint stays loadable.')
+  finally:
+    channels.stop.set()
