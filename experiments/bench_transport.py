@@ -122,7 +122,7 @@ def _template(n: int) -> dict:
 
 
 def read_params(store, stamps, count: int) -> None:
-  last = store.version()
+  last = -1  # the owner publishes version 0 first
   for _ in range(count):
     while store.version() == last:
       pass  # NOTE: spin on purpose; this measures the hand-off, not a polling interval

@@ -1,6 +1,6 @@
 r"""W1: ebrl_jax `fused` PPO on MJX Ant beside Brax's own PPO, in one invocation on one machine.
 
-  python experiments/w1_fused_vs_brax.py --flagfile=experiments/w1_ant_fused.flags \
+  python experiments/w1_fused_vs_brax.py --flagfile=experiments/w1_ant.flags \
       --out=experiments/results/w1_fused_vs_brax.json
 
 Brax's trainer is run with Brax's published Ant hyperparameters. brax 0.14.2 calls

@@ -6,6 +6,7 @@ NOTE: a collector's buffer is reused by the next `collect`; consumers copy it (o
 from __future__ import annotations
 
 import functools
+import time
 from typing import NamedTuple, Optional, Tuple
 
 import jax
@@ -76,8 +77,8 @@ class CpuCollector:
   env with resets at the start (`episodic`, GRPO). Segment s = u * num_envs + env (unroll-major)."""
 
   def __init__(self, pool, spec: types.EnvSpec, act_fn, unrolls: int, steps: int, action_chunk: int,
-               episodic: bool):
-    self._pool, self._act = pool, act_fn
+               episodic: bool, tracer=None):
+    self._pool, self._act, self._tracer = pool, act_fn, tracer
     self._n = pool.num_envs
     self._unrolls, self._steps, self._episodic = unrolls, steps, episodic
     self.buffer = SegmentBuffer(steps, unrolls * self._n, spec, action_chunk)
@@ -96,9 +97,15 @@ class CpuCollector:
     for u in range(self._unrolls):
       cols = slice(u * n, (u + 1) * n)
       for t in range(self._steps):
+        t0 = time.time_ns() // 1000
         out = self._act(params, self._obs, key, index)
+        actions = np.asarray(out.actions)
+        t1 = time.time_ns() // 1000
         index += 1
-        res = self._pool.step(np.asarray(out.actions))
+        res = self._pool.step(actions)
+        if self._tracer is not None:
+          self._tracer.add('gen/act', t0, t1 - t0)
+          self._tracer.add('sim/step', t1, time.time_ns() // 1000 - t1)
         mask = active if self._episodic else 1.0
         done = buf.write(t, cols, self._obs, np.asarray(out.raw_actions), np.asarray(out.log_probs), res,
                          version, mask)

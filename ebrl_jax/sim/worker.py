@@ -38,7 +38,7 @@ def _wait_for_version(store, min_version: int, stop) -> bool:
 class _CpuGroup:
   """A native-MuJoCo env group and its collector."""
 
-  def __init__(self, cfg: config_lib.Config, group: int, network):
+  def __init__(self, cfg: config_lib.Config, group: int, network, tracer):
     from ebrl_jax.controller import fused_cpu  # pylint: disable=g-import-not-at-top
     from ebrl_jax.rollout import cpu as cpu_rollout  # pylint: disable=g-import-not-at-top
     from ebrl_jax import sim  # pylint: disable=g-import-not-at-top
@@ -50,7 +50,7 @@ class _CpuGroup:
     unrolls, steps = fused_cpu.collector_shape(cfg)
     act = cpu_rollout.make_act(network, cfg.policy.min_std)
     self.collector = cpu_rollout.CpuCollector(self._pool, spec, act, unrolls, steps, cfg.policy.action_chunk,
-                                              episodic)
+                                              episodic, tracer if tracer.enabled else None)
 
   def collect(self, params, version: int, key):
     transition, stats = self.collector.collect(params, version, key)
@@ -69,14 +69,16 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
   from ebrl_jax.controller import fused_cpu, runner  # pylint: disable=g-import-not-at-top
   from ebrl_jax.generation import policies  # pylint: disable=g-import-not-at-top
   from ebrl_jax.transport import ChannelClosed  # pylint: disable=g-import-not-at-top
+  from ebrl_jax import tracing  # pylint: disable=g-import-not-at-top
   runner.configure_jax(cfg)
+  tracer = tracing.Tracer(cfg.schedule.trace_dir, f'rollout/{group}')
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
   network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
   if cfg.sim.backend == 'mjx':
     from ebrl_jax.rollout import mjx_group  # pylint: disable=g-import-not-at-top
     worker = mjx_group.MjxGroup(cfg, group, network)
   else:
-    worker = _CpuGroup(cfg, group, network)
+    worker = _CpuGroup(cfg, group, network, tracer)
   base_key = jax.random.PRNGKey(cfg.schedule.seed + 1)
   bound = cfg.schedule.staleness_bound
   store, stop = channels.params, channels.stop
@@ -87,25 +89,29 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
     iteration = store.version()  # a restarted worker resumes at the trainer's version
     while not stop.is_set():
       # NOTE: the staleness bound: iteration i may start once version i - bound is published.
-      if not _wait_for_version(store, iteration - bound, stop):
-        break
-      if store.version() != params_version:
-        params_version, host_params = store.latest()
-        params = jax.device_put(host_params)
+      with tracer.span('rollout/wait_params'):
+        if not _wait_for_version(store, iteration - bound, stop):
+          break
+        if store.version() != params_version:
+          params_version, host_params = store.latest()
+          params = jax.device_put(host_params)
       roll_key, _ = fused_cpu.iteration_keys(base_key, iteration, group)
-      transition, stats = worker.collect(params, params_version, roll_key)
+      with tracer.span('rollout/collect', iteration=iteration, version=params_version):
+        transition, stats = worker.collect(params, params_version, roll_key)
       record = types.SegmentRecord(*[np.asarray(x) for x in transition], group=np.array([group], np.int32),
                                    iteration=np.array([iteration], np.int32),
                                    episode_stats=np.asarray(stats, np.float32))
-      while not stop.is_set():
-        try:
-          channels.segments.put(record, timeout=0.5)
-          break
-        except TimeoutError:
-          continue
+      with tracer.span('rollout/put_segment'):
+        while not stop.is_set():
+          try:
+            channels.segments.put(record, timeout=0.5)
+            break
+          except TimeoutError:
+            continue
       iteration += 1
   except ChannelClosed:
     pass
   finally:
     worker.close()
+    tracer.close()
   logging.info('rollout worker %d: stopped.', group)

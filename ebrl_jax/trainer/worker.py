@@ -42,6 +42,8 @@ class PipelineLoop:
     self._train = fused_cpu.make_train_fn(cfg, network, optimizer, recompute_proximal=self._bound > 0)
     self._base_key = jax.random.PRNGKey(cfg.schedule.seed + 1)
     self._evaluator = _make_evaluator(cfg, network)
+    from ebrl_jax import tracing  # pylint: disable=g-import-not-at-top
+    self.tracer = tracing.Tracer(cfg.schedule.trace_dir, 'trainer')
     self._seen: Dict[tuple, int] = {}
     self.counts = {'segments_consumed': 0, 'segments_dropped_stale': 0, 'segments_duplicated': 0,
                    'wait_s': 0.0, 'train_s': 0.0, 'max_staleness_seen': 0}
@@ -84,15 +86,18 @@ class PipelineLoop:
     for _ in range(num_iterations):
       version = int(train_state.policy_version)
       t0 = time.monotonic()
-      records = self._next_records(version)
+      with self.tracer.span('train/wait_segments', version=version):
+        records = self._next_records(version)
       t1 = time.monotonic()
       records.sort(key=lambda r: int(r.group[0]))
       batch = types.Transition(*[np.concatenate([getattr(r, f) for r in records], axis=1)
                                  for f in types.Transition._fields])
       _, train_key = fused_cpu.iteration_keys(self._base_key, version)
-      train_state, metrics = self._train(train_state, batch, train_key)
-      metrics = jax.device_get(metrics)
-      self._ch.params.publish(int(train_state.policy_version), _host_params(train_state.params))
+      with self.tracer.span('train/train_step', version=version):
+        train_state, metrics = self._train(train_state, batch, train_key)
+        metrics = jax.device_get(metrics)
+      with self.tracer.span('train/publish_params'):
+        self._ch.params.publish(int(train_state.policy_version), _host_params(train_state.params))
       self.counts['wait_s'] += t1 - t0
       self.counts['train_s'] += time.monotonic() - t1
       self.counts['segments_consumed'] += len(records)
@@ -108,13 +113,15 @@ class PipelineLoop:
     return train_state, out
 
   def evaluate(self, params, key) -> Dict[str, float]:
-    return self._evaluator.evaluate(params, key)
+    with self.tracer.span('train/evaluate'):
+      return self._evaluator.evaluate(params, key)
 
   def summary_extra(self) -> Dict[str, Any]:
     return dict(self.counts)
 
   def close(self) -> None:
     self._evaluator.close()
+    self.tracer.close()
 
 
 class _CpuEvaluator:

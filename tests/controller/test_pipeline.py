@@ -135,3 +135,18 @@ def test_ctrl_c_leaves_no_process_and_no_shared_memory(tmp_path):
                                          num_evals=1, run_dir=str(run_dir), resume=True,
                                          compilation_cache_dir='', progress_bar=False)))
   assert summary.env_steps >= 1280 * 2
+
+
+def test_trace_dir_writes_a_timeline_of_every_process(tmp_path):
+  trace_dir = tmp_path / 'trace'
+  summary = controller.run(_config(tmp_path / 'traced', schedule='async', transport='shm', num_groups=2,
+                                   trace_dir=str(trace_dir)))
+  trace = json.load(open(trace_dir / 'trace.json'))
+  events = trace['traceEvents']
+  names = {e['args']['name'] for e in events if e.get('ph') == 'M'}
+  assert names == {'trainer', 'rollout/0', 'rollout/1'}
+  spans = {e['name'] for e in events if e.get('ph') == 'X'}
+  assert {'gen/act', 'sim/step', 'rollout/collect', 'train/train_step', 'train/wait_segments'} <= spans
+  assert all(e['dur'] >= 0 for e in events if e.get('ph') == 'X')
+  # 20 iterations were trained, each one train_step span.
+  assert summary.extra['stage_ms']['train/train_step']['count'] == 20
