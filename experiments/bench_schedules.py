@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -39,7 +40,18 @@ def _run(schedule: str, run_root: str) -> dict:
   cmd = [sys.executable, '-m', 'ebrl_jax.main', f'--flagfile={_FLAGFILE.value}', f'--schedule={schedule}',
          f'--run_dir={run_dir}', '--noprogress_bar', *_EXTRA.value]
   t0, start_unix = time.monotonic(), time.time()
-  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_TIMEOUT.value)
+  popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    stdout, stderr = popen.communicate(timeout=_TIMEOUT.value)
+  except subprocess.TimeoutExpired:
+    popen.send_signal(signal.SIGTERM)  # the controller stops its workers and unlinks shared memory
+    try:
+      stdout, stderr = popen.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+      popen.kill()
+      stdout, stderr = popen.communicate()
+    stderr += f'\n[bench] stopped after --timeout_s={_TIMEOUT.value}'
+  proc = subprocess.CompletedProcess(cmd, popen.returncode, stdout, stderr)
   # Unix times let a device-wide sampler's log (e.g. NVML GPM SM activity) be split per schedule.
   result = {'command': ' '.join(cmd[1:]), 'returncode': proc.returncode, 'process_wall_s': time.monotonic() - t0,
             'start_unix': start_unix, 'end_unix': time.time()}

@@ -26,6 +26,19 @@ class RolloutChannels(NamedTuple):
   stop: Any
 
 
+class ParentWatch:
+  """A stop event that also fires when the process that started this worker has gone (orphaned worker)."""
+
+  def __init__(self, stop):
+    self._stop, self._parent = stop, os.getppid()
+
+  def is_set(self) -> bool:
+    return self._stop.is_set() or os.getppid() != self._parent
+
+  def set(self) -> None:
+    self._stop.set()
+
+
 def _wait_for_version(store, min_version: int, stop) -> bool:
   """Blocks until the store holds `min_version` or later; False if a stop was requested meanwhile."""
   while not stop.is_set():
@@ -81,7 +94,7 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
     worker = _CpuGroup(cfg, group, network, tracer)
   base_key = jax.random.PRNGKey(cfg.schedule.seed + 1)
   bound = cfg.schedule.staleness_bound
-  store, stop = channels.params, channels.stop
+  store, stop = channels.params, ParentWatch(channels.stop)
   params_version, params = -1, None
   try:
     if not _wait_for_version(store, 0, stop):  # the trainer publishes version 0 once it has initialised
