@@ -161,6 +161,9 @@ class ScheduleConfig:
   # What happens when a rollout worker dies: restart it (its group resets) or stop the run cleanly.
   worker_fault: str = 'restart'
   trace_dir: str = ''  # '' disables the Perfetto/chrome://tracing timeline
+  # Process schedules: act inside each rollout worker (True), or in one generation worker process that batches
+  # the groups' requests (False; native MuJoCo only for now).
+  colocate_generation: bool = True
   resume: bool = False
   progress_bar: bool = True
 
@@ -206,6 +209,9 @@ class Config:
     if self.schedule.name != 'fused' and (self.sim.num_envs // self.schedule.num_groups) % self.sim.group_size:
       raise ValueError(f'each env group ({self.sim.num_envs} / --num_groups={self.schedule.num_groups}) must hold '
                        f'whole GRPO groups of --group_size={self.sim.group_size}.')
+    if not self.schedule.colocate_generation and self.sim.backend != 'mujoco_cpu':
+      raise ValueError('--nocolocate_generation (a separate generation worker) needs --backend=mujoco_cpu; '
+                       f'got --backend={self.sim.backend}.')
     if self.algo.unroll_length % self.policy.action_chunk:
       raise ValueError(f'--unroll_length={self.algo.unroll_length} must be a multiple of '
                        f'--action_chunk={self.policy.action_chunk}.')

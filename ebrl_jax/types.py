@@ -95,3 +95,24 @@ class SegmentRecord(NamedTuple):
 
   def transition(self) -> Transition:
     return Transition(*self[:len(Transition._fields)])
+
+
+class ActRequest(NamedTuple):
+  """Sim worker -> generation worker: one env group's observations. group, seq: [] int32 (seq numbers this
+  group's requests, so a reply to a re-sent request can be told apart); min_version: [] int32, the oldest
+  policy version the group may act with (its staleness bound); obs [B_g, O]."""
+  group: Any
+  seq: Any
+  min_version: Any
+  obs: Any
+
+
+class ActReply(NamedTuple):
+  """Generation worker -> sim worker: actions [B_g, K, A], raw_actions [B_g, K, A], log_probs [B_g], and the
+  policy version that produced them ([] int32); group and seq echo the request."""
+  group: Any
+  seq: Any
+  version: Any
+  actions: Any
+  raw_actions: Any
+  log_probs: Any

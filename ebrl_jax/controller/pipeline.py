@@ -31,6 +31,7 @@ from ebrl_jax import types
 from ebrl_jax.controller import fused
 from ebrl_jax.controller import fused_cpu
 from ebrl_jax.generation import policies
+from ebrl_jax.generation import worker as generation_worker
 from ebrl_jax.sim import worker as sim_worker
 from ebrl_jax.trainer import stages as trainer_stages
 from ebrl_jax.trainer import worker as trainer_worker
@@ -53,6 +54,17 @@ def _segment_spec(cfg: config_lib.Config, spec: types.EnvSpec) -> transport.Reco
                                dtypes={'policy_version': 'int32', 'group': 'int32', 'iteration': 'int32'})
 
 
+def _mailbox_specs(cfg: config_lib.Config, spec: types.EnvSpec):
+  b, k, o, a = cfg.sim.num_envs // cfg.schedule.num_groups, cfg.policy.action_chunk, spec.obs_dim, spec.action_dim
+  ints = {'group': 'int32', 'seq': 'int32'}
+  request = transport.record_spec(types.ActRequest, {'group': (), 'seq': (), 'min_version': (), 'obs': (b, o)},
+                                  dtypes={**ints, 'min_version': 'int32'})
+  reply = transport.record_spec(types.ActReply, {'group': (), 'seq': (), 'version': (), 'actions': (b, k, a),
+                                                 'raw_actions': (b, k, a), 'log_probs': (b,)},
+                                dtypes={**ints, 'version': 'int32'})
+  return request, reply
+
+
 def _param_template(cfg: config_lib.Config, spec: types.EnvSpec):
   """Shapes of the policy parameters, without computing them (the controller touches no accelerator)."""
   network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
@@ -73,12 +85,13 @@ def _worker_env(cfg: config_lib.Config, role: str) -> Dict[str, str]:
 class _Workers:
   """Starts, watches and stops the workers; records their pids in `<run_dir>/workers.json`."""
 
-  def __init__(self, cfg: config_lib.Config, seg_channel, store, use_processes: bool):
+  def __init__(self, cfg: config_lib.Config, seg_channel, store, use_processes: bool, mailbox=None):
     self._cfg, self._use_processes = cfg, use_processes
     self._ctx = multiprocessing.get_context('spawn') if use_processes else None
     self.stop = self._ctx.Event() if use_processes else threading.Event()
     self._trainer_ch = trainer_worker.TrainerChannels(seg_channel, store, self.stop)
-    self._rollout_ch = sim_worker.RolloutChannels(seg_channel, store, self.stop)
+    self._rollout_ch = sim_worker.RolloutChannels(seg_channel, store, self.stop, mailbox)
+    self._gen_args = (cfg, mailbox, store, self.stop)
     self.workers: Dict[str, Any] = {}
     self.restarts = 0
 
@@ -101,6 +114,8 @@ class _Workers:
 
   def start_all(self) -> None:
     self._start('trainer', trainer_worker.trainer_main, (self._cfg, self._trainer_ch))
+    if self._rollout_ch.mailbox is not None:
+      self._start('generation', generation_worker.generation_main, self._gen_args)
     for g in range(self._cfg.schedule.num_groups):
       self._start(f'rollout/{g}', sim_worker.rollout_main, (self._cfg, g, self._rollout_ch))
 
@@ -129,9 +144,12 @@ class _Workers:
       raise WorkerFailure(f'{role} (pid {getattr(w, "pid", None)}) died with exit code {code}; stopping '
                           '(--worker_fault=stop).')
     self.restarts += 1
-    logging.warning('%s (pid %s) died with exit code %s; restarting it (restart %d); its env group resets.',
+    logging.warning('%s (pid %s) died with exit code %s; restarting it (restart %d).',
                     role, getattr(w, 'pid', None), code, self.restarts)
-    group = int(role.split('/')[1])
+    if role == 'generation':  # its groups re-send their outstanding requests to the new one
+      self._start(role, generation_worker.generation_main, self._gen_args)
+      return
+    group = int(role.split('/')[1])  # the group's envs reset; its unfinished segment is lost, never half-sent
     self._start(role, sim_worker.rollout_main, (self._cfg, group, self._rollout_ch))
 
   def stop_all(self) -> None:
@@ -182,7 +200,12 @@ def run(cfg: config_lib.Config) -> fused.RunSummary:
     capacity = cfg.schedule.num_groups * (cfg.schedule.staleness_bound + 1)
     seg_channel = transport.make_channel(cfg.schedule.transport, _segment_spec(cfg, spec), capacity, registry)
     store = transport.make_param_store(cfg.schedule.transport, _param_template(cfg, spec), registry)
-    workers = _Workers(cfg, seg_channel, store, use_processes)
+    mailbox = None
+    if not cfg.schedule.colocate_generation:
+      request_spec, reply_spec = _mailbox_specs(cfg, spec)
+      mailbox = transport.make_mailbox(cfg.schedule.transport, request_spec, reply_spec, cfg.schedule.num_groups,
+                                       registry=registry)
+    workers = _Workers(cfg, seg_channel, store, use_processes, mailbox)
     with _sigterm_as_interrupt():
       workers.start_all()
       workers.watch()

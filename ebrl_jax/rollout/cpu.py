@@ -107,8 +107,9 @@ class CpuCollector:
           self._tracer.add('gen/act', t0, t1 - t0)
           self._tracer.add('sim/step', t1, time.time_ns() // 1000 - t1)
         mask = active if self._episodic else 1.0
+        # A remote generation worker reports the version it acted with; a local act uses `version`.
         done = buf.write(t, cols, self._obs, np.asarray(out.raw_actions), np.asarray(out.log_probs), res,
-                         version, mask)
+                         int(getattr(out, 'version', version)), mask)
         finished = done * mask
         ret_sum += float(np.sum(res.episode_return * finished))
         len_sum += float(np.sum(res.episode_length * finished))

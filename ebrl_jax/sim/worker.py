@@ -24,6 +24,44 @@ class RolloutChannels(NamedTuple):
   segments: Any
   params: Any
   stop: Any
+  mailbox: Any = None  # set when a separate generation worker serves the actions
+
+
+class _RemoteAct:
+  """Stands in for a local `act`: sends the group's observations to the generation worker, waits for its reply.
+
+  NOTE: a request whose reply does not come within `resend_s` is sent again (the generation worker may have
+  died and been replaced); replies carry the request's seq, so a late duplicate is recognised and dropped.
+  """
+
+  def __init__(self, mailbox, group: int, stop, resend_s: float = 2.0):
+    self._mailbox, self._group, self._stop, self._resend_s = mailbox, group, stop, resend_s
+    self.min_version, self._seq = 0, 0
+
+  def _ask(self, obs) -> None:
+    request = types.ActRequest(group=np.int32(self._group), seq=np.int32(self._seq),
+                               min_version=np.int32(self.min_version), obs=np.asarray(obs, np.float32))
+    while not self._stop.is_set():
+      try:
+        self._mailbox.ask(request, timeout=0.5)
+        return
+      except TimeoutError:
+        continue
+    raise InterruptedError('stop requested')
+
+  def __call__(self, params, obs, key, index):
+    del params, key, index  # the generation worker holds the parameters and its own keys
+    self._seq += 1
+    self._ask(obs)
+    while not self._stop.is_set():
+      try:
+        reply = self._mailbox.receive(self._group, timeout=self._resend_s)
+      except TimeoutError:
+        self._ask(obs)
+        continue
+      if int(reply.seq) == self._seq:
+        return reply
+    raise InterruptedError('stop requested')
 
 
 class ParentWatch:
@@ -51,7 +89,7 @@ def _wait_for_version(store, min_version: int, stop) -> bool:
 class _CpuGroup:
   """A native-MuJoCo env group and its collector."""
 
-  def __init__(self, cfg: config_lib.Config, group: int, network, tracer):
+  def __init__(self, cfg: config_lib.Config, group: int, network, tracer, remote_act=None):
     from ebrl_jax.controller import fused_cpu  # pylint: disable=g-import-not-at-top
     from ebrl_jax.rollout import cpu as cpu_rollout  # pylint: disable=g-import-not-at-top
     from ebrl_jax import sim  # pylint: disable=g-import-not-at-top
@@ -61,7 +99,8 @@ class _CpuGroup:
     # Group 0 uses the run's seed, so one group replays the fused schedule's envs exactly.
     self._pool = fused_cpu.make_pool(cfg, n, cfg.schedule.seed + 7919 * group, auto_reset=not episodic)
     unrolls, steps = fused_cpu.collector_shape(cfg)
-    act = cpu_rollout.make_act(network, cfg.policy.min_std)
+    act = remote_act or cpu_rollout.make_act(network, cfg.policy.min_std)
+    self.remote_act = remote_act
     self.collector = cpu_rollout.CpuCollector(self._pool, spec, act, unrolls, steps, cfg.policy.action_chunk,
                                               episodic, tracer if tracer.enabled else None)
 
@@ -84,6 +123,7 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
   from ebrl_jax.transport import ChannelClosed  # pylint: disable=g-import-not-at-top
   from ebrl_jax import tracing  # pylint: disable=g-import-not-at-top
   runner.configure_jax(cfg)
+  stop = ParentWatch(channels.stop)
   tracer = tracing.Tracer(cfg.schedule.trace_dir, f'rollout/{group}')
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
   network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
@@ -91,10 +131,11 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
     from ebrl_jax.rollout import mjx_group  # pylint: disable=g-import-not-at-top
     worker = mjx_group.MjxGroup(cfg, group, network)
   else:
-    worker = _CpuGroup(cfg, group, network, tracer)
+    remote = _RemoteAct(channels.mailbox, group, stop) if channels.mailbox is not None else None
+    worker = _CpuGroup(cfg, group, network, tracer, remote)
   base_key = jax.random.PRNGKey(cfg.schedule.seed + 1)
   bound = cfg.schedule.staleness_bound
-  store, stop = channels.params, ParentWatch(channels.stop)
+  store = channels.params
   params_version, params = -1, None
   try:
     if not _wait_for_version(store, 0, stop):  # the trainer publishes version 0 once it has initialised
@@ -105,7 +146,9 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
       with tracer.span('rollout/wait_params'):
         if not _wait_for_version(store, iteration - bound, stop):
           break
-        if store.version() != params_version:
+        if getattr(worker, 'remote_act', None) is not None:
+          params_version = worker.remote_act.min_version = max(0, iteration - bound)
+        elif store.version() != params_version:
           params_version, host_params = store.latest()
           params = jax.device_put(host_params)
       roll_key, _ = fused_cpu.iteration_keys(base_key, iteration, group)
@@ -122,7 +165,7 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
           except TimeoutError:
             continue
       iteration += 1
-  except ChannelClosed:
+  except (ChannelClosed, InterruptedError):
     pass
   finally:
     worker.close()

@@ -150,3 +150,28 @@ def test_trace_dir_writes_a_timeline_of_every_process(tmp_path):
   assert all(e['dur'] >= 0 for e in events if e.get('ph') == 'X')
   # 20 iterations were trained, each one train_step span.
   assert summary.extra['stage_ms']['train/train_step']['count'] == 20
+
+
+def test_separate_generation_worker_survives_being_killed(tmp_path):
+  """Sim, generation and training in three kinds of process; SIGKILL the generation worker mid-run."""
+  run_dir = tmp_path / 'split'
+  proc = _launch(run_dir, '--schedule=async', '--num_groups=2', '--nocolocate_generation', '--num_timesteps=38400',
+                 '--num_evals=6')
+  try:
+    assert _wait_for(lambda: _trained_iterations(run_dir) >= 1, 240, proc)
+    workers = json.load(open(run_dir / 'workers.json'))
+    assert set(workers['workers']) == {'trainer', 'generation', 'rollout/0', 'rollout/1'}
+    victim = workers['workers']['generation']
+    os.kill(victim, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=300)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 0, out[-3000:]
+  assert 'generation (pid %d) died' % victim in out
+  summary = json.load(open(run_dir / 'summary.json'))
+  assert summary['extra']['worker_restarts'] == 1
+  assert summary['extra']['segments_duplicated'] == 0
+  assert summary['iterations'] == 30 and summary['extra']['segments_consumed'] == 60
+  assert summary['best_eval_return'] > 2 * summary['eval_curve'][0]['return']
+  assert not _our_segments(workers['controller'])
