@@ -99,6 +99,10 @@ def main(argv):
     logging.error('%s', e)
     print(f'FATAL: {e}', file=sys.stderr)
     return 2
+  except controller.RunError as e:  # e.g. the trainer worker died: children stopped, shared memory freed
+    logging.error('%s', e)
+    print(f'FATAL: {e}', file=sys.stderr)
+    return 3
   return 0
 
 

@@ -67,7 +67,11 @@ def _restore(cfg: config_lib.Config, checkpointer, train_state):
   if checkpointer is None or checkpointer.latest_step() is None:
     raise ValueError(f'--resume was given but {cfg.schedule.run_dir}/checkpoints holds no checkpoint.')
   train_state, extra, _ = checkpointer.restore(train_state)
-  logging.info('Resumed from env step %d (iteration %d).', extra['env_steps'], extra['iterations'])
+  logging.info('Resumed from env step %d (iteration %d) of a %s run.', extra['env_steps'], extra['iterations'],
+               extra.get('schedule', '?'))
+  if extra.get('schedule') not in (None, cfg.schedule.name):
+    logging.warning('The checkpoint was written by --schedule=%s; continuing with --schedule=%s.',
+                    extra['schedule'], cfg.schedule.name)
   return train_state, int(extra['env_steps']), int(extra['iterations'])
 
 
@@ -132,7 +136,8 @@ def run_training(cfg: config_lib.Config, make_loop) -> RunSummary:
       if (checkpointer is not None and iterations > last_saved
           and (eval_index % cfg.schedule.checkpoint_every == 0 or iterations >= total_iterations
                or target_hit is not None)):
-        checkpointer.save(iterations, train_state, {'env_steps': env_steps, 'iterations': iterations})
+        checkpointer.save(iterations, train_state, {'env_steps': env_steps, 'iterations': iterations,
+                                                    'schedule': cfg.schedule.name})
         last_saved = iterations
       eval_index += 1
       if iterations >= total_iterations or target_hit is not None:

@@ -30,6 +30,7 @@ from ebrl_jax import transport
 from ebrl_jax import types
 from ebrl_jax.controller import fused
 from ebrl_jax.controller import fused_cpu
+from ebrl_jax.controller import runner
 from ebrl_jax.generation import policies
 from ebrl_jax.generation import worker as generation_worker
 from ebrl_jax.sim import worker as sim_worker
@@ -39,7 +40,7 @@ from ebrl_jax.trainer import worker as trainer_worker
 _JOIN_S = 10.0
 
 
-class WorkerFailure(RuntimeError):
+class WorkerFailure(runner.RunError):
   """A worker died and the run could not go on; the message names the worker and its exit code."""
 
 

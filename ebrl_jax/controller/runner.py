@@ -9,6 +9,10 @@ from absl import logging
 from ebrl_jax import config as config_lib
 
 
+class RunError(RuntimeError):
+  """The run stopped for a reason the user must act on (a dead trainer, say); the message says what to do."""
+
+
 def _run_fused(cfg: config_lib.Config):
   from ebrl_jax.controller import fused  # pylint: disable=g-import-not-at-top
   return fused.run(cfg)

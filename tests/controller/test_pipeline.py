@@ -175,3 +175,27 @@ def test_separate_generation_worker_survives_being_killed(tmp_path):
   assert summary['iterations'] == 30 and summary['extra']['segments_consumed'] == 60
   assert summary['best_eval_return'] > 2 * summary['eval_curve'][0]['return']
   assert not _our_segments(workers['controller'])
+
+
+def test_killed_trainer_stops_the_run_with_its_checkpoint_intact(tmp_path):
+  run_dir = tmp_path / 'trainer_dies'
+  proc = _launch(run_dir, '--schedule=async', '--num_groups=2', '--num_timesteps=10000000', '--num_evals=500')
+  try:
+    assert _wait_for(lambda: os.path.isdir(run_dir / 'checkpoints') and
+                     any(n.isdigit() for n in os.listdir(run_dir / 'checkpoints')), 240, proc)
+    workers = json.load(open(run_dir / 'workers.json'))
+    os.kill(workers['workers']['trainer'], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode != 0
+  assert 'the trainer worker (pid %d) died with exit code -9' % workers['workers']['trainer'] in out
+  assert 'continue with --resume' in out
+  assert not [p for p in workers['workers'].values() if _alive(p)]
+  assert not _our_segments(workers['controller'])
+  steps = sorted(int(n) for n in os.listdir(run_dir / 'checkpoints') if n.isdigit())
+  assert steps
+  from ebrl_jax.trainer import checkpoint  # pylint: disable=g-import-not-at-top
+  with checkpoint.Checkpointer(str(run_dir / 'checkpoints')) as ckpt:
+    assert ckpt.latest_step() == steps[-1]
