@@ -111,7 +111,8 @@ def run_training(cfg: config_lib.Config, make_loop) -> RunSummary:
   # Whole chunks only: a shorter last chunk would be a second program to compile (MJX) mid-run.
   total_iterations = math.ceil(total_iterations / iterations_per_eval) * iterations_per_eval
   logging.info('%s/%s: %s, %d params, %d env steps per iteration, %d iterations (%d per evaluation).',
-               cfg.schedule.name, cfg.sim.backend, cfg.sim.task, num_params, per_iteration, total_iterations, iterations_per_eval)
+               cfg.schedule.name, cfg.sim.backend, cfg.sim.task, num_params, per_iteration, total_iterations,
+               iterations_per_eval)
 
   loop = make_loop(cfg, spec, network, optimizer)
   logger = metrics_lib.MetricsLogger(run_dir, total_iterations * per_iteration, cfg.schedule.progress_bar,

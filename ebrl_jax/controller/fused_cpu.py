@@ -16,6 +16,7 @@ import numpy as np
 from ebrl_jax import config as config_lib
 from ebrl_jax import types
 from ebrl_jax.rollout import cpu as cpu_rollout
+from ebrl_jax.rollout import evaluation
 from ebrl_jax.sim import cpu_env
 from ebrl_jax.trainer import stages as trainer_stages
 
@@ -54,12 +55,9 @@ class CpuFusedLoop:
     self._cfg, self._spec = cfg, spec
     episodic = cfg.algo.name == 'grpo'
     self._pool = make_pool(cfg, cfg.sim.num_envs, cfg.schedule.seed, auto_reset=not episodic)
-    self._eval_pool = cpu_env.CpuEnvPool(cfg.sim.task, cfg.sim.num_eval_envs, cfg.sim.episode_length,
-                                         cfg.sim.action_repeat, cfg.sim.num_threads,
-                                         seed=cfg.schedule.seed + 10_000, auto_reset=False)
+    self._evaluator = evaluation.CpuEvaluator(cfg, network)
     unrolls, steps = collector_shape(cfg)
     self._act = cpu_rollout.make_act(network, cfg.policy.min_std)
-    self._act_det = cpu_rollout.make_act(network, cfg.policy.min_std, cfg.schedule.deterministic_eval)
     self._collector = cpu_rollout.CpuCollector(self._pool, spec, None, unrolls, steps, cfg.policy.action_chunk,
                                                episodic)
     self._train = make_train_fn(cfg, network, optimizer, recompute_proximal=False)
@@ -72,8 +70,7 @@ class CpuFusedLoop:
     key = jax.random.PRNGKey(0)
     self._act = self._act.lower(train_state.params, obs, key, 0).compile()
     self._collector._act = self._act  # pylint: disable=protected-access
-    eval_obs = np.zeros((self._cfg.sim.num_eval_envs, self._spec.obs_dim), np.float32)
-    self._act_det = self._act_det.lower(train_state.params, eval_obs, key, 0).compile()
+    self._evaluator.lower_and_compile(train_state.params)
     batch = jax.tree.map(np.asarray, self._collector.buffer.transition())
     self._train = self._train.lower(train_state, batch, key).compile()
     return time.monotonic() - t0
@@ -96,10 +93,8 @@ class CpuFusedLoop:
     return train_state, out
 
   def evaluate(self, params, key) -> Dict[str, float]:
-    ret, length = cpu_rollout.evaluate(self._eval_pool, self._act_det, params, key, self._cfg.sim.episode_length,
-                                       self._cfg.policy.action_chunk)
-    return {'eval/episode_return': ret, 'eval/episode_length': length}
+    return self._evaluator.evaluate(params, key)
 
   def close(self) -> None:
     self._pool.close()
-    self._eval_pool.close()
+    self._evaluator.close()

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import types
+from ebrl_jax.rollout import evaluation
 from ebrl_jax.rollout import mjx as rollout
 from ebrl_jax.sim import stages as sim_stages
 from ebrl_jax.trainer import stages as trainer_stages
@@ -62,18 +63,12 @@ class MjxFusedLoop:
     self._cfg = cfg
     self._env = sim_stages.make_mjx_env(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat,
                                         auto_reset=cfg.algo.name != 'grpo')
-    self._eval_env = sim_stages.make_mjx_env(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat,
-                                             auto_reset=False)
     self._network, self._optimizer = network, optimizer
     key = jax.random.PRNGKey(cfg.schedule.seed + 1)
     self._env_state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(
         self._env, key, cfg.sim.num_envs, cfg.sim.group_size)
     self._programs: Dict[int, object] = {}
-    eval_fn = functools.partial(rollout.evaluate_policy, self._eval_env, network,
-                                num_envs=cfg.sim.num_eval_envs,
-                                num_steps=cfg.sim.episode_length // cfg.policy.action_chunk,
-                                min_std=cfg.policy.min_std, deterministic=cfg.schedule.deterministic_eval)
-    self._eval = jax.jit(eval_fn)
+    self._evaluator = evaluation.MjxEvaluator(cfg, network)
 
   def _program(self, train_state, num_iterations: int):
     if num_iterations not in self._programs:
@@ -87,11 +82,12 @@ class MjxFusedLoop:
     t0 = time.monotonic()
     fn = functools.partial(_run_chunk, self._cfg, self._env, self._network, self._optimizer, num_iterations)
     chunk = jax.jit(fn, donate_argnums=(0, 1)).lower(train_state, self._env_state, jax.random.PRNGKey(0))
-    evaluation = self._eval.lower(train_state.params, jax.random.PRNGKey(0))
     # XLA compiles outside the GIL: the two programs build concurrently.
     with futures.ThreadPoolExecutor(2) as pool:
-      chunk_future, eval_future = pool.submit(chunk.compile), pool.submit(evaluation.compile)
-      self._programs[num_iterations], self._eval = chunk_future.result(), eval_future.result()
+      chunk_future = pool.submit(chunk.compile)
+      eval_future = pool.submit(self._evaluator.lower_and_compile, train_state.params)
+      self._programs[num_iterations] = chunk_future.result()
+      eval_future.result()
     return time.monotonic() - t0
 
   def run_iterations(self, train_state, num_iterations: int, key) -> Tuple[object, Dict[str, float]]:
@@ -106,8 +102,7 @@ class MjxFusedLoop:
     return train_state, out
 
   def evaluate(self, params, key) -> Dict[str, float]:
-    ret, length = jax.device_get(self._eval(params, key))
-    return {'eval/episode_return': float(ret), 'eval/episode_length': float(length)}
+    return self._evaluator.evaluate(params, key)
 
   def close(self) -> None:
     self._programs.clear()

@@ -10,7 +10,6 @@ segment. `sync` is the staleness bound 0 (a barrier each iteration); `async` let
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import multiprocessing
 import multiprocessing.connection

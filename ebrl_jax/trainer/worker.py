@@ -41,7 +41,8 @@ class PipelineLoop:
     self._bound = cfg.schedule.staleness_bound
     self._train = fused_cpu.make_train_fn(cfg, network, optimizer, recompute_proximal=self._bound > 0)
     self._base_key = jax.random.PRNGKey(cfg.schedule.seed + 1)
-    self._evaluator = _make_evaluator(cfg, network)
+    from ebrl_jax.rollout import evaluation  # pylint: disable=g-import-not-at-top
+    self._evaluator = evaluation.make_evaluator(cfg, network)
     from ebrl_jax import tracing  # pylint: disable=g-import-not-at-top
     self.tracer = tracing.Tracer(cfg.schedule.trace_dir, 'trainer')
     self._seen: Dict[tuple, int] = {}
@@ -52,7 +53,7 @@ class PipelineLoop:
     del num_iterations
     t0 = time.monotonic()
     self._ch.params.publish(int(train_state.policy_version), _host_params(train_state.params))
-    self._evaluator.compile(train_state.params)
+    self._evaluator.lower_and_compile(train_state.params)
     return time.monotonic() - t0
 
   def _next_records(self, version: int):
@@ -122,58 +123,6 @@ class PipelineLoop:
   def close(self) -> None:
     self._evaluator.close()
     self.tracer.close()
-
-
-class _CpuEvaluator:
-
-  def __init__(self, cfg: config_lib.Config, network):
-    from ebrl_jax.rollout import cpu as cpu_rollout  # pylint: disable=g-import-not-at-top
-    from ebrl_jax.sim import cpu_env  # pylint: disable=g-import-not-at-top
-    sc = cfg.sim
-    self._cfg = cfg
-    self._pool = cpu_env.CpuEnvPool(sc.task, sc.num_eval_envs, sc.episode_length, sc.action_repeat, sc.num_threads,
-                                    seed=cfg.schedule.seed + 10_000, auto_reset=False)
-    self._act = cpu_rollout.make_act(network, cfg.policy.min_std, cfg.schedule.deterministic_eval)
-    self._evaluate = cpu_rollout.evaluate
-
-  def compile(self, params) -> None:
-    obs = np.zeros((self._cfg.sim.num_eval_envs, self._pool.spec.obs_dim), np.float32)
-    self._act = self._act.lower(params, obs, jax.random.PRNGKey(0), 0).compile()
-
-  def evaluate(self, params, key) -> Dict[str, float]:
-    ret, length = self._evaluate(self._pool, self._act, params, key, self._cfg.sim.episode_length,
-                                 self._cfg.policy.action_chunk)
-    return {'eval/episode_return': ret, 'eval/episode_length': length}
-
-  def close(self) -> None:
-    self._pool.close()
-
-
-class _MjxEvaluator:
-
-  def __init__(self, cfg: config_lib.Config, network):
-    import functools  # pylint: disable=g-import-not-at-top
-    from ebrl_jax.rollout import mjx as mjx_rollout  # pylint: disable=g-import-not-at-top
-    from ebrl_jax.sim import stages as sim_stages  # pylint: disable=g-import-not-at-top
-    env = sim_stages.make_mjx_env(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat, auto_reset=False)
-    self._eval = jax.jit(functools.partial(
-        mjx_rollout.evaluate_policy, env, network, num_envs=cfg.sim.num_eval_envs,
-        num_steps=cfg.sim.episode_length // cfg.policy.action_chunk, min_std=cfg.policy.min_std,
-        deterministic=cfg.schedule.deterministic_eval))
-
-  def compile(self, params) -> None:
-    self._eval = self._eval.lower(params, jax.random.PRNGKey(0)).compile()
-
-  def evaluate(self, params, key) -> Dict[str, float]:
-    ret, length = jax.device_get(self._eval(params, key))
-    return {'eval/episode_return': float(ret), 'eval/episode_length': float(length)}
-
-  def close(self) -> None:
-    pass
-
-
-def _make_evaluator(cfg: config_lib.Config, network):
-  return _MjxEvaluator(cfg, network) if cfg.sim.backend == 'mjx' else _CpuEvaluator(cfg, network)
 
 
 def trainer_main(cfg: config_lib.Config, channels: TrainerChannels, env: Optional[dict] = None) -> None:

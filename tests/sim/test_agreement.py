@@ -23,7 +23,6 @@ import pytest
 
 from ebrl_jax.sim import cpu_env
 from ebrl_jax.sim import mjx_env
-from ebrl_jax.sim import registry
 from ebrl_jax.sim import stages
 
 TOL = 5e-4
