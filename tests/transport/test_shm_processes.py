@@ -18,8 +18,12 @@ CTX = multiprocessing.get_context('spawn')
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _shm_entries():
-  return set(os.listdir('/dev/shm'))
+def _shm_entries(owner_pid=None):
+  """This test's shared-memory segments: named `ebrl_<owner pid>_...`. Scoped to the owner because tests run in
+  parallel (pytest -n) create and remove their own segments meanwhile; multiprocessing's `sem.mp-*` semaphores
+  are the standard library's to clean up and cannot be told apart between workers, so they are not counted."""
+  prefix = f'ebrl_{owner_pid or os.getpid()}_'
+  return {n for n in os.listdir('/dev/shm') if n.startswith(prefix)}
 
 
 def _start(target, *args):
@@ -149,6 +153,8 @@ def test_segments_outlive_attachers_and_are_unlinked_at_exit_without_tracker_noi
   for name in names:
     assert not os.path.exists('/dev/shm/' + name)
   assert 'Traceback' not in result.stderr and 'leaked' not in result.stderr, result.stderr
+  script_pid = int(names[0].split('_')[1])
+  assert _shm_entries(script_pid) == set()
   assert _shm_entries() - before == set()
 
 
