@@ -7,7 +7,7 @@ Validation errors are `ValueError`s that name the field (as its flag) and the al
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 # Names accepted by the registries; the registries themselves check membership against these same tuples.
 TASKS = ('ant', 'halfcheetah', 'hopper', 'walker2d', 'humanoid', 'pusher', 'reacher', 'inverted_pendulum')
@@ -185,13 +185,41 @@ class ScheduleConfig:
     return self.max_staleness if self.name == 'async' else 0
 
 
+QUOTA_ROLES = ('trainer', 'rollout', 'generation')
+
+
 @dataclasses.dataclass(frozen=True)
 class ResourceConfig:
-  """Placement of the stages on the machine. The MPS/quota planner comes with the process schedules."""
+  """Placement of the process schedules' workers on the machine."""
   platform: str = ''  # '' lets JAX choose; else 'cpu' or 'gpu'
+  # Run the workers under an NVIDIA MPS daemon (started for the run if none serves CUDA_MPS_PIPE_DIRECTORY).
+  use_mps: bool = False
+  # SM quotas in percent per role under MPS, e.g. 'trainer=30,rollout=35' ('' = no quotas).
+  sm_quotas: str = ''
+  # Pin native-MuJoCo rollout workers to cores of their own, and each GPU feeder process to one core.
+  pin_cpus: bool = True
 
   def __post_init__(self):
     _check_choice('platform', self.platform, ('', 'cpu', 'gpu', 'cuda'))
+    quotas = self.quotas  # parses and checks
+    if quotas and not self.use_mps:
+      raise ValueError(f'--sm_quotas={self.sm_quotas} needs --use_mps (quotas are an MPS setting).')
+
+  @property
+  def quotas(self) -> Dict[str, int]:
+    out: Dict[str, int] = {}
+    for item in filter(None, (p.strip() for p in self.sm_quotas.split(','))):
+      role, _, value = item.partition('=')
+      if role not in QUOTA_ROLES:
+        raise ValueError(f'--sm_quotas: role {role!r} is not valid; allowed roles: {", ".join(QUOTA_ROLES)}.')
+      try:
+        percent = int(value)
+      except ValueError:
+        raise ValueError(f'--sm_quotas: {item!r} must read role=percent, e.g. trainer=30.') from None
+      if not 1 <= percent <= 100:
+        raise ValueError(f'--sm_quotas: {role}={percent} must lie in [1, 100] percent.')
+      out[role] = percent
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,8 @@ from ebrl_jax.controller import fused
 from ebrl_jax.controller import fused_cpu
 from ebrl_jax.controller import runner
 from ebrl_jax.generation import policies
+from ebrl_jax.resources import cpus
+from ebrl_jax.resources import mps
 from ebrl_jax.generation import worker as generation_worker
 from ebrl_jax.sim import worker as sim_worker
 from ebrl_jax.trainer import stages as trainer_stages
@@ -74,19 +76,43 @@ def _param_template(cfg: config_lib.Config, spec: types.EnvSpec):
   return state.params
 
 
-def _worker_env(cfg: config_lib.Config, role: str) -> Dict[str, str]:
-  """Per-worker environment. Each process gets an equal share of 90 % of the accelerator's memory, so the
-  first to start cannot take the 75 % JAX preallocates by default (the resource manager will plan these, and
-  add SM quotas and CPU affinity). Only the current variable name is set, never the older one beside it."""
-  share = 0.9 / (cfg.schedule.num_groups + 1)
-  return {'EBRL_ROLE': role, 'XLA_PYTHON_CLIENT_MEM_FRACTION': f'{share:.3f}'}
+def _roles(cfg: config_lib.Config):
+  """(CPU-simulating roles, GPU-feeder roles) of the topology."""
+  rollouts = [f'rollout/{g}' for g in range(cfg.schedule.num_groups)]
+  feeders = ['trainer'] + ([] if cfg.schedule.colocate_generation else ['generation'])
+  if cfg.sim.backend == 'mjx':
+    return [], feeders + rollouts
+  return rollouts, feeders
+
+
+class _Placement:
+  """Per-worker environment: memory share, MPS pipe and SM quota, CPU cores."""
+
+  def __init__(self, cfg: config_lib.Config, mps_daemon: Optional[mps.MpsDaemon]):
+    self._cfg, self._mps = cfg, mps_daemon
+    cpu_roles, feeders = _roles(cfg)
+    self.cores = (cpus.plan_cores(cpus.available_cores(), cpu_roles, feeders)
+                  if cfg.resources.pin_cpus else {})
+    # Each process gets an equal share of 90 % of the accelerator's memory, so the first to start cannot take the
+    # 75 % JAX preallocates by default. Only the current variable name is set, never the older one beside it.
+    self._memory_share = 0.9 / (len(cpu_roles) + len(feeders))
+
+  def env(self, role: str) -> Dict[str, str]:
+    env = {'EBRL_ROLE': role, 'XLA_PYTHON_CLIENT_MEM_FRACTION': f'{self._memory_share:.3f}'}
+    if self._mps is not None:
+      env.update(self._mps.worker_env(self._cfg.resources.quotas.get(role.split('/')[0])))
+    if role in self.cores:
+      env['EBRL_CPUS'] = cpus.encode(self.cores[role])
+    return env
 
 
 class _Workers:
   """Starts, watches and stops the workers; records their pids in `<run_dir>/workers.json`."""
 
-  def __init__(self, cfg: config_lib.Config, seg_channel, store, use_processes: bool, mailbox=None):
+  def __init__(self, cfg: config_lib.Config, seg_channel, store, use_processes: bool, mailbox=None,
+               placement: Optional[_Placement] = None):
     self._cfg, self._use_processes = cfg, use_processes
+    self._placement = placement
     self._ctx = multiprocessing.get_context('spawn') if use_processes else None
     self.stop = self._ctx.Event() if use_processes else threading.Event()
     self._trainer_ch = trainer_worker.TrainerChannels(seg_channel, store, self.stop)
@@ -96,7 +122,8 @@ class _Workers:
     self.restarts = 0
 
   def _start(self, role: str, target, args) -> None:
-    kwargs = {'env': _worker_env(self._cfg, role)}
+    # Threads share one process: only processes get their own environment and cores.
+    kwargs = {'env': self._placement.env(role) if self._use_processes and self._placement else None}
     if self._use_processes:
       worker = self._ctx.Process(target=target, args=args, kwargs=kwargs, name=role, daemon=True)
     else:
@@ -196,7 +223,11 @@ def run(cfg: config_lib.Config) -> fused.RunSummary:
   use_processes = cfg.schedule.transport == 'shm'
   registry: Optional[transport.ShmRegistry] = transport.ShmRegistry() if use_processes else None
   workers = None
+  mps_daemon = mps.MpsDaemon(cfg.schedule.run_dir) if cfg.resources.use_mps and use_processes else None
   try:
+    if mps_daemon is not None and not mps_daemon.start():
+      mps_daemon = None
+    placement = _Placement(cfg, mps_daemon)
     capacity = cfg.schedule.num_groups * (cfg.schedule.staleness_bound + 1)
     seg_channel = transport.make_channel(cfg.schedule.transport, _segment_spec(cfg, spec), capacity, registry)
     store = transport.make_param_store(cfg.schedule.transport, _param_template(cfg, spec), registry)
@@ -205,7 +236,7 @@ def run(cfg: config_lib.Config) -> fused.RunSummary:
       request_spec, reply_spec = _mailbox_specs(cfg, spec)
       mailbox = transport.make_mailbox(cfg.schedule.transport, request_spec, reply_spec, cfg.schedule.num_groups,
                                        registry=registry)
-    workers = _Workers(cfg, seg_channel, store, use_processes, mailbox)
+    workers = _Workers(cfg, seg_channel, store, use_processes, mailbox, placement)
     with _sigterm_as_interrupt():
       workers.start_all()
       workers.watch()
@@ -214,6 +245,8 @@ def run(cfg: config_lib.Config) -> fused.RunSummary:
       workers.stop_all()
     if registry is not None:
       registry.close()
+    if mps_daemon is not None:
+      mps_daemon.stop()
   if not os.path.exists(summary_path):
     raise WorkerFailure(f'the trainer ended without writing {summary_path}; see its log above.')
   with open(summary_path) as f:

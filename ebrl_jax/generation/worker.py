@@ -7,7 +7,6 @@ version of the group's iteration, which the trainer cannot pass before the group
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Optional
 
@@ -20,8 +19,8 @@ from ebrl_jax import types
 
 def generation_main(cfg: config_lib.Config, mailbox: Any, store: Any, stop: Any, env: Optional[dict] = None):
   """Process entry point. Runs until the stop event is set (or its parent has gone)."""
-  if env:
-    os.environ.update(env)
+  from ebrl_jax import resources  # pylint: disable=g-import-not-at-top
+  resources.apply_worker_env(env)
   import jax  # pylint: disable=g-import-not-at-top
   from ebrl_jax import sim, tracing  # pylint: disable=g-import-not-at-top
   from ebrl_jax.controller import runner  # pylint: disable=g-import-not-at-top

@@ -114,8 +114,8 @@ class _CpuGroup:
 
 def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, env: Optional[dict] = None):
   """Process entry point for env group `group`. Runs until the stop event is set."""
-  if env:
-    os.environ.update(env)
+  from ebrl_jax import resources  # pylint: disable=g-import-not-at-top
+  resources.apply_worker_env(env)
   import jax  # pylint: disable=g-import-not-at-top
   from ebrl_jax import sim  # pylint: disable=g-import-not-at-top
   from ebrl_jax.controller import fused_cpu, runner  # pylint: disable=g-import-not-at-top

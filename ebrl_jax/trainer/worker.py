@@ -8,7 +8,6 @@ is `v - b` versions stale when trained on; segments staler than the bound are dr
 """
 from __future__ import annotations
 
-import os
 import time
 from typing import Any, Dict, NamedTuple, Optional
 
@@ -127,8 +126,8 @@ class PipelineLoop:
 
 def trainer_main(cfg: config_lib.Config, channels: TrainerChannels, env: Optional[dict] = None) -> None:
   """Process entry point: trains until done, writes `<run_dir>/summary.json`, then sets the stop event."""
-  if env:
-    os.environ.update(env)
+  from ebrl_jax import resources  # pylint: disable=g-import-not-at-top
+  resources.apply_worker_env(env)
   from ebrl_jax.controller import fused, runner  # pylint: disable=g-import-not-at-top
   from ebrl_jax.sim import worker as sim_worker  # pylint: disable=g-import-not-at-top
   runner.configure_jax(cfg)

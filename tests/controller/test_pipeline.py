@@ -117,16 +117,24 @@ def test_killed_worker_is_restarted_without_losing_or_duplicating_segments(tmp_p
 
 def test_ctrl_c_leaves_no_process_and_no_shared_memory(tmp_path):
   run_dir = tmp_path / 'interrupt'
-  proc = _launch(run_dir, '--schedule=async', '--num_groups=2', '--num_timesteps=10000000', '--num_evals=2000')
+  # --use_mps on a machine without MPS: one warning, then the run goes on time-sliced.
+  proc = _launch(run_dir, '--schedule=async', '--num_groups=2', '--num_timesteps=10000000', '--num_evals=2000',
+                 '--use_mps')
   try:
     assert _wait_for(lambda: _trained_iterations(run_dir) >= 2, 240, proc)
     workers = json.load(open(run_dir / 'workers.json'))
     assert _our_segments(workers['controller'])
+    # Each worker runs on the cores the plan gave it (--pin_cpus is on by default).
+    from ebrl_jax.resources import cpus  # pylint: disable=g-import-not-at-top
+    plan = cpus.plan_cores(cpus.available_cores(), ['rollout/0', 'rollout/1'], ['trainer'])
+    for role, pid in workers['workers'].items():
+      assert os.sched_getaffinity(pid) == set(plan[role]), role
     proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=60)
+    out, _ = proc.communicate(timeout=60)
   finally:
     if proc.poll() is None:
       proc.kill()
+  assert 'MPS is not available' in out
   pids = list(workers['workers'].values())
   deadline = time.monotonic() + 10
   while any(_alive(p) for p in pids) and time.monotonic() < deadline:

@@ -1,0 +1,15 @@
+"""Resource management for the process schedules: the MPS daemon and SM quotas (`mps`), CPU cores (`cpus`),
+stage profiles (`profiles`) and the planner (`planner`)."""
+import os
+from typing import Dict, Optional
+
+from ebrl_jax.resources import cpus
+
+
+def apply_worker_env(env: Optional[Dict[str, str]]) -> None:
+  """First thing a worker process does: take its environment (MPS pipe and quota, memory share, ...) and pin
+  itself to its cores (`EBRL_CPUS`), before JAX or an env pool starts."""
+  if env:
+    os.environ.update(env)
+  if os.environ.get('EBRL_CPUS'):
+    cpus.pin(cpus.decode(os.environ['EBRL_CPUS']))

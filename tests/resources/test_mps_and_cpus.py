@@ -1,0 +1,97 @@
+"""MPS daemon lifecycle against a stand-in control binary (no GPU here), and the CPU core plan by hand."""
+import os
+import stat
+
+import pytest
+
+from ebrl_jax.resources import cpus
+from ebrl_jax.resources import mps
+
+_FAKE_CONTROL = '''#!/bin/sh
+# Stand-in for nvidia-cuda-mps-control: logs each call with its pipe directory; MODE picks its behaviour.
+echo "$* stdin=$(if [ "$1" != "-d" ]; then cat; fi) pipe=$CUDA_MPS_PIPE_DIRECTORY" >> "{log}"
+case "{mode}" in
+  hang) sleep 30 ;;
+  fail) echo "cannot start" >&2; exit 1 ;;
+esac
+exit 0
+'''
+
+
+def _fake_control(tmp_path, monkeypatch, mode='ok'):
+  bin_dir = tmp_path / 'bin'
+  bin_dir.mkdir()
+  log = tmp_path / 'calls.log'
+  path = bin_dir / mps.CONTROL
+  path.write_text(_FAKE_CONTROL.format(log=log, mode=mode))
+  path.chmod(path.stat().st_mode | stat.S_IEXEC)
+  monkeypatch.setenv('PATH', f'{bin_dir}:{os.environ["PATH"]}')
+  monkeypatch.delenv('CUDA_MPS_PIPE_DIRECTORY', raising=False)
+  return log
+
+
+def test_without_the_control_binary_mps_is_off_with_a_warning(tmp_path, monkeypatch):
+  monkeypatch.setenv('PATH', str(tmp_path))  # nothing there
+  daemon = mps.MpsDaemon(str(tmp_path / 'run'))
+  assert daemon.start() is False
+  assert daemon.worker_env(30) == {}
+  daemon.stop()  # harmless
+
+
+def test_start_gives_workers_a_private_pipe_and_quota_and_stop_quits_it(tmp_path, monkeypatch):
+  log = _fake_control(tmp_path, monkeypatch)
+  daemon = mps.MpsDaemon(str(tmp_path / 'run'))
+  assert daemon.start() is True and daemon.started_here
+  pipe = str(tmp_path / 'run' / 'mps' / 'pipe')
+  assert stat.S_IMODE(os.stat(pipe).st_mode) == 0o700
+  assert daemon.worker_env(30) == {'CUDA_MPS_PIPE_DIRECTORY': pipe,
+                                   'CUDA_MPS_LOG_DIRECTORY': str(tmp_path / 'run' / 'mps' / 'log'),
+                                   'CUDA_MPS_ACTIVE_THREAD_PERCENTAGE': '30'}
+  daemon.stop()
+  daemon.stop()  # a second stop sends nothing more
+  calls = log.read_text().splitlines()
+  assert calls == [f'-d stdin= pipe={pipe}', f' stdin=get_server_list pipe={pipe}', f' stdin=quit pipe={pipe}']
+
+
+def test_a_daemon_that_does_not_answer_never_hangs_the_run(tmp_path, monkeypatch):
+  _fake_control(tmp_path, monkeypatch, mode='hang')
+  daemon = mps.MpsDaemon(str(tmp_path / 'run'), timeout_s=0.5)
+  assert daemon.start() is False  # `-d` timed out after 0.5 s
+  assert not daemon.active
+
+
+def test_a_daemon_that_fails_to_start_is_reported(tmp_path, monkeypatch):
+  _fake_control(tmp_path, monkeypatch, mode='fail')
+  assert mps.MpsDaemon(str(tmp_path / 'run')).start() is False
+
+
+def test_an_existing_daemon_is_borrowed_not_stopped(tmp_path, monkeypatch):
+  log = _fake_control(tmp_path, monkeypatch)
+  pipe = tmp_path / 'shared_pipe'
+  pipe.mkdir()
+  (pipe / 'control').write_text('')
+  monkeypatch.setenv('CUDA_MPS_PIPE_DIRECTORY', str(pipe))
+  daemon = mps.MpsDaemon(str(tmp_path / 'run'))
+  assert daemon.start() and not daemon.started_here
+  assert daemon.worker_env()['CUDA_MPS_PIPE_DIRECTORY'] == str(pipe)
+  daemon.stop()
+  assert 'quit' not in log.read_text()
+
+
+def test_core_plan_by_hand():
+  # 16 cores, 4 CPU-simulating groups, trainer + generation: feeders take the last two cores (14, 15); the
+  # 14 others split 4/4/3/3 in contiguous blocks.
+  plan = cpus.plan_cores(range(16), ['rollout/0', 'rollout/1', 'rollout/2', 'rollout/3'], ['trainer', 'generation'])
+  assert plan == {'trainer': [14], 'generation': [15], 'rollout/0': [0, 1, 2, 3], 'rollout/1': [4, 5, 6, 7],
+                  'rollout/2': [8, 9, 10], 'rollout/3': [11, 12, 13]}
+  # 2 cores, 2 groups + trainer: fewer cores than roles, so they share round-robin.
+  assert cpus.plan_cores([0, 1], ['rollout/0', 'rollout/1'], ['trainer']) == {
+      'rollout/0': [0], 'rollout/1': [1], 'trainer': [0]}
+  # MJX: every role feeds the GPU; 8 cores over 3 feeders -> 2 each.
+  assert cpus.plan_cores(range(8), [], ['trainer', 'rollout/0', 'rollout/1']) == {
+      'trainer': [0, 1], 'rollout/0': [2, 3], 'rollout/1': [4, 5]}
+  with pytest.raises(ValueError, match='at least one core'):
+    cpus.plan_cores([], ['rollout/0'], [])
+  assert cpus.decode(cpus.encode([3, 5])) == [3, 5]
+  with pytest.raises(ValueError, match="EBRL_CPUS='a,b'"):
+    cpus.decode('a,b')
