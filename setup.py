@@ -35,9 +35,12 @@ setup(
         'orbax-checkpoint>=0.11,<0.13',
         'tensorboardX>=2.6,<3',
         'tqdm>=4.66,<5',
+        'matplotlib>=3.8,<4',
     ],
     extras_require={
-        'test': ['pytest>=8,<10', 'pytest-xdist>=3.5,<4'],
+        # Notebooks run headless in the tests: nbclient drives an ipykernel.
+        'test': ['pytest>=8,<10', 'pytest-xdist>=3.5,<4', 'nbformat>=5.9,<6', 'nbclient>=0.10,<0.12',
+                 'ipykernel>=6.29,<8'],
         'cuda': ['jax[cuda12]>=0.10,<0.12'],
     },
     entry_points={'console_scripts': ['ebrl_jax=ebrl_jax.main:run_main']},

@@ -78,13 +78,23 @@ def _evaluate_segments(network: nn.Module, params: gen_stages.PolicyParams, batc
   return jax.tree_util.tree_map(lambda x: x.reshape(t, b), out)
 
 
+LOG_RATIO_LIMIT = 20.0
+
+
 def clipped_surrogate(log_probs: Array, proximal_log_prob: Array, behaviour_log_prob: Array,
                        advantages: Array, mask: Array, algo: AlgoConfig) -> Tuple[Array, Metrics]:
-  """Decoupled PPO objective -mean(w * min(r A, clip(r) A)), r = pi/pi_prox, w = clip(pi_prox/pi_behav)."""
-  log_ratio = log_probs - proximal_log_prob
+  """Decoupled PPO objective -mean(w * min(r A, clip(r) A)), r = pi/pi_prox, w = clip(pi_prox/pi_behav).
+
+  NOTE: log-ratios are clamped to +-LOG_RATIO_LIMIT before `exp`. With a tanh-Gaussian whose scale can shrink to
+  `min_std`, a small move of the mean (or of the observation normaliser between acting and training) can change
+  a log-prob by thousands of nats; exp() would then overflow to inf and the gradient turn NaN (seen with
+  16-env async runs). Past e^20 the clipped surrogate carries no useful gradient anyway, so such samples just
+  stop contributing one, and everywhere else the objective is unchanged.
+  """
+  log_ratio = jnp.clip(log_probs - proximal_log_prob, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
   ratio = jnp.exp(log_ratio)
-  weight = jax.lax.stop_gradient(
-      jnp.clip(jnp.exp(proximal_log_prob - behaviour_log_prob), 0.0, algo.max_behaviour_ratio))
+  log_weight = jnp.clip(proximal_log_prob - behaviour_log_prob, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+  weight = jax.lax.stop_gradient(jnp.clip(jnp.exp(log_weight), 0.0, algo.max_behaviour_ratio))
   clipped = jnp.clip(ratio, 1.0 - algo.clip_epsilon, 1.0 + algo.clip_epsilon)
   surrogate = jnp.minimum(ratio * advantages, clipped * advantages)
   policy_loss = -masked_mean(weight * surrogate, mask)

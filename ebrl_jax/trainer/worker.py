@@ -8,6 +8,7 @@ is `v - b` versions stale when trained on; segments staler than the bound are dr
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Dict, NamedTuple, Optional
 
@@ -96,6 +97,8 @@ class PipelineLoop:
       with self.tracer.span('train/train_step', version=version):
         train_state, metrics = self._train(train_state, batch, train_key)
         metrics = jax.device_get(metrics)
+      if not all(np.isfinite(float(v)) for v in metrics.values()):
+        self._dump_nonfinite(batch, records, metrics, version)
       with self.tracer.span('train/publish_params'):
         self._ch.params.publish(int(train_state.policy_version), _host_params(train_state.params))
       self.counts['wait_s'] += t1 - t0
@@ -111,6 +114,15 @@ class PipelineLoop:
     out['trainer/wait/seconds'] = self.counts['wait_s']
     out['trainer/train_step/seconds'] = self.counts['train_s']
     return train_state, out
+
+  def _dump_nonfinite(self, batch, records, metrics, version) -> None:
+    """Keeps the batch that produced a non-finite loss next to the run, for a post-mortem (the driver then
+    stops the run when it logs the metric)."""
+    path = os.path.join(self._cfg.schedule.run_dir, f'nonfinite_batch_v{version}.npz')
+    np.savez(path, **batch._asdict(), groups=np.array([int(r.group[0]) for r in records]),
+             iterations=np.array([int(r.iteration[0]) for r in records]))
+    logging.error('trainer: non-finite metrics at version %d (%s); batch saved to %s.', version,
+                  {k: float(v) for k, v in metrics.items()}, path)
 
   def evaluate(self, params, key) -> Dict[str, float]:
     with self.tracer.span('train/evaluate'):

@@ -91,6 +91,21 @@ def test_behaviour_weight_is_clipped():
   np.testing.assert_allclose(g, [0.0, -0.375, 0.1875, 0.275], rtol=1e-5, atol=1e-7)
 
 
+def test_extreme_log_ratios_give_finite_loss_and_gradient():
+  # A sample whose log-prob moved by 5000 nats (a mean shift of 0.1 at scale 0.001): exp(5000) is inf in float32
+  # and the unclamped gradient NaN. With the clamp at 20 the loss is finite and that sample has no gradient.
+  logp = jnp.array([5000.0, 0.0, -5000.0, 0.0])
+  prox = jnp.zeros(4)
+  behaviour = jnp.array([-5000.0, 0.0, 0.0, 0.0])  # its weight exp(5000) is clipped to max_behaviour_ratio
+  adv = jnp.array([-1.0, 1.0, 1.0, 1.0])
+  loss, m = losses.clipped_surrogate(logp, prox, behaviour, adv, jnp.ones(4), ALGO)
+  assert np.isfinite(loss) and all(np.isfinite(float(v)) for v in m.values())
+  g = jax.grad(lambda lp: losses.clipped_surrogate(lp, prox, behaviour, adv, jnp.ones(4), ALGO)[0])(logp)
+  assert np.all(np.isfinite(g))
+  # Samples 0 and 2 sit beyond the clamp: zero gradient. Sample 1 (r = 1, A = 1, w = 1): -(1/4) * 1 * 1 = -0.25.
+  np.testing.assert_allclose(g, [0.0, -0.25, 0.0, -0.25], atol=1e-6)
+
+
 def test_grpo_advantages_two_groups():
   # Group [1, 2, 3]: mean 2, std sqrt(2/3) = 0.8164966 -> [-1.2247449, 0, 1.2247449].
   # Group [10, 10, 40]: mean 20, std sqrt((100 + 100 + 400)/3) = 14.1421356 -> [-0.7071068, -0.7071068, 1.4142136].
