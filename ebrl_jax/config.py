@@ -158,8 +158,10 @@ class ScheduleConfig:
   # async: a group may run at most this many policy versions ahead of the trainer (sync is 0 by definition).
   max_staleness: int = 1
   transport: str = 'shm'  # 'shm': worker processes over shared memory; 'thread': threads in one process
-  # What happens when a rollout worker dies: restart it (its group resets) or stop the run cleanly.
+  # What happens when a rollout or generation worker dies: restart it (its group resets) or stop the run cleanly.
   worker_fault: str = 'restart'
+  # A worker that dies more often than this (e.g. it cannot start at its quota) stops the run.
+  max_restarts: int = 3
   trace_dir: str = ''  # '' disables the Perfetto/chrome://tracing timeline
   # Process schedules: act inside each rollout worker (True), or in one generation worker process that batches
   # the groups' requests (False; native MuJoCo only for now).
@@ -178,6 +180,7 @@ class ScheduleConfig:
     _check_positive('max_staleness', self.max_staleness, allow_zero=True)
     _check_choice('transport', self.transport, TRANSPORTS)
     _check_choice('worker_fault', self.worker_fault, FAULT_POLICIES)
+    _check_positive('max_restarts', self.max_restarts, allow_zero=True)
 
   @property
   def staleness_bound(self) -> int:

@@ -89,7 +89,7 @@ class _Placement:
   """Per-worker environment: memory share, MPS pipe and SM quota, CPU cores."""
 
   def __init__(self, cfg: config_lib.Config, mps_daemon: Optional[mps.MpsDaemon]):
-    self._cfg, self._mps = cfg, mps_daemon
+    self._cfg, self.mps = cfg, mps_daemon
     cpu_roles, feeders = _roles(cfg)
     self.cores = (cpus.plan_cores(cpus.available_cores(), cpu_roles, feeders)
                   if cfg.resources.pin_cpus else {})
@@ -99,8 +99,8 @@ class _Placement:
 
   def env(self, role: str) -> Dict[str, str]:
     env = {'EBRL_ROLE': role, 'XLA_PYTHON_CLIENT_MEM_FRACTION': f'{self._memory_share:.3f}'}
-    if self._mps is not None:
-      env.update(self._mps.worker_env(self._cfg.resources.quotas.get(role.split('/')[0])))
+    if self.mps is not None:
+      env.update(self.mps.worker_env(self._cfg.resources.quotas.get(role.split('/')[0])))
     if role in self.cores:
       env['EBRL_CPUS'] = cpus.encode(self.cores[role])
     return env
@@ -120,6 +120,7 @@ class _Workers:
     self._gen_args = (cfg, mailbox, store, self.stop)
     self.workers: Dict[str, Any] = {}
     self.restarts = 0
+    self._role_restarts: Dict[str, int] = {}
 
   def _start(self, role: str, target, args) -> None:
     # Threads share one process: only processes get their own environment and cores.
@@ -170,6 +171,14 @@ class _Workers:
     if self._cfg.schedule.worker_fault != 'restart':
       raise WorkerFailure(f'{role} (pid {getattr(w, "pid", None)}) died with exit code {code}; stopping '
                           '(--worker_fault=stop).')
+    self._role_restarts[role] = self._role_restarts.get(role, 0) + 1
+    if self._role_restarts[role] > self._cfg.schedule.max_restarts:
+      hint = ''
+      if self._placement is not None and self._placement.mps is not None and not self._placement.mps.alive():
+        hint = ' The MPS daemon no longer answers: restart it, or run without --use_mps.'
+      raise WorkerFailure(f'{role} died {self._role_restarts[role]} times (last exit code {code}), more than '
+                          f'--max_restarts={self._cfg.schedule.max_restarts}; stopping.{hint} The last '
+                          f'checkpoint in {self._cfg.schedule.run_dir}/checkpoints stays loadable.')
     self.restarts += 1
     logging.warning('%s (pid %s) died with exit code %s; restarting it (restart %d).',
                     role, getattr(w, 'pid', None), code, self.restarts)

@@ -188,3 +188,19 @@ def test_killed_trainer_stops_the_run_with_its_checkpoint_intact(tmp_path):
   from ebrl_jax.trainer import checkpoint  # pylint: disable=g-import-not-at-top
   with checkpoint.Checkpointer(str(run_dir / 'checkpoints')) as ckpt:
     assert ckpt.latest_step() == steps[-1]
+
+
+def test_a_worker_that_keeps_dying_stops_the_run_after_max_restarts(tmp_path, monkeypatch):
+  from ebrl_jax.sim import worker as sim_worker  # pylint: disable=g-import-not-at-top
+  starts = []
+
+  def crash(cfg, group, channels, env=None):
+    del cfg, channels, env
+    starts.append(group)
+    raise RuntimeError('cannot start (e.g. at its SM quota)')
+
+  monkeypatch.setattr(sim_worker, 'rollout_main', crash)
+  cfg = _config(tmp_path / 'crashy', schedule='async', transport='thread', num_groups=1, max_restarts=2)
+  with pytest.raises(controller.RunError, match=r'rollout/0 died 3 times .* more than --max_restarts=2; stopping'):
+    controller.run(cfg)
+  assert starts == [0, 0, 0]  # the first start and two restarts
