@@ -201,9 +201,12 @@ class ResourceConfig:
   sm_quotas: str = ''
   # Pin native-MuJoCo rollout workers to cores of their own, and each GPU feeder process to one core.
   pin_cpus: bool = True
+  # Telemetry (SM activity via NVML GPM, GPU memory and CPU use per process) every this many seconds; 0 = off.
+  telemetry_period_s: float = 0.1
 
   def __post_init__(self):
     _check_choice('platform', self.platform, ('', 'cpu', 'gpu', 'cuda'))
+    _check_positive('telemetry_period_s', self.telemetry_period_s, allow_zero=True)
     quotas = self.quotas  # parses and checks
     if quotas and not self.use_mps:
       raise ValueError(f'--sm_quotas={self.sm_quotas} needs --use_mps (quotas are an MPS setting).')

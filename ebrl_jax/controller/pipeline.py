@@ -24,7 +24,6 @@ import jax
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import sim
-from ebrl_jax import tracing
 from ebrl_jax import transport
 from ebrl_jax import types
 from ebrl_jax.controller import fused
@@ -261,11 +260,6 @@ def run(cfg: config_lib.Config) -> fused.RunSummary:
   with open(summary_path) as f:
     data = json.load(f)
   data['extra']['worker_restarts'] = workers.restarts
-  if cfg.schedule.trace_dir and tracing.merge(cfg.schedule.trace_dir):
-    stages = tracing.summarize(cfg.schedule.trace_dir)
-    data['extra']['stage_ms'] = stages
-    for name, s in sorted(stages.items()):
-      logging.info('%s: %d spans, %.1f ms total, %.3f ms mean', name, s['count'], s['total_ms'], s['mean_ms'])
   with open(summary_path, 'w') as f:
     json.dump(data, f, indent=2)
   return fused.RunSummary(**data)

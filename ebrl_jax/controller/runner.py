@@ -1,8 +1,9 @@
 """Entry point of the controller: `run(config)` configures JAX and dispatches to the schedule by name."""
 from __future__ import annotations
 
+import json
 import os
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 from absl import logging
 
@@ -45,11 +46,54 @@ def configure_jax(cfg: config_lib.Config) -> None:
     logging.info('Persistent compilation cache: %s', cache_dir)
 
 
+def _watched_pids(run_dir: str) -> Dict[str, int]:
+  """This process, and the workers the process schedules list in `<run_dir>/workers.json`."""
+  pids = {'controller': os.getpid()}
+  try:
+    with open(os.path.join(run_dir, 'workers.json')) as f:
+      pids.update(json.load(f)['workers'])
+  except (OSError, ValueError, KeyError):
+    pass
+  return pids
+
+
+def _finish(cfg: config_lib.Config, summary, telemetry_means: Optional[dict]):
+  """Adds telemetry means and the timeline's per-stage totals to the summary (object and summary.json)."""
+  from ebrl_jax import tracing  # pylint: disable=g-import-not-at-top
+  extra = summary.extra
+  if telemetry_means is not None:
+    extra['telemetry'] = telemetry_means
+    shown = {k: round(v, 1) for k, v in telemetry_means.items() if isinstance(v, float)}
+    logging.info('telemetry means: %s', shown)
+  if cfg.schedule.trace_dir and tracing.merge(cfg.schedule.trace_dir):
+    extra['stage_ms'] = tracing.summarize(cfg.schedule.trace_dir)
+    for name, s in sorted(extra['stage_ms'].items()):
+      logging.info('%s: %d spans, %.1f ms total, %.3f ms mean', name, s['count'], s['total_ms'], s['mean_ms'])
+  path = os.path.join(cfg.schedule.run_dir, 'summary.json')
+  if os.path.exists(path):
+    with open(path) as f:
+      data = json.load(f)
+    data['extra'] = extra
+    with open(path, 'w') as f:
+      json.dump(data, f, indent=2)
+  return summary
+
+
 def run(cfg: config_lib.Config):
-  """Runs `cfg` with its schedule; returns the schedule's summary."""
+  """Runs `cfg` with its schedule, with telemetry alongside; returns the schedule's summary."""
   if cfg.schedule.name not in SCHEDULES:
     raise ValueError(f'--schedule={cfg.schedule.name!r} is not valid; allowed values: {", ".join(SCHEDULES)}.')
   configure_jax(cfg)
   from ebrl_jax.controller import metrics  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.resources import telemetry as telemetry_lib  # pylint: disable=g-import-not-at-top
   metrics.quiet_library_logs()
-  return SCHEDULES[cfg.schedule.name](cfg)
+  telemetry = None
+  if cfg.resources.telemetry_period_s > 0:
+    os.makedirs(cfg.schedule.run_dir, exist_ok=True)
+    telemetry = telemetry_lib.Telemetry(cfg.schedule.run_dir, lambda: _watched_pids(cfg.schedule.run_dir),
+                                        cfg.resources.telemetry_period_s, cfg.schedule.trace_dir).start()
+  try:
+    summary = SCHEDULES[cfg.schedule.name](cfg)
+  finally:
+    means = telemetry.stop() if telemetry is not None else None
+  return _finish(cfg, summary, means)

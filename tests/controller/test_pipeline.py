@@ -158,7 +158,11 @@ def test_trace_dir_writes_a_timeline_of_every_process(tmp_path):
   trace = json.load(open(trace_dir / 'trace.json'))
   events = trace['traceEvents']
   names = {e['args']['name'] for e in events if e.get('ph') == 'M'}
-  assert names == {'trainer', 'rollout/0', 'rollout/1'}
+  assert names == {'trainer', 'rollout/0', 'rollout/1', 'telemetry'}
+  # The controller's telemetry adds counter tracks: CPU use of every worker (no GPU here).
+  counters = {e['name'] for e in events if e.get('ph') == 'C'}
+  assert {'cpu_pct/trainer', 'cpu_pct/rollout/0', 'cpu_pct/rollout/1'} <= counters
+  assert summary.extra['telemetry']['cpu_pct/trainer'] > 0
   spans = {e['name'] for e in events if e.get('ph') == 'X'}
   assert {'gen/act', 'sim/step', 'rollout/collect', 'train/train_step', 'train/wait_segments'} <= spans
   assert all(e['dur'] >= 0 for e in events if e.get('ph') == 'X')
