@@ -13,6 +13,8 @@ from ebrl_jax.generation import stages as gen_stages
 from ebrl_jax.trainer import losses
 from ebrl_jax.types import Transition
 
+import brax_testlib  # pylint: disable=g-bad-import-order
+
 
 def _gae_example():
   # T = 3, B = 2; discount 0.5, lambda 0.5 (so discount * lambda = 0.25). Column 0 terminates at t = 1,
@@ -160,15 +162,9 @@ def test_ppo_loss_equals_brax_on_policy():
   brax_params = brax_losses.PPONetworkParams(policy={'params': params.network['params']['policy']},
                                              value={'params': params.network['params']['value']})
   brax_stats = jax.jit(rs.update)(rs.init_state(jnp.zeros((obs_dim,))), batch.obs)
-  to_bt = lambda x: jnp.swapaxes(x, 0, 1)  # Brax's data is [B, T]
   dist_params = jax.jit(net.apply)(params.network, rs.normalize(batch.obs.reshape(t * b, obs_dim), brax_stats))[0]
-  data = brax_losses.types.Transition(
-      observation=to_bt(batch.obs), action=to_bt(jnp.tanh(batch.raw_action[:, :, 0])), reward=to_bt(batch.reward),
-      discount=to_bt(1.0 - batch.termination - batch.truncation), next_observation=to_bt(batch.next_obs),
-      extras={'state_extras': {'truncation': to_bt(batch.truncation)},
-              'policy_extras': {'raw_action': to_bt(batch.raw_action[:, :, 0]),
-                                'log_prob': to_bt(batch.behaviour_log_prob),
-                                'distribution_params': to_bt(dist_params.reshape(t, b, -1))}})
+  data = brax_testlib.to_brax_transition(brax_losses.types, batch,
+                                        jnp.swapaxes(dist_params.reshape(t, b, -1), 0, 1))
   brax_loss, bm = jax.jit(functools.partial(
       brax_losses.compute_ppo_loss, ppo_network=brax_net, entropy_cost=0.0, discounting=algo.discount,
       reward_scaling=algo.reward_scaling, gae_lambda=algo.gae_lambda, clipping_epsilon=algo.clip_epsilon,

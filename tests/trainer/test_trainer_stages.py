@@ -13,6 +13,8 @@ from ebrl_jax.generation import stages as gen_stages
 from ebrl_jax.trainer import stages
 from ebrl_jax.types import Transition
 
+import brax_testlib  # pylint: disable=g-bad-import-order
+
 OBS, ACT, T, S = 5, 2, 4, 8
 NET = policies.make_network(PolicyConfig(policy_hidden_sizes=(16, 16), value_hidden_sizes=(32, 32)), OBS, ACT)
 train_jit = jax.jit(stages.train_step, static_argnums=(0, 1, 2, 3),
@@ -113,14 +115,7 @@ def test_one_sgd_step_matches_brax():
       NET, optimizer, algo, 0.001, state, batch, jax.random.PRNGKey(2), recompute_proximal=False)
 
   brax_net = brax_networks.make_ppo_networks(OBS, ACT, rs.normalize, (16, 16), (32, 32))
-  to_bt = lambda x: jnp.swapaxes(x, 0, 1)
-  data = brax_losses.types.Transition(
-      observation=to_bt(batch.obs), action=to_bt(jnp.tanh(batch.raw_action[:, :, 0])), reward=to_bt(batch.reward),
-      discount=to_bt(1.0 - batch.termination - batch.truncation), next_observation=to_bt(batch.next_obs),
-      extras={'state_extras': {'truncation': to_bt(batch.truncation)},
-              'policy_extras': {'raw_action': to_bt(batch.raw_action[:, :, 0]),
-                                'log_prob': to_bt(batch.behaviour_log_prob),
-                                'distribution_params': jnp.zeros((S, T, 2 * ACT))}})
+  data = brax_testlib.to_brax_transition(brax_losses.types, batch, jnp.zeros((S, T, 2 * ACT)))
 
   @jax.jit
   def brax_step(params, key):
