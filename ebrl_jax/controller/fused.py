@@ -11,11 +11,10 @@ import json
 import math
 import os
 import time
-from typing import Any, Dict, Optional
+from typing import Optional
 
 from absl import logging
 import jax
-import numpy as np
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import sim
@@ -177,8 +176,3 @@ def run_training(cfg: config_lib.Config, make_loop) -> RunSummary:
   logging.info('Finished: %d env steps, final eval return %.1f, %.0f env steps/s, compile %.1f s.',
                summary.env_steps, summary.final_eval_return, summary.env_steps_per_s, summary.compile_s)
   return summary
-
-
-def mean_metrics(metrics: Dict[str, Any]) -> Dict[str, float]:
-  """Host-side means of stacked per-iteration metrics."""
-  return {k: float(np.mean(np.asarray(v))) for k, v in metrics.items()}

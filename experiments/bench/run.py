@@ -6,7 +6,7 @@ r"""Runs one workload under several schedules and seeds, one after another on on
 
 Each (schedule, seed) runs as `python -m ebrl_jax.main` in its own process with `--run_dir=<out>_runs/<schedule>
 /seed<k>`; its summary.json is collected. Where NVML sees a GPU, device-wide SM activity and occupancy (GPM) are
-sampled every 100 ms during each run. Per schedule the JSON holds every seed's figures and their mean; ratios
+sampled every 100 ms during each run (`ebrl_jax.resources.telemetry`). Per schedule the JSON holds every seed's figures and their mean; ratios
 are against the first schedule. `python -m experiments.bench.report <json> ...` turns results into a table
 and plots.
 """
@@ -18,12 +18,13 @@ import platform
 import signal
 import subprocess
 import sys
-import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from absl import app
 from absl import flags
+
+from ebrl_jax.resources import telemetry
 
 _FLAGFILE = flags.DEFINE_string('bench_flagfile', None, 'The workload flagfile (passed on as --flagfile).')
 _SCHEDULES = flags.DEFINE_list('schedules', ['fused', 'sync', 'async'], 'Schedules to run, in order.')
@@ -41,56 +42,13 @@ FIGURES = ('env_steps', 'env_steps_per_s', 'compile_s', 'wall_s', 'train_wall_s'
            'best_eval_return', 'env_steps_to_target', 'wall_s_to_target', 'train_s_to_target')
 
 
-class GpmSampler:
-  """Device-wide SM activity and occupancy (NVML GPM) every `period` seconds in a thread; inert without a GPU."""
-
-  def __init__(self, period: float = 0.1):
-    self.period, self.samples, self.reason = period, [], None
-    self._stop = threading.Event()
-    self._thread = None
-    try:
-      import pynvml  # pylint: disable=g-import-not-at-top
-      pynvml.nvmlInit()
-      self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
-    except Exception as e:  # pylint: disable=broad-except
-      self._nvml, self.reason = None, f'no NVML device ({type(e).__name__}: {e})'
-
-  def _read(self, s1, s2):
-    n = self._nvml
-    ids = (n.NVML_GPM_METRIC_SM_UTIL, n.NVML_GPM_METRIC_SM_OCCUPANCY)
-    mg = n.c_nvmlGpmMetricsGet_t()
-    mg.version, mg.numMetrics, mg.sample1, mg.sample2 = n.NVML_GPM_METRICS_GET_VERSION, len(ids), s1, s2
-    for i, m in enumerate(ids):
-      mg.metrics[i].metricId = m
-    n.nvmlGpmMetricsGet(mg)
-    return mg.metrics[0].value, mg.metrics[1].value
-
-  def _loop(self):
-    n = self._nvml
-    s1, s2 = n.nvmlGpmSampleAlloc(), n.nvmlGpmSampleAlloc()
-    n.nvmlGpmSampleGet(self._handle, s1)
-    while not self._stop.wait(self.period):
-      n.nvmlGpmSampleGet(self._handle, s2)
-      self.samples.append((time.time(), *self._read(s1, s2)))
-      s1, s2 = s2, s1
-
-  def __enter__(self):
-    if self._nvml is not None:
-      self._thread = threading.Thread(target=self._loop, daemon=True)
-      self._thread.start()
-    return self
-
-  def __exit__(self, *exc):
-    self._stop.set()
-    if self._thread is not None:
-      self._thread.join(timeout=2)
-
-  def mean(self, start: float, end: float) -> Dict[str, Optional[float]]:
-    window = [s for s in self.samples if start <= s[0] <= end]
-    if not window:
-      return {'sm_activity_pct': None, 'sm_occupancy_pct': None, 'reason': self.reason or 'no samples'}
-    return {'sm_activity_pct': sum(s[1] for s in window) / len(window),
-            'sm_occupancy_pct': sum(s[2] for s in window) / len(window), 'samples': len(window)}
+def _gpm_window(tel: telemetry.Telemetry, start: float, end: float) -> dict:
+  """Mean device-wide SM activity and occupancy between two Unix times (None, with the reason, without a GPU)."""
+  window = [r for r in tel.records if start <= r['t'] <= end and 'sm_activity_pct' in r]
+  if not window:
+    return {'sm_activity_pct': None, 'sm_occupancy_pct': None, 'reason': tel.gpu_reason or 'no samples'}
+  return {'sm_activity_pct': sum(r['sm_activity_pct'] for r in window) / len(window),
+          'sm_occupancy_pct': sum(r['sm_occupancy_pct'] for r in window) / len(window), 'samples': len(window)}
 
 
 def _machine() -> dict:
@@ -110,7 +68,8 @@ def _commit() -> str:
   return out.stdout.strip() if out.returncode == 0 else os.environ.get('EBRL_COMMIT', 'unknown')
 
 
-def _run_one(flagfile: str, schedule: str, seed: str, extra: List[str], run_dir: str, gpm: GpmSampler) -> dict:
+def _run_one(flagfile: str, schedule: str, seed: str, extra: List[str], run_dir: str,
+             tel: telemetry.Telemetry) -> dict:
   cmd = [sys.executable, '-m', 'ebrl_jax.main', f'--flagfile={flagfile}', f'--schedule={schedule}',
          f'--seed={seed}', f'--run_dir={run_dir}', '--noprogress_bar', *extra]
   start = time.time()
@@ -127,7 +86,7 @@ def _run_one(flagfile: str, schedule: str, seed: str, extra: List[str], run_dir:
     stderr += f'\n[bench] stopped after --timeout_s={_TIMEOUT.value}'
   end = time.time()
   result = {'command': ' '.join(cmd[1:]), 'returncode': popen.returncode, 'start_unix': start, 'end_unix': end,
-            'process_wall_s': end - start, 'gpm': gpm.mean(start, end)}
+            'process_wall_s': end - start, 'gpm': _gpm_window(tel, start, end)}
   summary_path = os.path.join(run_dir, 'summary.json')
   if popen.returncode or not os.path.exists(summary_path):
     result['error_tail'] = (stdout + stderr)[-4000:]
@@ -181,17 +140,22 @@ def main(argv):
   run_root = os.path.splitext(_OUT.value)[0] + '_runs'
   result = {'commit': _commit(), 'flagfile': flagfile, 'extra_flags': extra, 'quick': _QUICK.value,
             'seeds': _SEEDS.value, 'machine': _machine(), 'runs': {}}
-  with GpmSampler() as gpm:
+  os.makedirs(run_root, exist_ok=True)
+  # Device-wide figures only (no pids): each run's own telemetry covers its processes.
+  tel = telemetry.Telemetry(run_root, dict, period=0.1).start()
+  try:
     for schedule in _SCHEDULES.value:
       result['runs'][schedule] = []
       for seed in _SEEDS.value:
         print(f'== {schedule} seed {seed}', flush=True)
-        run = _run_one(flagfile, schedule, seed, extra, os.path.join(run_root, schedule, f'seed{seed}'), gpm)
+        run = _run_one(flagfile, schedule, seed, extra, os.path.join(run_root, schedule, f'seed{seed}'), tel)
         result['runs'][schedule].append(run)
         summary = run.get('summary', {})
         print(json.dumps({k: summary.get(k) for k in FIGURES}), flush=True)
         if 'error_tail' in run:
           print(run['error_tail'][-2000:], flush=True)
+  finally:
+    tel.stop()
   result['figures'] = aggregate(result['runs'])
   result['ratios_vs_' + _SCHEDULES.value[0]] = ratios(result['figures'], _SCHEDULES.value[0])
   os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
