@@ -76,8 +76,9 @@ class StepResult(NamedTuple):
 class SegmentRecord(NamedTuple):
   """One env group's share of an iteration, as it crosses from a rollout worker to the trainer.
 
-  The first nine fields are a `Transition` with leading [T, S_g] (S_g = the group's segments). group, iteration:
-  [1] int32 — which group, and that group's iteration counter (unique per group: the trainer counts duplicates).
+  The first nine fields are a `Transition` with leading [T, S_g] (S_g = the group's segments). group, iteration,
+  incarnation: [1] int32 — which group, that group's iteration counter, and which start of the group's worker
+  (0 first, +1 per restart); the triple is unique, so the trainer counts any record it sees twice.
   episode_stats: [3] float32 — return sum, length sum and count of the episodes that ended in the segment.
   """
   obs: Any
@@ -91,6 +92,7 @@ class SegmentRecord(NamedTuple):
   policy_version: Any
   group: Any
   iteration: Any
+  incarnation: Any
   episode_stats: Any
 
   def transition(self) -> Transition:

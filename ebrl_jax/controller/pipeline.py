@@ -50,9 +50,11 @@ def _segment_spec(cfg: config_lib.Config, spec: types.EnvSpec) -> transport.Reco
   t, k, o, a = steps, cfg.policy.action_chunk, spec.obs_dim, spec.action_dim
   shapes = {'obs': (t, s, o), 'raw_action': (t, s, k, a), 'reward': (t, s), 'termination': (t, s),
             'truncation': (t, s), 'next_obs': (t, s, o), 'behaviour_log_prob': (t, s), 'mask': (t, s),
-            'policy_version': (t, s), 'group': (1,), 'iteration': (1,), 'episode_stats': (3,)}
+            'policy_version': (t, s), 'group': (1,), 'iteration': (1,), 'incarnation': (1,),
+            'episode_stats': (3,)}
   return transport.record_spec(types.SegmentRecord, shapes,
-                               dtypes={'policy_version': 'int32', 'group': 'int32', 'iteration': 'int32'})
+                               dtypes={'policy_version': 'int32', 'group': 'int32', 'iteration': 'int32',
+                                       'incarnation': 'int32'})
 
 
 def _mailbox_specs(cfg: config_lib.Config, spec: types.EnvSpec):
@@ -144,7 +146,7 @@ class _Workers:
     if self._rollout_ch.mailbox is not None:
       self._start('generation', generation_worker.generation_main, self._gen_args)
     for g in range(self._cfg.schedule.num_groups):
-      self._start(f'rollout/{g}', sim_worker.rollout_main, (self._cfg, g, self._rollout_ch))
+      self._start(f'rollout/{g}', sim_worker.rollout_main, (self._cfg, g, self._rollout_ch, 0))
 
   def watch(self) -> None:
     """Returns when the trainer has finished; handles rollout-worker deaths on the way."""
@@ -185,7 +187,8 @@ class _Workers:
       self._start(role, generation_worker.generation_main, self._gen_args)
       return
     group = int(role.split('/')[1])  # the group's envs reset; its unfinished segment is lost, never half-sent
-    self._start(role, sim_worker.rollout_main, (self._cfg, group, self._rollout_ch))
+    # A new incarnation: its iteration numbers may repeat the dead one's, its records stay distinct.
+    self._start(role, sim_worker.rollout_main, (self._cfg, group, self._rollout_ch, self._role_restarts[role]))
 
   def stop_all(self) -> None:
     self.stop.set()

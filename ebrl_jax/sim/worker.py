@@ -112,8 +112,9 @@ class _CpuGroup:
     self._pool.close()
 
 
-def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, env: Optional[dict] = None):
-  """Process entry point for env group `group`. Runs until the stop event is set."""
+def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, incarnation: int = 0,
+                 env: Optional[dict] = None):
+  """Process entry point for env group `group` (`incarnation`: how many times its worker was restarted)."""
   from ebrl_jax import resources  # pylint: disable=g-import-not-at-top
   resources.apply_worker_env(env)
   import jax  # pylint: disable=g-import-not-at-top
@@ -156,6 +157,7 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
         transition, stats = worker.collect(params, params_version, roll_key)
       record = types.SegmentRecord(*[np.asarray(x) for x in transition], group=np.array([group], np.int32),
                                    iteration=np.array([iteration], np.int32),
+                                   incarnation=np.array([incarnation], np.int32),
                                    episode_stats=np.asarray(stats, np.float32))
       with tracer.span('rollout/put_segment'):
         while not stop.is_set():

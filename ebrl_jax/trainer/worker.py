@@ -66,7 +66,7 @@ class PipelineLoop:
         record = self._ch.segments.get(timeout=0.5)
       except TimeoutError:
         continue
-      key = (int(record.group[0]), int(record.iteration[0]))
+      key = (int(record.group[0]), int(record.incarnation[0]), int(record.iteration[0]))
       if key in self._seen:
         self.counts['segments_duplicated'] += 1
         continue
