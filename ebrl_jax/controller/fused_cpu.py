@@ -15,6 +15,7 @@ import numpy as np
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import types
+from ebrl_jax.controller import metrics as metrics_lib
 from ebrl_jax.rollout import cpu as cpu_rollout
 from ebrl_jax.rollout import evaluation
 from ebrl_jax.sim import cpu_env
@@ -77,20 +78,14 @@ class CpuFusedLoop:
 
   def run_iterations(self, train_state, num_iterations: int, key) -> Tuple[object, Dict[str, float]]:
     del key  # keys come from the iteration index
-    sums: Dict[str, float] = {}
-    ret_sum = count = 0.0
+    acc = metrics_lib.IterationMetrics(self._cfg.algo.name)
     for _ in range(num_iterations):
       version = int(train_state.policy_version)  # = iterations trained so far
       roll_key, train_key = iteration_keys(self._base_key, version)
       batch, stats = self._collector.collect(train_state.params, version, roll_key)
-      ret_sum, count = ret_sum + stats.return_sum, count + stats.count
       train_state, metrics = self._train(train_state, batch, train_key)
-      for name, value in jax.device_get(metrics).items():
-        sums[name] = sums.get(name, 0.0) + float(value)
-    out = {f'train/{self._cfg.algo.name}/{k}': v / num_iterations for k, v in sums.items()}
-    if count:
-      out['rollout/episode_return'] = ret_sum / count
-    return train_state, out
+      acc.add(jax.device_get(metrics), stats.return_sum, stats.count)
+    return train_state, acc.result()
 
   def evaluate(self, params, key) -> Dict[str, float]:
     return self._evaluator.evaluate(params, key)

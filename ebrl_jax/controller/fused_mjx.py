@@ -7,7 +7,6 @@ import time
 from typing import Dict, Tuple
 
 import jax
-import jax.numpy as jnp
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import types
@@ -18,30 +17,13 @@ from ebrl_jax.trainer import stages as trainer_stages
 
 
 def _iteration(cfg: config_lib.Config, env, network, optimizer, carry, key):
-  """One iteration: U unrolls of T policy steps for every env (PPO) or one episode per env (GRPO), then train."""
+  """One iteration: collect (`rollout.collect_iteration`) for every env, then train."""
   train_state, env_state = carry
-  roll_key, reset_key, train_key = jax.random.split(key, 3)
-  params, version = train_state.params, train_state.policy_version
-  k = cfg.policy.action_chunk
-  min_std = cfg.policy.min_std
-  if cfg.algo.name == 'grpo':
-    env_state = sim_stages.reset(env, reset_key, cfg.sim.num_envs, cfg.sim.group_size)
-    active = jnp.ones((cfg.sim.num_envs,), jnp.float32)
-    env_state, _, batch, stats = rollout.collect_segment(
-        env, network, params, version, env_state, cfg.sim.episode_length // k, True, roll_key, active, min_std)
-  else:
-    active = jnp.ones((cfg.sim.num_envs,), jnp.float32)
-
-    def unroll(env_state, unroll_key):
-      env_state, _, segment, stats = rollout.collect_segment(
-          env, network, params, version, env_state, cfg.algo.unroll_length // k, False, unroll_key, active, min_std)
-      return env_state, (segment, stats)
-
-    env_state, (segments, stats) = jax.lax.scan(unroll, env_state, jax.random.split(roll_key, cfg.unrolls_per_env))
-    batch = rollout.merge_unrolls(segments)
-    stats = jax.tree.map(jnp.sum, stats)
-  train_state, metrics = trainer_stages.train_step(network, optimizer, cfg.algo, min_std, train_state, batch,
-                                                   train_key, group_size=cfg.sim.group_size,
+  roll_key, train_key = jax.random.split(key)
+  env_state, batch, stats = rollout.collect_iteration(cfg, env, network, cfg.sim.num_envs, train_state.params,
+                                                      train_state.policy_version, env_state, roll_key)
+  train_state, metrics = trainer_stages.train_step(network, optimizer, cfg.algo, cfg.policy.min_std, train_state,
+                                                   batch, train_key, group_size=cfg.sim.group_size,
                                                    recompute_proximal=False)
   metrics = dict(metrics)
   metrics['episodes'] = stats.count
@@ -70,18 +52,19 @@ class MjxFusedLoop:
     self._programs: Dict[int, object] = {}
     self._evaluator = evaluation.MjxEvaluator(cfg, network)
 
+  def _lower(self, train_state, num_iterations: int):
+    fn = functools.partial(_run_chunk, self._cfg, self._env, self._network, self._optimizer, num_iterations)
+    return jax.jit(fn, donate_argnums=(0, 1)).lower(train_state, self._env_state, jax.random.PRNGKey(0))
+
   def _program(self, train_state, num_iterations: int):
     if num_iterations not in self._programs:
-      fn = functools.partial(_run_chunk, self._cfg, self._env, self._network, self._optimizer, num_iterations)
-      self._programs[num_iterations] = jax.jit(fn, donate_argnums=(0, 1)).lower(
-          train_state, self._env_state, jax.random.PRNGKey(0)).compile()
+      self._programs[num_iterations] = self._lower(train_state, num_iterations).compile()
     return self._programs[num_iterations]
 
   def compile(self, train_state, num_iterations: int) -> float:
     """Compiles the chunk and evaluation programs ahead of time, side by side; returns the seconds it took."""
     t0 = time.monotonic()
-    fn = functools.partial(_run_chunk, self._cfg, self._env, self._network, self._optimizer, num_iterations)
-    chunk = jax.jit(fn, donate_argnums=(0, 1)).lower(train_state, self._env_state, jax.random.PRNGKey(0))
+    chunk = self._lower(train_state, num_iterations)
     # XLA compiles outside the GIL: the two programs build concurrently.
     with futures.ThreadPoolExecutor(2) as pool:
       chunk_future = pool.submit(chunk.compile)

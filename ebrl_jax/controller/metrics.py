@@ -33,6 +33,27 @@ def _to_float(value) -> float:
   return float(np.asarray(value))
 
 
+class IterationMetrics:
+  """Means of per-iteration train metrics and the mean return of the episodes that ended, for one log record."""
+
+  def __init__(self, algo_name: str):
+    self._prefix, self._sums, self._n = f'train/{algo_name}/', {}, 0
+    self._return_sum = self._episodes = 0.0
+
+  def add(self, metrics: Mapping[str, float], return_sum: float, episodes: float) -> None:
+    for name, value in metrics.items():
+      self._sums[name] = self._sums.get(name, 0.0) + float(value)
+    self._n += 1
+    self._return_sum += return_sum
+    self._episodes += episodes
+
+  def result(self) -> Dict[str, float]:
+    out = {self._prefix + k: v / max(self._n, 1) for k, v in self._sums.items()}
+    if self._episodes:
+      out['rollout/episode_return'] = self._return_sum / self._episodes
+    return out
+
+
 class MetricsLogger:
   """Appends `{"env_steps": ..., "wall_s": ..., name: value}` records to `<run_dir>/metrics.jsonl`.
 

@@ -261,8 +261,6 @@ def run(cfg: config_lib.Config) -> fused.RunSummary:
   if not os.path.exists(summary_path):
     raise WorkerFailure(f'the trainer ended without writing {summary_path}; see its log above.')
   with open(summary_path) as f:
-    data = json.load(f)
-  data['extra']['worker_restarts'] = workers.restarts
-  with open(summary_path, 'w') as f:
-    json.dump(data, f, indent=2)
-  return fused.RunSummary(**data)
+    summary = fused.RunSummary(**json.load(f))
+  summary.extra['worker_restarts'] = workers.restarts  # written to summary.json by the runner
+  return summary

@@ -7,7 +7,6 @@ version of the group's iteration, which the trainer cannot pass before the group
 """
 from __future__ import annotations
 
-import time
 from typing import Any, Optional
 
 from absl import logging
@@ -46,8 +45,8 @@ def generation_main(cfg: config_lib.Config, mailbox: Any, store: Any, stop: Any,
       need = max(int(r.min_version) for _, r in requests)
       if store.version() > version or need > version:
         with tracer.span('gen/refresh_params'):
-          while store.version() < need and not stop.is_set():
-            time.sleep(0.0005)
+          if not sim_worker.wait_for_version(store, need, stop):
+            break
           version, host = store.latest()
           params = jax.device_put(host)
       with tracer.span('gen/act', batch=len(requests) * group_envs):

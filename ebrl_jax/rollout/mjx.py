@@ -11,6 +11,7 @@ from typing import Any, NamedTuple, Tuple
 import jax
 import jax.numpy as jnp
 
+from ebrl_jax import config as config_lib
 from ebrl_jax import types
 from ebrl_jax.generation import stages as gen_stages
 from ebrl_jax.sim import stages as sim_stages
@@ -96,3 +97,27 @@ def merge_unrolls(segments: types.Transition) -> types.Transition:
     return x.reshape((x.shape[0], x.shape[1] * x.shape[2]) + x.shape[3:])
 
   return jax.tree.map(merge, segments)
+
+
+def collect_iteration(cfg: config_lib.Config, env, network, num_envs: int, params, version, env_state, key):
+  """One iteration's collection for `num_envs` envs: U unrolls of T policy steps each (PPO), or one episode each
+  after a group reset (GRPO). Returns (env_state, segments [T, S, ...], summed EpisodeStats). Shared by the fused
+  MJX program and the MJX rollout workers."""
+  k = cfg.policy.action_chunk
+  active = jnp.ones((num_envs,), jnp.float32)
+  if cfg.algo.name == 'grpo':
+    reset_key, key = jax.random.split(key)
+    env_state = sim_stages.reset(env, reset_key, num_envs, cfg.sim.group_size)
+    env_state, _, batch, stats = collect_segment(
+        env, network, params, version, env_state, cfg.sim.episode_length // k, True, key, active,
+        cfg.policy.min_std)
+    return env_state, batch, stats
+
+  def unroll(env_state, unroll_key):
+    env_state, _, segment, stats = collect_segment(
+        env, network, params, version, env_state, cfg.algo.unroll_length // k, False, unroll_key, active,
+        cfg.policy.min_std)
+    return env_state, (segment, stats)
+
+  env_state, (segments, stats) = jax.lax.scan(unroll, env_state, jax.random.split(key, cfg.unrolls_per_env))
+  return env_state, merge_unrolls(segments), jax.tree.map(jnp.sum, stats)

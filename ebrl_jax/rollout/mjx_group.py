@@ -12,28 +12,6 @@ from ebrl_jax.rollout import mjx as mjx_rollout
 from ebrl_jax.sim import stages as sim_stages
 
 
-def _collect(cfg: config_lib.Config, env, network, num_envs: int, params, version, env_state, key):
-  """U unrolls of T policy steps for the group's envs (PPO) or one episode each after a reset (GRPO)."""
-  k = cfg.policy.action_chunk
-  active = jnp.ones((num_envs,), jnp.float32)
-  if cfg.algo.name == 'grpo':
-    reset_key, key = jax.random.split(key)
-    env_state = sim_stages.reset(env, reset_key, num_envs, cfg.sim.group_size)
-    env_state, _, batch, stats = mjx_rollout.collect_segment(
-        env, network, params, version, env_state, cfg.sim.episode_length // k, True, key, active,
-        cfg.policy.min_std)
-    return env_state, batch, stats
-
-  def unroll(env_state, unroll_key):
-    env_state, _, segment, stats = mjx_rollout.collect_segment(
-        env, network, params, version, env_state, cfg.algo.unroll_length // k, False, unroll_key, active,
-        cfg.policy.min_std)
-    return env_state, (segment, stats)
-
-  env_state, (segments, stats) = jax.lax.scan(unroll, env_state, jax.random.split(key, cfg.unrolls_per_env))
-  return env_state, mjx_rollout.merge_unrolls(segments), jax.tree.map(jnp.sum, stats)
-
-
 class MjxGroup:
   """Holds the group's env state on the device between collections."""
 
@@ -43,7 +21,8 @@ class MjxGroup:
                                   auto_reset=cfg.algo.name != 'grpo')
     key = jax.random.fold_in(jax.random.PRNGKey(cfg.schedule.seed + 1), 1_000_003 + group)
     self._env_state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(env, key, num_envs, cfg.sim.group_size)
-    self._program = jax.jit(functools.partial(_collect, cfg, env, network, num_envs), donate_argnums=(2,))
+    self._program = jax.jit(functools.partial(mjx_rollout.collect_iteration, cfg, env, network, num_envs),
+                            donate_argnums=(2,))
 
   def collect(self, params, version: int, key):
     self._env_state, batch, stats = self._program(params, jnp.int32(version), self._env_state, key)

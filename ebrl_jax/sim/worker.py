@@ -77,7 +77,7 @@ class ParentWatch:
     self._stop.set()
 
 
-def _wait_for_version(store, min_version: int, stop) -> bool:
+def wait_for_version(store, min_version: int, stop) -> bool:
   """Blocks until the store holds `min_version` or later; False if a stop was requested meanwhile."""
   while not stop.is_set():
     if store.version() >= min_version:
@@ -139,13 +139,13 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
   store = channels.params
   params_version, params = -1, None
   try:
-    if not _wait_for_version(store, 0, stop):  # the trainer publishes version 0 once it has initialised
+    if not wait_for_version(store, 0, stop):  # the trainer publishes version 0 once it has initialised
       return
     iteration = store.version()  # a restarted worker resumes at the trainer's version
     while not stop.is_set():
       # NOTE: the staleness bound: iteration i may start once version i - bound is published.
       with tracer.span('rollout/wait_params'):
-        if not _wait_for_version(store, iteration - bound, stop):
+        if not wait_for_version(store, iteration - bound, stop):
           break
         if getattr(worker, 'remote_act', None) is not None:
           params_version = worker.remote_act.min_version = max(0, iteration - bound)

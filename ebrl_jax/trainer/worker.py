@@ -81,9 +81,8 @@ class PipelineLoop:
 
   def run_iterations(self, train_state, num_iterations: int, key):
     del key  # keys come from the iteration index, as in the fused schedule
-    from ebrl_jax.controller import fused_cpu  # pylint: disable=g-import-not-at-top
-    sums: Dict[str, float] = {}
-    ret_sum = count = 0.0
+    from ebrl_jax.controller import fused_cpu, metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+    acc = metrics_lib.IterationMetrics(self._cfg.algo.name)
     for _ in range(num_iterations):
       version = int(train_state.policy_version)
       t0 = time.monotonic()
@@ -104,13 +103,9 @@ class PipelineLoop:
       self.counts['wait_s'] += t1 - t0
       self.counts['train_s'] += time.monotonic() - t1
       self.counts['segments_consumed'] += len(records)
-      for r in records:
-        ret_sum, count = ret_sum + float(r.episode_stats[0]), count + float(r.episode_stats[2])
-      for name, value in metrics.items():
-        sums[name] = sums.get(name, 0.0) + float(value)
-    out = {f'train/{self._cfg.algo.name}/{k}': v / num_iterations for k, v in sums.items()}
-    if count:
-      out['rollout/episode_return'] = ret_sum / count
+      acc.add(metrics, sum(float(r.episode_stats[0]) for r in records),
+              sum(float(r.episode_stats[2]) for r in records))
+    out = acc.result()
     out['trainer/wait/seconds'] = self.counts['wait_s']
     out['trainer/train_step/seconds'] = self.counts['train_s']
     return train_state, out
