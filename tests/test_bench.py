@@ -76,3 +76,57 @@ def test_report_names_the_file_and_field_of_a_bad_result(tmp_path, content, mess
                         capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
   assert proc.returncode == 2
   assert str(path) in proc.stderr and message in proc.stderr, proc.stderr
+
+
+def test_labels_brax_and_stage_profile_in_one_quick_invocation(tmp_path):
+  """A relabelled schedule with its own flag, Brax's PPO as a schedule, and the isolated stage profile whose
+  ceiling gives each label's overlap efficiency."""
+  out = tmp_path / 'labels.json'
+  proc = subprocess.run([sys.executable, '-m', 'experiments.bench.run', '--quick', '--schedules=sync,a2=async,brax',
+                         '--only=a2:--max_staleness=2', '--only=brax:--backend=mjx', '--seeds=0', '--stage_profile',
+                         f'--out={out}'], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                        env=dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT))
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  result = json.load(open(out))
+  assert result['labels']['a2'] == {'schedule': 'async', 'flags': ['--max_staleness=2']}
+  assert '--max_staleness=2' in result['runs']['a2'][0]['command']
+  assert '--max_staleness=2' not in result['runs']['sync'][0]['command']
+  assert result['runs']['a2'][0]['summary']['schedule'] == 'async'
+  brax = result['runs']['brax'][0]['summary']
+  assert brax['schedule'] == 'brax' and brax['env_steps'] == 6400 and brax['env_steps_per_s'] > 0
+  assert brax['eval_curve'][0]['env_steps'] == 0 and len(brax['eval_curve']) >= 2
+  profile = result['stage_profile']
+  assert sorted(profile['groups']) == ['16', '8']  # all envs (fused, brax) and one of 2 groups (sync, async)
+  for e, g in profile['groups'].items():
+    t = [g['sim']['per_env_step_s'], g['generation']['per_env_step_s'], profile['train']['per_env_step_s']]
+    assert all(math.isfinite(x) and x > 0 for x in t)
+    assert g['overlap_ceiling_steps_per_s'] == pytest.approx(1 / max(t))
+    assert g['sequential_floor_steps_per_s'] == pytest.approx(1 / sum(t))
+  for label in ('sync', 'a2', 'brax'):
+    o = result['overlap'][label]
+    assert o['envs_per_group'] == (16 if label == 'brax' else 8)
+    assert o['overlap_efficiency'] == pytest.approx(
+        result['figures'][label]['env_steps_per_s'] / o['ceiling_steps_per_s'])
+
+
+def test_schedule_labels_and_only_flags_are_checked():
+  from experiments.bench import run as bench_run
+  assert bench_run.parse_schedules(['fused', 'q=async'], ['q:--use_mps']) == [
+      ('fused', 'fused', ()), ('q', 'async', ('--use_mps',))]
+  with pytest.raises(ValueError, match="schedule 'nope' is not one of"):
+    bench_run.parse_schedules(['x=nope'], [])
+  with pytest.raises(ValueError, match='used twice'):
+    bench_run.parse_schedules(['async', 'async'], [])
+  with pytest.raises(ValueError, match="no schedule labelled 'sync'"):
+    bench_run.parse_schedules(['async'], ['sync:--use_mps'])
+  with pytest.raises(ValueError, match='must be label:--flag'):
+    bench_run.parse_schedules(['async'], ['async'])
+
+
+def test_brax_refuses_what_its_trainer_cannot_run():
+  from ebrl_jax import config as config_lib
+  from experiments.bench import brax_ppo
+  cfg = config_lib.Config(policy=config_lib.PolicyConfig(kind='transformer'),
+                          sim=config_lib.SimConfig(backend='mujoco_cpu'))
+  with pytest.raises(ValueError, match='--policy=transformer.*--backend=mujoco_cpu'):
+    brax_ppo.check_supported(cfg)

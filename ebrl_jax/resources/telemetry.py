@@ -26,14 +26,25 @@ def cpu_seconds(pid: int) -> Optional[float]:
   return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime (fields 14 and 15 of stat)
 
 
-class _Gpm:
-  """NVML GPM SM activity/occupancy between consecutive samples, plus per-process GPU memory."""
+def visible_gpu(environ=None) -> str:
+  """The GPU a process with this environment computes on: the first entry of CUDA_VISIBLE_DEVICES (an index in
+  PCI-bus order, or a 'GPU-...' UUID), '0' when unset."""
+  environ = os.environ if environ is None else environ
+  first = environ.get('CUDA_VISIBLE_DEVICES', '0').split(',')[0].strip()
+  return first or '0'
 
-  def __init__(self):
+
+class _Gpm:
+  """NVML GPM SM activity/occupancy between consecutive samples, plus per-process GPU memory, of one GPU."""
+
+  def __init__(self, device: str):
     import pynvml  # pylint: disable=g-import-not-at-top
     pynvml.nvmlInit()
     self._n = pynvml
-    self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    if device.startswith(('GPU-', 'MIG-')):
+      self._handle = pynvml.nvmlDeviceGetHandleByUUID(device)
+    else:
+      self._handle = pynvml.nvmlDeviceGetHandleByIndex(int(device))
     self._samples = [pynvml.nvmlGpmSampleAlloc(), pynvml.nvmlGpmSampleAlloc()]
     pynvml.nvmlGpmSampleGet(self._handle, self._samples[0])
 
@@ -59,8 +70,9 @@ class Telemetry:
   """Samples in a daemon thread from `start()` to `stop()`; `pids()` names the processes to watch by role."""
 
   def __init__(self, run_dir: str, pids: Callable[[], Dict[str, int]], period: float = 0.1,
-               trace_dir: str = '', gpu: bool = True):
-    self._path = os.path.join(run_dir, 'telemetry.jsonl')
+               trace_dir: str = '', gpu: bool = True, device: Optional[str] = None, name: str = 'telemetry'):
+    self._path = os.path.join(run_dir, f'{name}.jsonl')
+    self.device = visible_gpu() if device is None else device
     self._pids, self._period, self._trace_dir = pids, period, trace_dir
     self._stop = threading.Event()
     self._thread: Optional[threading.Thread] = None
@@ -68,7 +80,7 @@ class Telemetry:
     self._gpm, self.gpu_reason = None, None
     if gpu:
       try:
-        self._gpm = _Gpm()
+        self._gpm = _Gpm(self.device)
       except Exception as e:  # pylint: disable=broad-except  (no NVML, no GPU, GPM unsupported, ...)
         self.gpu_reason = f'{type(e).__name__}: {e}'
     else:

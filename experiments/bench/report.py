@@ -3,7 +3,7 @@ r"""Turns benchmark results into a Markdown table and plots.
   python -m experiments.bench.report experiments/results/w1_schedules.json [more.json ...] [--md table.md]
 
 Reads the JSON of `experiments.bench.run` (runs.<schedule> = a list of seeds), of the older single-seed
-schedule runs (runs.<schedule> = one run) and of `experiments/w1_fused_vs_brax.py`. For each input file it writes
+schedule runs (runs.<schedule> = one run) and of the former `experiments/w1_fused_vs_brax.py`. For each input file it writes
 `<file>.png` (eval return against wall-clock seconds and against env steps, one thin line per seed, the seeds'
 mean bold; throughput bars) and prints one Markdown table of all of them. A file of none of these shapes, or a
 run missing a field, is an error that names the file and the field.

@@ -1,25 +1,35 @@
-r"""Runs one workload under several schedules and seeds, one after another on one machine, into one JSON.
+r"""Runs one workload under several schedules and seeds on one machine, into one JSON.
 
-  python -m experiments.bench.run --bench_flagfile=experiments/w1_ant.flags --schedules=fused,sync,async \
-      --seeds=0,1,2 --extra=--num_groups=2 --out=experiments/results/w1_bench.json
+  python -m experiments.bench.run --bench_flagfile=experiments/w1_ant.flags --schedules=fused,sync,async,brax \
+      --seeds=0,1,2 --extra=--num_groups=2 --only=sync:--use_mps --only=async:--use_mps \
+      --out=experiments/results/w1_bench.json [--gpus=0,1]
   python -m experiments.bench.run --quick --out=/tmp/quick.json      # 2-core CPU, a few minutes (CI runs it)
 
-Each (schedule, seed) runs as `python -m ebrl_jax.main` in its own process with `--run_dir=<out>_runs/<schedule>
-/seed<k>`; its summary.json is collected. Where NVML sees a GPU, device-wide SM activity and occupancy (GPM) are
-sampled every 100 ms during each run (`ebrl_jax.resources.telemetry`). Per schedule the JSON holds every seed's figures and their mean; ratios
-are against the first schedule. `python -m experiments.bench.report <json> ...` turns results into a table
-and plots.
+Each (schedule, seed) runs as `python -m ebrl_jax.main` in its own process with `--run_dir=<out>_runs/<label>
+/seed<k>`; its summary.json is collected. `brax` is Brax's own PPO trainer on the same flagfile
+(`experiments/bench/brax_ppo.py`). A schedule entry `label=schedule` runs a schedule under another name, so one
+invocation can compare variants of one schedule (`--schedules=async,async_q=async --only=async_q:--sm_quotas=...`);
+`--only=label:--flag` passes a flag to that label's runs alone.
+
+Runs go one after another. With `--gpus=0,1,...` they run concurrently, one per GPU (each run sees only its GPU,
+named by UUID so an MPS daemon a run starts serves that GPU alone); on identical GPUs this only shortens the
+benchmark, and the JSON records which GPU each run had. Where NVML sees a GPU, device-wide SM activity and
+occupancy (GPM) of each run's GPU are sampled every 100 ms during the run (`ebrl_jax.resources.telemetry`).
+Per label the JSON holds every seed's figures and their mean; ratios are against the first label.
+`python -m experiments.bench.report <json> ...` turns results into a table and plots.
 """
 from __future__ import annotations
 
 import json
 import os
 import platform
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
-from typing import Dict, List
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from absl import app
 from absl import flags
@@ -27,13 +37,20 @@ from absl import flags
 from ebrl_jax.resources import telemetry
 
 _FLAGFILE = flags.DEFINE_string('bench_flagfile', None, 'The workload flagfile (passed on as --flagfile).')
-_SCHEDULES = flags.DEFINE_list('schedules', ['fused', 'sync', 'async'], 'Schedules to run, in order.')
+_SCHEDULES = flags.DEFINE_list('schedules', ['fused', 'sync', 'async'],
+                               'Schedules to run, in order: fused, sync, async, brax, or label=schedule.')
+_ONLY = flags.DEFINE_multi_string('only', [], 'label:--flag, a flag for one label\'s runs, e.g. async:--use_mps.')
+_GPUS = flags.DEFINE_list('gpus', [], 'GPU indices to run on concurrently, one run per GPU (default: in sequence).')
 _SEEDS = flags.DEFINE_list('seeds', ['0'], 'Seeds, run in sequence for every schedule.')
 _EXTRA = flags.DEFINE_multi_string('extra', [], 'Extra flags for every run, e.g. --extra=--num_groups=2.')
 _OUT = flags.DEFINE_string('out', 'experiments/results/bench.json', 'Where to write the JSON result.')
 _TIMEOUT = flags.DEFINE_integer('timeout_s', 3600, 'Per-run time limit (the run is stopped with SIGTERM).')
+_STAGE_PROFILE = flags.DEFINE_bool(
+    'stage_profile', False, 'Before the runs, time each stage alone (experiments/bench/stage_profile.py) and report '
+    'every label\'s overlap efficiency: env steps/s over the perfect-overlap ceiling.')
 _QUICK = flags.DEFINE_bool('quick', False, 'Tiny CPU workload (native MuJoCo pendulum) that exercises the harness.')
 
+SCHEDULES = ('fused', 'sync', 'async', 'brax')
 QUICK_FLAGFILE = 'experiments/quickstart.flags'
 QUICK_EXTRA = ['--num_envs=16', '--batch_size=16', '--num_minibatches=4', '--num_timesteps=6400', '--num_evals=2',
                '--num_eval_envs=4', '--episode_length=200', '--num_groups=2', '--compilation_cache_dir=']
@@ -42,8 +59,39 @@ FIGURES = ('env_steps', 'env_steps_per_s', 'compile_s', 'wall_s', 'train_wall_s'
            'best_eval_return', 'env_steps_to_target', 'wall_s_to_target', 'train_s_to_target')
 
 
-def _gpm_window(tel: telemetry.Telemetry, start: float, end: float) -> dict:
+class Job(NamedTuple):
+  label: str
+  schedule: str
+  seed: str
+  flags: Tuple[str, ...]  # the label's own flags (--only), after the shared --extra ones
+
+
+def parse_schedules(entries: List[str], only: List[str]) -> List[Tuple[str, str, Tuple[str, ...]]]:
+  """[(label, schedule, flags)] from `--schedules` and `--only`; errors name the bad entry."""
+  out, labels = [], set()
+  for entry in entries:
+    label, _, schedule = entry.partition('=')
+    schedule = schedule or label
+    if schedule not in SCHEDULES:
+      raise ValueError(f'--schedules entry {entry!r}: schedule {schedule!r} is not one of {", ".join(SCHEDULES)}.')
+    if not label or label in labels:
+      raise ValueError(f'--schedules entry {entry!r}: label {label!r} is empty or used twice.')
+    labels.add(label)
+    out.append((label, schedule, []))
+  for item in only:
+    label, sep, flag = item.partition(':')
+    if not sep or not flag.startswith('--'):
+      raise ValueError(f'--only={item!r} must be label:--flag.')
+    if label not in labels:
+      raise ValueError(f'--only={item!r}: no schedule labelled {label!r} in --schedules.')
+    next(e for e in out if e[0] == label)[2].append(flag)
+  return [(label, schedule, tuple(f)) for label, schedule, f in out]
+
+
+def _gpm_window(tel: Optional[telemetry.Telemetry], start: float, end: float) -> dict:
   """Mean device-wide SM activity and occupancy between two Unix times (None, with the reason, without a GPU)."""
+  if tel is None:
+    return {'sm_activity_pct': None, 'sm_occupancy_pct': None, 'reason': 'no telemetry for this GPU'}
   window = [r for r in tel.records if start <= r['t'] <= end and 'sm_activity_pct' in r]
   if not window:
     return {'sm_activity_pct': None, 'sm_occupancy_pct': None, 'reason': tel.gpu_reason or 'no samples'}
@@ -51,29 +99,41 @@ def _gpm_window(tel: telemetry.Telemetry, start: float, end: float) -> dict:
           'sm_occupancy_pct': sum(r['sm_occupancy_pct'] for r in window) / len(window), 'samples': len(window)}
 
 
-def _machine() -> dict:
-  info = {'platform': platform.platform(), 'python': platform.python_version(), 'cpu_count': os.cpu_count(),
-          'gpu': None}
+def _nvidia_smi(query: str) -> List[str]:
   try:
-    out = subprocess.run(['nvidia-smi', '--query-gpu=name,driver_version', '--format=csv,noheader'],
+    out = subprocess.run(['nvidia-smi', f'--query-gpu={query}', '--format=csv,noheader'],
                          capture_output=True, text=True, timeout=20)
-    info['gpu'] = out.stdout.strip() or None
   except (OSError, subprocess.SubprocessError):
-    pass
-  return info
+    return []
+  return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
 
 
-def _commit() -> str:
-  out = subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True)
-  return out.stdout.strip() if out.returncode == 0 else os.environ.get('EBRL_COMMIT', 'unknown')
+def machine() -> dict:
+  """Where the results come from: platform, Python, CPU count, each GPU's name and driver."""
+  return {'platform': platform.platform(), 'python': platform.python_version(), 'cpu_count': os.cpu_count(),
+          'gpu': '; '.join(_nvidia_smi('name,driver_version')) or None}
 
 
-def _run_one(flagfile: str, schedule: str, seed: str, extra: List[str], run_dir: str,
-             tel: telemetry.Telemetry) -> dict:
-  cmd = [sys.executable, '-m', 'ebrl_jax.main', f'--flagfile={flagfile}', f'--schedule={schedule}',
-         f'--seed={seed}', f'--run_dir={run_dir}', '--noprogress_bar', *extra]
+def commit() -> str:
+  """The checkout's commit (or $EBRL_COMMIT where the tree is not a git checkout, e.g. a copy on another host)."""
+  try:
+    out = subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True, timeout=10)
+  except (OSError, subprocess.SubprocessError):
+    out = None
+  return out.stdout.strip() if out is not None and out.returncode == 0 else os.environ.get('EBRL_COMMIT', 'unknown')
+
+
+def _command(flagfile: str, job: Job, extra: List[str], run_dir: str) -> List[str]:
+  if job.schedule == 'brax':
+    head = [sys.executable, '-m', 'experiments.bench.brax_ppo', f'--flagfile={flagfile}', '--schedule=fused']
+  else:
+    head = [sys.executable, '-m', 'ebrl_jax.main', f'--flagfile={flagfile}', f'--schedule={job.schedule}']
+  return head + [f'--seed={job.seed}', f'--run_dir={run_dir}', '--noprogress_bar', *extra, *job.flags]
+
+
+def _run_one(cmd: List[str], run_dir: str, env: dict, tel: Optional[telemetry.Telemetry]) -> dict:
   start = time.time()
-  popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
   try:
     stdout, stderr = popen.communicate(timeout=_TIMEOUT.value)
   except subprocess.TimeoutExpired:
@@ -128,6 +188,46 @@ def ratios(figures: Dict[str, dict], base: str) -> Dict[str, dict]:
   return out
 
 
+def overlap_efficiency(figures: Dict[str, dict], labels, profile: dict) -> Dict[str, dict]:
+  """Per label: achieved env steps/s over the ceiling 1 / max(t_sim, t_gen, t_train) at the label's group size
+  (all envs for fused and brax, num_envs / num_groups for the process schedules), and over the sequential floor."""
+  sizes = sorted(int(e) for e in profile['groups'])
+  out = {}
+  for label, schedule, _ in labels:
+    group = profile['groups'][str(sizes[-1] if schedule in ('fused', 'brax') else sizes[0])]
+    achieved = figures[label]['env_steps_per_s']
+    out[label] = {'envs_per_group': sizes[-1] if schedule in ('fused', 'brax') else sizes[0],
+                  'ceiling_steps_per_s': group['overlap_ceiling_steps_per_s'],
+                  'sequential_floor_steps_per_s': group['sequential_floor_steps_per_s'],
+                  'overlap_efficiency': achieved / group['overlap_ceiling_steps_per_s'] if achieved else None,
+                  'vs_sequential_floor': achieved / group['sequential_floor_steps_per_s'] if achieved else None}
+  return out
+
+
+def _stage_profile(flagfile: str, extra: List[str], path: str, env: dict) -> dict:
+  cmd = [sys.executable, '-m', 'experiments.bench.stage_profile', f'--flagfile={flagfile}', f'--profile_out={path}',
+         *extra]
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=_TIMEOUT.value)
+  if proc.returncode or not os.path.exists(path):
+    raise RuntimeError(f'stage profile failed ({" ".join(cmd[1:])}):\n{(proc.stdout + proc.stderr)[-3000:]}')
+  print(proc.stdout.strip(), flush=True)
+  with open(path) as f:
+    return json.load(f)
+
+
+def _gpu_slots(indices: List[str]) -> List[Optional[Tuple[str, str]]]:
+  """[(index, uuid)] of the GPUs to run on, or [None] (one slot, the inherited environment)."""
+  if not indices:
+    return [None]
+  uuids = _nvidia_smi('index,uuid')
+  table = dict(line.split(', ', 1) for line in uuids if ', ' in line)
+  missing = [i for i in indices if i not in table]
+  if missing:
+    raise ValueError(f'--gpus={",".join(indices)}: nvidia-smi lists no GPU {", ".join(missing)} '
+                     f'(it lists {", ".join(sorted(table)) or "none"}).')
+  return [(i, table[i]) for i in indices]
+
+
 def main(argv):
   del argv
   flagfile, extra = _FLAGFILE.value, list(_EXTRA.value)
@@ -137,32 +237,77 @@ def main(argv):
     raise app.UsageError('--bench_flagfile is required (or --quick).')
   if not os.path.exists(flagfile):
     raise app.UsageError(f'--bench_flagfile={flagfile} does not exist.')
-  run_root = os.path.splitext(_OUT.value)[0] + '_runs'
-  result = {'commit': _commit(), 'flagfile': flagfile, 'extra_flags': extra, 'quick': _QUICK.value,
-            'seeds': _SEEDS.value, 'machine': _machine(), 'runs': {}}
-  os.makedirs(run_root, exist_ok=True)
-  # Device-wide figures only (no pids): each run's own telemetry covers its processes.
-  tel = telemetry.Telemetry(run_root, dict, period=0.1).start()
   try:
-    for schedule in _SCHEDULES.value:
-      result['runs'][schedule] = []
-      for seed in _SEEDS.value:
-        print(f'== {schedule} seed {seed}', flush=True)
-        run = _run_one(flagfile, schedule, seed, extra, os.path.join(run_root, schedule, f'seed{seed}'), tel)
-        result['runs'][schedule].append(run)
-        summary = run.get('summary', {})
-        print(json.dumps({k: summary.get(k) for k in FIGURES}), flush=True)
+    labels = parse_schedules(_SCHEDULES.value, _ONLY.value)
+    slots = _gpu_slots(_GPUS.value)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  run_root = os.path.splitext(_OUT.value)[0] + '_runs'
+  result = {'commit': commit(), 'flagfile': flagfile, 'extra_flags': extra, 'quick': _QUICK.value,
+            'seeds': _SEEDS.value, 'labels': {label: {'schedule': sched, 'flags': list(f)} for label, sched, f in labels},
+            'gpus': [s[0] for s in slots if s is not None], 'machine': machine(), 'runs': {}}
+  os.makedirs(run_root, exist_ok=True)
+  # Device-wide figures only (no pids), one sampler per GPU: each run's own telemetry covers its processes.
+  tels = {}
+  for slot in slots:
+    device = slot[1] if slot else None
+    name = f'telemetry_gpu{slot[0]}' if slot else 'telemetry'
+    tels[slot] = telemetry.Telemetry(run_root, dict, period=0.1, device=device, name=name).start()
+  if _STAGE_PROFILE.value:
+    env = dict(os.environ)
+    if slots[0] is not None:
+      env['CUDA_VISIBLE_DEVICES'] = slots[0][1]
+    print('== stage profile', flush=True)
+    result['stage_profile'] = _stage_profile(flagfile, extra, os.path.join(run_root, 'stage_profile.json'), env)
+  jobs = [Job(label, sched, seed, f) for label, sched, f in labels for seed in _SEEDS.value]
+  done: Dict[Job, dict] = {}
+  todo: 'queue.Queue[Job]' = queue.Queue()
+  for job in jobs:
+    todo.put(job)
+  lock = threading.Lock()
+
+  def serve(slot):
+    env = dict(os.environ)
+    if slot is not None:
+      env['CUDA_VISIBLE_DEVICES'] = slot[1]
+    while True:
+      try:
+        job = todo.get_nowait()
+      except queue.Empty:
+        return
+      run_dir = os.path.join(run_root, job.label, f'seed{job.seed}')
+      with lock:
+        print(f'== {job.label} seed {job.seed}' + (f' on GPU {slot[0]}' if slot else ''), flush=True)
+      run = _run_one(_command(flagfile, job, extra, run_dir), run_dir, env, tels[slot])
+      if slot is not None:
+        run['gpu'] = slot[0]
+      summary = run.get('summary', {})
+      with lock:
+        done[job] = run
+        print(f'{job.label} seed {job.seed}: ' + json.dumps({k: summary.get(k) for k in FIGURES}), flush=True)
         if 'error_tail' in run:
           print(run['error_tail'][-2000:], flush=True)
+
+  threads = [threading.Thread(target=serve, args=(slot,), daemon=True) for slot in slots]
+  try:
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
   finally:
-    tel.stop()
+    for tel in tels.values():
+      tel.stop()
+  for job in jobs:
+    result['runs'].setdefault(job.label, []).append(done[job])
   result['figures'] = aggregate(result['runs'])
-  result['ratios_vs_' + _SCHEDULES.value[0]] = ratios(result['figures'], _SCHEDULES.value[0])
+  result['ratios_vs_' + labels[0][0]] = ratios(result['figures'], labels[0][0])
+  if 'stage_profile' in result:
+    result['overlap'] = overlap_efficiency(result['figures'], labels, result['stage_profile'])
   os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
   with open(_OUT.value, 'w') as f:
     json.dump(result, f, indent=2, allow_nan=False)
   print(f'wrote {_OUT.value}', flush=True)
-  failed = [f'{s}/seed{i}' for s, rs in result['runs'].items() for i, r in zip(_SEEDS.value, rs) if 'error_tail' in r]
+  failed = [f'{job.label}/seed{job.seed}' for job in jobs if 'error_tail' in done[job]]
   if failed:
     print(f'failed runs: {", ".join(failed)}', file=sys.stderr)
     sys.exit(1)

@@ -39,3 +39,10 @@ def test_samples_a_busy_and_an_idle_process(tmp_path):
   assert len(lines) == means['samples'] and all('t' in r for r in lines)
   counters = json.load(open(tmp_path / 'trace' / 'telemetry.trace.json'))['traceEvents']
   assert {e['name'] for e in counters if e['ph'] == 'C'} == {'cpu_pct/busy', 'cpu_pct/idle'}
+
+
+def test_the_sampled_gpu_is_the_one_the_process_computes_on():
+  assert telemetry.visible_gpu({}) == '0'
+  assert telemetry.visible_gpu({'CUDA_VISIBLE_DEVICES': '1,0'}) == '1'
+  assert telemetry.visible_gpu({'CUDA_VISIBLE_DEVICES': 'GPU-8f2a,GPU-11'}) == 'GPU-8f2a'
+  assert telemetry.visible_gpu({'CUDA_VISIBLE_DEVICES': ''}) == '0'

@@ -1,0 +1,194 @@
+"""Stage calibration: each stage timed alone, compile excluded, at given batch sizes, in this process.
+
+What is timed (one "call" of each stage, the unit the pipeline hands around):
+  sim         one unroll (unroll_length env steps) of a group of E envs with fixed random actions:
+              MJX: one jitted scan of `sim.stages.step_chunk`; native MuJoCo: `CpuEnvPool.step` per policy step;
+  generation  the policy for the same unroll on E observations: one jitted scan of `generation.stages.act`
+              (MJX), or `rollout.cpu.make_act` per policy step with host<->device copies (native MuJoCo);
+  train       one `trainer.stages.train_step` on a whole iteration's batch, from a real collected rollout.
+
+`per_env_step` divides each by the env steps it stands for (E * unroll_length for sim and generation, the
+iteration's env steps for train): t_sim, t_gen, t_train of BENCHMARKS.md. Sequential floor 1 / (t_sim + t_gen +
+t_train) and perfect-overlap ceiling 1 / max(...) follow. Each call is run `repeats` times after one warm-up
+call (which compiles); the median is kept, and every sample is returned for the profile store.
+
+The SM quota of the samples is this process's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (100 without one): to
+profile at a quota, run the calibration in a process started with that variable under an MPS daemon.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import Callable, Dict, List, Sequence
+
+import numpy as np
+
+
+def current_quota() -> int:
+  """This process's SM quota in percent (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE), 100 when unset."""
+  value = os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE', '')
+  try:
+    return max(1, min(100, int(float(value)))) if value else 100
+  except ValueError:
+    return 100
+
+
+def _timed(fn: Callable[[], object], repeats: int) -> List[float]:
+  fn()  # warm-up: compiles
+  out = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    fn()
+    out.append(time.perf_counter() - t0)
+  return out
+
+
+def _mjx_sim_gen(cfg, network, params, envs: int, repeats: int) -> Dict[str, List[float]]:
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.generation import stages as gen_stages  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.sim import stages as sim_stages  # pylint: disable=g-import-not-at-top
+  k = cfg.policy.action_chunk
+  steps = cfg.algo.unroll_length // k
+  env = sim_stages.make_mjx_env(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat,
+                                auto_reset=cfg.algo.name != 'grpo')
+  state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(env, jax.random.PRNGKey(0), envs, cfg.sim.group_size)
+  action_dim = env.action_size
+  actions = jax.random.uniform(jax.random.PRNGKey(1), (steps, envs, k, action_dim), minval=-1.0, maxval=1.0)
+
+  @jax.jit
+  def sim_unroll(state, actions):
+    def body(s, a):
+      s, res = sim_stages.step_chunk(env, s, a)
+      return s, jnp.sum(res.reward)
+    return jax.lax.scan(body, state, actions)
+
+  obs = state.brax_state.obs
+
+  @jax.jit
+  def gen_unroll(params, obs, key):
+    def body(acc, step_key):
+      out = gen_stages.act(network, params, obs + acc[:, None] * 0.0, step_key, min_std=cfg.policy.min_std)
+      return acc + out.log_probs, None
+    acc, _ = jax.lax.scan(body, jnp.zeros(obs.shape[0]), jax.random.split(key, steps))
+    return acc
+
+  box = {'state': state}
+
+  def run_sim():
+    box['state'], rewards = sim_unroll(box['state'], actions)
+    jax.block_until_ready(rewards)
+
+  return {'sim': _timed(run_sim, repeats),
+          'generation': _timed(lambda: jax.block_until_ready(gen_unroll(params, obs, jax.random.PRNGKey(2))),
+                               repeats)}
+
+
+def _cpu_sim_gen(cfg, network, params, envs: int, repeats: int) -> Dict[str, List[float]]:
+  import jax  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.rollout import cpu as cpu_rollout  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.sim import cpu_env  # pylint: disable=g-import-not-at-top
+  k = cfg.policy.action_chunk
+  steps = cfg.algo.unroll_length // k
+  rng = np.random.default_rng(0)
+  with cpu_env.CpuEnvPool(cfg.sim.task, envs, cfg.sim.episode_length, cfg.sim.action_repeat,
+                          num_threads=cfg.sim.num_threads, seed=0) as pool:
+    obs = pool.reset()
+    spec = pool.spec
+    actions = rng.uniform(-1.0, 1.0, (steps, envs, k, spec.action_dim)).astype(np.float32)
+
+    def run_sim():
+      for t in range(steps):
+        pool.step(actions[t])
+
+    sim = _timed(run_sim, repeats)
+  act = cpu_rollout.make_act(network, cfg.policy.min_std)
+  key = jax.random.PRNGKey(2)
+
+  def run_gen():
+    for t in range(steps):
+      out = act(params, obs, key, t)
+      np.asarray(out.actions)  # the host copy the sim worker waits for
+
+  return {'sim': sim, 'generation': _timed(run_gen, repeats)}
+
+
+def _train(cfg, network, optimizer, train_state, repeats: int) -> List[float]:
+  """train_step on one real iteration batch (collected by the fused collection stage on MJX, or made of the
+  right shapes from the native pool's observations)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.rollout import mjx as rollout  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.sim import stages as sim_stages  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.trainer import stages as trainer_stages  # pylint: disable=g-import-not-at-top
+  env = sim_stages.make_mjx_env(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat,
+                                auto_reset=cfg.algo.name != 'grpo')
+  n = cfg.sim.num_envs
+  state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(env, jax.random.PRNGKey(3), n, cfg.sim.group_size)
+  collect = jax.jit(lambda p, v, s, key: rollout.collect_iteration(cfg, env, network, n, p, v, s, key))
+  _, batch, _ = collect(train_state.params, train_state.policy_version, state, jax.random.PRNGKey(4))
+  step = jax.jit(trainer_stages.train_step, static_argnums=(0, 1, 2, 3),
+                 static_argnames=('group_size', 'recompute_proximal'), donate_argnums=(4,))
+  box = {'state': train_state}
+
+  def run():
+    box['state'], metrics = step(network, optimizer, cfg.algo, cfg.policy.min_std, box['state'], batch,
+                                 jax.random.PRNGKey(5), group_size=cfg.sim.group_size,
+                                 recompute_proximal=cfg.schedule.name == 'async')
+    jax.block_until_ready(metrics)
+
+  return _timed(run, repeats)
+
+
+def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5) -> dict:
+  """Times sim and generation at each group size and training once; see the module doc for what and how.
+
+  Returns {'quota', 'train': {...}, 'groups': {E: {...}}, 'steps_per_iteration'}, each stage with
+  'samples_s', 'median_s', 'per_env_step_s'; per group size also the sequential floor and overlap ceiling
+  (env steps/s) for that group size with the iteration's training.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from ebrl_jax import sim  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.generation import policies  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.trainer import stages as trainer_stages  # pylint: disable=g-import-not-at-top
+  if cfg.algo.name == 'grpo':
+    raise ValueError('calibration times PPO unrolls; --algo=grpo is not supported by it yet.')
+  for e in envs_per_group:
+    if e <= 0:
+      raise ValueError(f'calibration batch size {e} must be > 0.')
+  spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
+  network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
+  optimizer = trainer_stages.make_optimizer(cfg.algo)
+  train_state = trainer_stages.init_train_state(network, optimizer, jax.random.PRNGKey(cfg.schedule.seed),
+                                                spec.obs_dim, cfg.policy.normalize_observations)
+  unroll_steps = cfg.algo.unroll_length * cfg.sim.action_repeat  # env steps per env in one sim/gen call
+  iteration_steps = cfg.env_steps_per_iteration
+
+  def stage(samples, env_steps):
+    med = statistics.median(samples)
+    return {'samples_s': samples, 'median_s': med, 'per_env_step_s': med / env_steps, 'env_steps': env_steps}
+
+  out = {'quota': current_quota(), 'device': str(jax.devices()[0].device_kind), 'backend': cfg.sim.backend,
+         'steps_per_iteration': iteration_steps, 'groups': {}}
+  sim_gen = _mjx_sim_gen if cfg.sim.backend == 'mjx' else _cpu_sim_gen
+  times = {int(e): sim_gen(cfg, network, train_state.params, int(e), repeats) for e in envs_per_group}
+  train = stage(_train(cfg, network, optimizer, train_state, repeats), iteration_steps)  # donates train_state
+  out['train'] = train
+  for e in envs_per_group:
+    entry = {name: stage(samples, int(e) * unroll_steps) for name, samples in times[int(e)].items()}
+    per_step = [entry['sim']['per_env_step_s'], entry['generation']['per_env_step_s'], train['per_env_step_s']]
+    entry['sequential_floor_steps_per_s'] = 1.0 / sum(per_step)
+    entry['overlap_ceiling_steps_per_s'] = 1.0 / max(per_step)
+    out['groups'][str(int(e))] = entry
+  return out
+
+
+def add_to_store(store, profile: dict) -> None:
+  """Feeds a calibration's samples into a `profiles.ProfileStore` (stage -> (batch, quota, seconds))."""
+  q = profile['quota']
+  for e, entry in profile['groups'].items():
+    for name in ('sim', 'generation'):
+      for t in entry[name]['samples_s']:
+        store.profile(name).add_sample(int(e), q, t)
+  for t in profile['train']['samples_s']:
+    store.profile('train').add_sample(profile['steps_per_iteration'], q, t)

@@ -1,0 +1,146 @@
+r"""Brax's own PPO trainer on a workload flagfile, reporting like an ebrl_jax run (`<run_dir>/summary.json`).
+
+  python -m experiments.bench.brax_ppo --flagfile=experiments/w1_ant.flags --run_dir=/tmp/brax_w1 --seed=0
+
+The bench harness runs it as the pseudo-schedule `brax` (`--schedules=fused,sync,async,brax`). The workload's
+flags map one to one onto `brax.training.agents.ppo.train` (task, backend, num_envs, episode_length, action
+repeat, unroll length, batch size, minibatches, updates per batch, discount, learning rate, entropy cost, reward
+scaling, evaluations, seed); for W1 these are Brax's published Ant hyperparameters. Only MLP policies with
+Brax's default network sizes and PPO are accepted: anything else is not Brax's trainer and is refused by name.
+
+It uses the same persistent compilation cache (`--compilation_cache_dir`) as our runs. Like our runs, training stops at the first evaluation whose return reaches the target (`--target_return`).
+Figures: `compile_s` is the wall time to Brax's first evaluation (environment, evaluator and training
+compilation); `env_steps_per_s` is the mean of Brax's own `training/sps` over the evaluation periods after the
+first (Brax times its training epochs without evaluation or compilation, as our `train_wall_s` does).
+
+brax 0.14.2 calls `jax.device_put_replicated`, which JAX removed in 0.10.2; this module (and only this module)
+provides it for the duration of the run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+import jax.numpy as jnp
+
+from ebrl_jax import main as ebrl_main  # defines the workload flags read from --flagfile
+from ebrl_jax import config as config_lib
+
+# Brax's defaults for `ppo_networks.make_ppo_networks` (policy 4 x 32, value 5 x 256).
+_BRAX_POLICY_HIDDEN = (32, 32, 32, 32)
+_BRAX_VALUE_HIDDEN = (256, 256, 256, 256, 256)
+
+
+class _TargetReached(Exception):
+  """Raised from Brax's progress callback to end training at the target, as our runs end."""
+
+
+def device_put_replicated(x, devices):
+  """What brax 0.14.2 expects of `jax.device_put_replicated`: x stacked once per device, slice i on device i."""
+  def replicate(leaf):
+    stacked = jnp.stack([jnp.asarray(leaf)] * len(devices))
+    if len(devices) == 1:
+      return jax.device_put(stacked, devices[0])
+    sharding = jax.sharding.PmapSharding.default(stacked.shape, 0, devices)
+    return jax.device_put(stacked, sharding)
+  return jax.tree.map(replicate, x)
+
+
+def check_supported(cfg: config_lib.Config) -> None:
+  """Refuses, by name, a workload Brax's PPO trainer cannot run as written."""
+  problems = []
+  if cfg.algo.name != 'ppo':
+    problems.append(f'--algo={cfg.algo.name} (Brax runs ppo)')
+  if cfg.policy.kind != 'mlp':
+    problems.append(f'--policy={cfg.policy.kind} (Brax runs its MLP)')
+  elif (tuple(cfg.policy.policy_hidden_sizes) != _BRAX_POLICY_HIDDEN
+        or tuple(cfg.policy.value_hidden_sizes) != _BRAX_VALUE_HIDDEN):
+    problems.append(f'--policy_hidden_sizes={cfg.policy.policy_hidden_sizes} / --value_hidden_sizes={cfg.policy.value_hidden_sizes} '
+                    f'(Brax defaults are {_BRAX_POLICY_HIDDEN} / {_BRAX_VALUE_HIDDEN})')
+  if cfg.sim.backend != 'mjx':
+    problems.append(f'--backend={cfg.sim.backend} (Brax trains on its mjx envs)')
+  if problems:
+    raise ValueError('Brax PPO cannot run this workload: ' + '; '.join(problems))
+
+
+def run(cfg: config_lib.Config) -> dict:
+  """Trains with Brax's PPO; returns a summary with the fields of ebrl_jax's RunSummary that apply."""
+  check_supported(cfg)
+  from brax import envs  # pylint: disable=g-import-not-at-top
+  from brax.training.agents.ppo import train as ppo  # pylint: disable=g-import-not-at-top
+  s, a, sc = cfg.sim, cfg.algo, cfg.schedule
+  target = sc.target_return
+  env = envs.get_environment(s.task, backend='mjx')
+  curve, start = [], time.monotonic()
+
+  def progress(step, metrics):
+    curve.append({'env_steps': int(step), 'wall_s': round(time.monotonic() - start, 3),
+                  'return': float(metrics['eval/episode_reward']),
+                  'sps': float(metrics.get('training/sps', 0.0))})
+    logging.info('brax: step %d return %.1f wall %.1f s', step, curve[-1]['return'], curve[-1]['wall_s'])
+    if target is not None and curve[-1]['return'] >= target and step > 0:
+      raise _TargetReached()
+
+  saved = getattr(jax, 'device_put_replicated', None)
+  jax.device_put_replicated = device_put_replicated
+  try:
+    ppo.train(environment=env, num_timesteps=sc.num_timesteps, num_evals=sc.num_evals,
+              reward_scaling=a.reward_scaling, episode_length=s.episode_length, normalize_observations=True,
+              action_repeat=s.action_repeat, unroll_length=a.unroll_length, num_minibatches=a.num_minibatches,
+              num_updates_per_batch=a.num_updates_per_batch, discounting=a.discount,
+              learning_rate=a.learning_rate, entropy_cost=a.entropy_cost, num_envs=s.num_envs,
+              num_eval_envs=s.num_eval_envs, batch_size=a.batch_size, seed=sc.seed,
+              deterministic_eval=sc.deterministic_eval, progress_fn=progress)
+  except _TargetReached:
+    pass
+  finally:
+    if saved is None:
+      del jax.device_put_replicated
+    else:
+      jax.device_put_replicated = saved
+  wall = time.monotonic() - start
+  if not curve:
+    raise RuntimeError('Brax PPO reported no evaluation.')
+  hit = next((c for c in curve if target is not None and c['return'] >= target and c['env_steps'] > 0), None)
+  steady = [c['sps'] for c in curve[1:] if c['sps'] > 0]
+  sps = sum(steady) / len(steady) if steady else None
+  env_steps = curve[-1]['env_steps']
+  compile_s = curve[0]['wall_s']
+  returns = [c['return'] for c in curve]
+  return {
+      'env_steps': env_steps, 'wall_s': wall, 'compile_s': compile_s,
+      'train_wall_s': env_steps / sps if sps else None, 'env_steps_per_s': sps,
+      'final_eval_return': returns[-1], 'best_eval_return': max(returns), 'target_return': target,
+      'env_steps_to_target': hit['env_steps'] if hit else None,
+      'wall_s_to_target': hit['wall_s'] if hit else None,
+      'train_s_to_target': hit['env_steps'] / sps if hit and sps else None,
+      'eval_curve': [{k: c[k] for k in ('env_steps', 'wall_s', 'return')} for c in curve],
+      'schedule': 'brax', 'backend': 'mjx', 'task': s.task, 'device': str(jax.devices()[0].device_kind),
+      'extra': {'trainer': 'brax.training.agents.ppo', 'sps_per_eval': [c['sps'] for c in curve]},
+  }
+
+
+def main(argv):
+  del argv
+  try:
+    cfg = ebrl_main.config_from_flags()
+    from ebrl_jax.controller import runner  # pylint: disable=g-import-not-at-top
+    runner.configure_jax(cfg)  # the same persistent compilation cache as our runs, so seeds after the first
+    summary = run(cfg)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  os.makedirs(cfg.schedule.run_dir, exist_ok=True)
+  path = os.path.join(cfg.schedule.run_dir, 'summary.json')
+  with open(path + '.tmp', 'w') as f:
+    json.dump(summary, f, indent=2, allow_nan=False)
+  os.replace(path + '.tmp', path)
+  logging.info('Wrote %s', path)
+
+
+if __name__ == '__main__':
+  app.run(main)
