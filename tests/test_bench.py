@@ -130,3 +130,21 @@ def test_brax_refuses_what_its_trainer_cannot_run():
                           sim=config_lib.SimConfig(backend='mujoco_cpu'))
   with pytest.raises(ValueError, match='--policy=transformer.*--backend=mujoco_cpu'):
     brax_ppo.check_supported(cfg)
+
+
+def test_merging_seed_files_gives_the_figures_of_one_invocation(quick_result, tmp_path):
+  from experiments.bench import run as bench_run
+  _, result = quick_result
+  parts = []
+  for i, seed in enumerate(result['seeds']):
+    part = dict(result, seeds=[seed], runs={k: [v[i]] for k, v in result['runs'].items()})
+    parts.append(tmp_path / f'part{seed}.json')
+    parts[-1].write_text(json.dumps(part))
+  merged = bench_run.merge([str(p) for p in parts])
+  assert merged['seeds'] == result['seeds']
+  for label, f in result['figures'].items():
+    assert merged['figures'][label]['env_steps_per_s'] == pytest.approx(f['env_steps_per_s'])
+  other = dict(result, extra_flags=['--num_groups=4'])
+  (tmp_path / 'other.json').write_text(json.dumps(other))
+  with pytest.raises(ValueError, match='other.json has extra_flags='):
+    bench_run.merge([str(parts[0]), str(tmp_path / 'other.json')])

@@ -48,6 +48,8 @@ _TIMEOUT = flags.DEFINE_integer('timeout_s', 3600, 'Per-run time limit (the run 
 _STAGE_PROFILE = flags.DEFINE_bool(
     'stage_profile', False, 'Before the runs, time each stage alone (experiments/bench/stage_profile.py) and report '
     'every label\'s overlap efficiency: env steps/s over the perfect-overlap ceiling.')
+_MERGE = flags.DEFINE_list('merge', [], 'Instead of running: merge these result files of one workload (same '
+                           'flagfile, flags and labels; e.g. seeds run in separate invocations) into --out.')
 _QUICK = flags.DEFINE_bool('quick', False, 'Tiny CPU workload (native MuJoCo pendulum) that exercises the harness.')
 
 SCHEDULES = ('fused', 'sync', 'async', 'brax')
@@ -131,9 +133,25 @@ def _command(flagfile: str, job: Job, extra: List[str], run_dir: str) -> List[st
   return head + [f'--seed={job.seed}', f'--run_dir={run_dir}', '--noprogress_bar', *extra, *job.flags]
 
 
+_LIVE: set = set()  # the runs in flight, stopped with SIGTERM when the harness itself is told to stop
+_STOPPING = threading.Event()
+
+
+def _stop_runs(signum, frame) -> None:
+  del frame
+  print(f'[bench] signal {signum}: stopping the runs in flight; the JSON keeps the finished ones', flush=True)
+  _STOPPING.set()
+  for popen in list(_LIVE):
+    try:
+      popen.send_signal(signal.SIGTERM)  # each controller stops its workers and its MPS daemon
+    except OSError:
+      pass
+
+
 def _run_one(cmd: List[str], run_dir: str, env: dict, tel: Optional[telemetry.Telemetry]) -> dict:
   start = time.time()
   popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+  _LIVE.add(popen)
   try:
     stdout, stderr = popen.communicate(timeout=_TIMEOUT.value)
   except subprocess.TimeoutExpired:
@@ -144,6 +162,8 @@ def _run_one(cmd: List[str], run_dir: str, env: dict, tel: Optional[telemetry.Te
       popen.kill()
       stdout, stderr = popen.communicate()
     stderr += f'\n[bench] stopped after --timeout_s={_TIMEOUT.value}'
+  finally:
+    _LIVE.discard(popen)
   end = time.time()
   result = {'command': ' '.join(cmd[1:]), 'returncode': popen.returncode, 'start_unix': start, 'end_unix': end,
             'process_wall_s': end - start, 'gpm': _gpm_window(tel, start, end)}
@@ -228,8 +248,51 @@ def _gpu_slots(indices: List[str]) -> List[Optional[Tuple[str, str]]]:
   return [(i, table[i]) for i in indices]
 
 
+def merge(paths: List[str]) -> dict:
+  """One result from several of the same workload, labels and flags; figures recomputed over all their seeds."""
+  results = []
+  for path in paths:
+    try:
+      with open(path) as f:
+        results.append(json.load(f))
+    except (OSError, json.JSONDecodeError) as e:
+      raise ValueError(f'--merge: cannot read {path}: {e}') from None
+  first = results[0]
+  for path, r in zip(paths[1:], results[1:]):
+    for field in ('flagfile', 'extra_flags', 'labels'):
+      if r.get(field) != first.get(field):
+        raise ValueError(f'--merge: {path} has {field}={r.get(field)!r}, {paths[0]} has {first.get(field)!r}.')
+  out = dict(first, runs={}, seeds=[], merged_from=[{'file': os.path.basename(p), 'commit': r.get('commit'),
+                                                     'seeds': r.get('seeds')} for p, r in zip(paths, results)])
+  for r in results:
+    out['seeds'] += [s for s in r.get('seeds', []) if s not in out['seeds']]
+    for label, runs in r['runs'].items():
+      out['runs'].setdefault(label, []).extend(runs)
+    if 'stage_profile' in r and 'stage_profile' not in first:
+      out['stage_profile'] = r['stage_profile']
+  labels = [(label, v['schedule'], tuple(v['flags'])) for label, v in first['labels'].items()]
+  out['commit'] = ','.join(sorted({r.get('commit', 'unknown') for r in results}))
+  out['figures'] = aggregate(out['runs'])
+  for key in [k for k in out if k.startswith('ratios_vs_')]:
+    del out[key]
+  out['ratios_vs_' + labels[0][0]] = ratios(out['figures'], labels[0][0])
+  if 'stage_profile' in out:
+    out['overlap'] = overlap_efficiency(out['figures'], labels, out['stage_profile'])
+  out['unfinished'] = [u for r in results for u in r.get('unfinished', [])]
+  return out
+
+
 def main(argv):
   del argv
+  if _MERGE.value:
+    try:
+      merged = merge(_MERGE.value)
+    except ValueError as e:
+      raise app.UsageError(str(e)) from None
+    with open(_OUT.value, 'w') as f:
+      json.dump(merged, f, indent=2, allow_nan=False)
+    print(f'wrote {_OUT.value} ({", ".join(merged["seeds"])} seeds of {", ".join(merged["runs"])})', flush=True)
+    return
   flagfile, extra = _FLAGFILE.value, list(_EXTRA.value)
   if _QUICK.value:
     flagfile, extra = flagfile or QUICK_FLAGFILE, QUICK_EXTRA + extra
@@ -266,11 +329,11 @@ def main(argv):
     todo.put(job)
   lock = threading.Lock()
 
-  def serve(slot):
+  def serve(slot, write):
     env = dict(os.environ)
     if slot is not None:
       env['CUDA_VISIBLE_DEVICES'] = slot[1]
-    while True:
+    while not _STOPPING.is_set():
       try:
         job = todo.get_nowait()
       except queue.Empty:
@@ -287,27 +350,50 @@ def main(argv):
         print(f'{job.label} seed {job.seed}: ' + json.dumps({k: summary.get(k) for k in FIGURES}), flush=True)
         if 'error_tail' in run:
           print(run['error_tail'][-2000:], flush=True)
+      write()
 
-  threads = [threading.Thread(target=serve, args=(slot,), daemon=True) for slot in slots]
+  def write() -> None:
+    """The JSON of the runs finished so far (rewritten after each run, so a stopped harness loses nothing)."""
+    with lock:
+      finished = [job for job in jobs if job in done]
+      result['runs'] = {}
+      for job in finished:
+        result['runs'].setdefault(job.label, []).append(done[job])
+      result['unfinished'] = [f'{job.label}/seed{job.seed}' for job in jobs if job not in done]
+      present = [label for label, _, _ in labels if label in result['runs']]
+      result['figures'] = aggregate(result['runs'])
+      if present:
+        result['ratios_vs_' + present[0]] = ratios(result['figures'], present[0])
+      if 'stage_profile' in result:
+        result['overlap'] = overlap_efficiency(result['figures'], [l for l in labels if l[0] in present],
+                                               result['stage_profile'])
+      os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
+      with open(_OUT.value + '.tmp', 'w') as f:
+        json.dump(result, f, indent=2, allow_nan=False)
+      os.replace(_OUT.value + '.tmp', _OUT.value)
+
+  threads = [threading.Thread(target=serve, args=(slot, write), daemon=True) for slot in slots]
+  previous = signal.signal(signal.SIGTERM, _stop_runs)
   try:
     for t in threads:
       t.start()
     for t in threads:
+      while t.is_alive():
+        t.join(timeout=0.5)
+  except KeyboardInterrupt:
+    _stop_runs(signal.SIGINT, None)
+    for t in threads:
       t.join()
   finally:
+    signal.signal(signal.SIGTERM, previous)
     for tel in tels.values():
       tel.stop()
-  for job in jobs:
-    result['runs'].setdefault(job.label, []).append(done[job])
-  result['figures'] = aggregate(result['runs'])
-  result['ratios_vs_' + labels[0][0]] = ratios(result['figures'], labels[0][0])
-  if 'stage_profile' in result:
-    result['overlap'] = overlap_efficiency(result['figures'], labels, result['stage_profile'])
-  os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
-  with open(_OUT.value, 'w') as f:
-    json.dump(result, f, indent=2, allow_nan=False)
+  write()
   print(f'wrote {_OUT.value}', flush=True)
-  failed = [f'{job.label}/seed{job.seed}' for job in jobs if 'error_tail' in done[job]]
+  failed = [f'{job.label}/seed{job.seed}' for job in jobs if job in done and 'error_tail' in done[job]]
+  if result['unfinished']:
+    print(f'not run (stopped): {", ".join(result["unfinished"])}', file=sys.stderr)
+    sys.exit(1)
   if failed:
     print(f'failed runs: {", ".join(failed)}', file=sys.stderr)
     sys.exit(1)
