@@ -104,7 +104,8 @@ def test_labels_brax_and_stage_profile_in_one_quick_invocation(tmp_path):
     assert g['sequential_floor_steps_per_s'] == pytest.approx(1 / sum(t))
   for label in ('sync', 'a2', 'brax'):
     o = result['overlap'][label]
-    assert o['envs_per_group'] == (16 if label == 'brax' else 8)
+    assert o['envs_per_call'] == 16
+    assert o['ceiling_steps_per_s'] == profile['groups']['16']['overlap_ceiling_steps_per_s']
     assert o['overlap_efficiency'] == pytest.approx(
         result['figures'][label]['env_steps_per_s'] / o['ceiling_steps_per_s'])
 
