@@ -65,7 +65,7 @@ class ActServer:
     out = act(params, obs, key, index)
     actions, raw, log_probs = np.asarray(out.actions), np.asarray(out.raw_actions), np.asarray(out.log_probs)
     if self._tracer is not None:
-      self._tracer.add('gen/act', start, time.time_ns() // 1000 - start, batch=rows, bucket=bucket)
+      self._tracer.add('gen/act_batch', start, time.time_ns() // 1000 - start, batch=rows, bucket=bucket)
     for i, (group, request) in enumerate(requests):
       env_slice = self._mailbox.slice_of(request)
       part = slice(i * self._m, (i + 1) * self._m)
