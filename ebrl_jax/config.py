@@ -166,6 +166,9 @@ class ScheduleConfig:
   # Process schedules: act inside each rollout worker (True), or in one generation worker process that batches
   # the groups' requests (False; native MuJoCo only for now).
   colocate_generation: bool = True
+  # With a separate generation worker: split each native-MuJoCo env group into this many slices that step and
+  # ask for actions on their own, so a slice waiting for actions never holds its group's other envs.
+  env_slices: int = 1
   resume: bool = False
   progress_bar: bool = True
 
@@ -181,6 +184,7 @@ class ScheduleConfig:
     _check_choice('transport', self.transport, TRANSPORTS)
     _check_choice('worker_fault', self.worker_fault, FAULT_POLICIES)
     _check_positive('max_restarts', self.max_restarts, allow_zero=True)
+    _check_positive('env_slices', self.env_slices)
 
   @property
   def staleness_bound(self) -> int:
@@ -246,6 +250,7 @@ class Config:
     if not self.schedule.colocate_generation and self.sim.backend != 'mujoco_cpu':
       raise ValueError('--nocolocate_generation (a separate generation worker) needs --backend=mujoco_cpu; '
                        f'got --backend={self.sim.backend}.')
+    self._check_env_slices()
     if self.algo.unroll_length % self.policy.action_chunk:
       raise ValueError(f'--unroll_length={self.algo.unroll_length} must be a multiple of '
                        f'--action_chunk={self.policy.action_chunk}.')
@@ -267,6 +272,31 @@ class Config:
           f'--batch_size={self.algo.batch_size} x --num_minibatches={self.algo.num_minibatches} = {seg} segments '
           f'per iteration must be a multiple of --num_envs={self.sim.num_envs} (each env contributes whole '
           f'segments of --unroll_length={self.algo.unroll_length} steps).')
+
+  def _check_env_slices(self) -> None:
+    slices = self.schedule.env_slices
+    if slices == 1:
+      return
+    if (self.schedule.name == 'fused' or self.schedule.colocate_generation or
+        self.sim.backend != 'mujoco_cpu'):
+      raise ValueError(f'--env_slices={slices} splits the env groups that a separate generation worker serves: '
+                       'it needs --schedule=sync or async, --nocolocate_generation and --backend=mujoco_cpu '
+                       f'(got --schedule={self.schedule.name}, --colocate_generation='
+                       f'{self.schedule.colocate_generation}, --backend={self.sim.backend}).')
+    group_envs = self.sim.num_envs // self.schedule.num_groups
+    if group_envs % slices:
+      raise ValueError(f'--env_slices={slices} must divide the {group_envs} envs of each env group '
+                       f'(--num_envs={self.sim.num_envs} / --num_groups={self.schedule.num_groups}).')
+
+  @property
+  def group_envs(self) -> int:
+    """Envs of one env group (process schedules)."""
+    return self.sim.num_envs // self.schedule.num_groups
+
+  @property
+  def slice_envs(self) -> int:
+    """Envs of one slice of an env group (`--env_slices`)."""
+    return self.group_envs // self.schedule.env_slices
 
   @property
   def env_steps_per_iteration(self) -> int:

@@ -100,19 +100,22 @@ class SegmentRecord(NamedTuple):
 
 
 class ActRequest(NamedTuple):
-  """Sim worker -> generation worker: one env group's observations. group, seq: [] int32 (seq numbers this
-  group's requests, so a reply to a re-sent request can be told apart); min_version: [] int32, the oldest
-  policy version the group may act with (its staleness bound); obs [B_g, O]."""
+  """Sim worker -> generation worker: the observations of one slice of an env group (the whole group unless
+  `--env_slices` > 1). group, env_slice, seq: [] int32 (seq numbers the slice's requests, so a reply to a
+  re-sent request can be told apart); min_version: [] int32, the oldest policy version the slice may act with
+  (its group's staleness bound); obs [B_s, O] (B_s envs per slice)."""
   group: Any
+  env_slice: Any
   seq: Any
   min_version: Any
   obs: Any
 
 
 class ActReply(NamedTuple):
-  """Generation worker -> sim worker: actions [B_g, K, A], raw_actions [B_g, K, A], log_probs [B_g], and the
-  policy version that produced them ([] int32); group and seq echo the request."""
+  """Generation worker -> sim worker: actions [B_s, K, A], raw_actions [B_s, K, A], log_probs [B_s], and the
+  policy version that produced them ([] int32); group, env_slice and seq echo the request."""
   group: Any
+  env_slice: Any
   seq: Any
   version: Any
   actions: Any

@@ -20,6 +20,7 @@ from ebrl_jax import config as config_lib
     (config_lib.AlgoConfig, {'max_grad_norm': -1.0}, r'--max_grad_norm=-1.0 must be > 0'),
     (config_lib.ScheduleConfig, {'name': 'warp'}, r'--schedule=.warp. is not valid; allowed values: fused, sync, async'),
     (config_lib.ScheduleConfig, {'num_timesteps': 0}, r'--num_timesteps=0 must be > 0'),
+    (config_lib.ScheduleConfig, {'env_slices': 0}, r'--env_slices=0 must be > 0'),
 ])
 def test_component_validation(ctor, kwargs, pattern):
   with pytest.raises(ValueError, match=pattern):
@@ -45,6 +46,22 @@ def test_unroll_must_hold_whole_chunks():
   with pytest.raises(ValueError, match='--unroll_length=5 must be a multiple of --action_chunk=2'):
     config_lib.Config(policy=config_lib.PolicyConfig(kind='transformer', action_chunk=2),
                       algo=config_lib.AlgoConfig(unroll_length=5))
+
+
+def test_env_slices_need_a_separate_cpu_generation_worker_and_must_divide_the_groups():
+  def make(sim=None, **schedule):
+    schedule = {'name': 'async', 'num_groups': 2, 'colocate_generation': False, **schedule}
+    return config_lib.Config(sim=sim or config_lib.SimConfig(num_envs=32), algo=config_lib.AlgoConfig(
+        batch_size=32, num_minibatches=8), schedule=config_lib.ScheduleConfig(**schedule))
+  assert make(env_slices=4).slice_envs == 4  # 32 envs / 2 groups / 4 slices
+  needs = '--env_slices=2 splits the env groups that a separate generation worker serves: it needs'
+  with pytest.raises(ValueError, match=needs + '.*got --schedule=async, --colocate_generation=True'):
+    make(env_slices=2, colocate_generation=True)
+  with pytest.raises(ValueError, match=needs + '.*got --schedule=fused'):
+    make(env_slices=2, name='fused')
+  with pytest.raises(ValueError, match=re.escape('--env_slices=3 must divide the 16 envs of each env group '
+                                                 '(--num_envs=32 / --num_groups=2)')):
+    make(env_slices=3)
 
 
 def test_derived_sizes():

@@ -21,6 +21,8 @@ def _run(*args, timeout=120):
     ('--schedule=warp', "--schedule='warp' is not valid; allowed values: fused, sync, async"),
     ('--algo=sac', "--algo='sac' is not valid; allowed values: ppo, grpo"),
     ('--policy_hidden_sizes=32,x', '--policy_hidden_sizes=32,x must be a comma-separated list of integers'),
+    ('--env_slices=2', '--env_slices=2 splits the env groups that a separate generation worker serves: it needs '
+     '--schedule=sync or async, --nocolocate_generation and --backend=mujoco_cpu'),
 ])
 def test_bad_flag_values_exit_with_named_error(tmp_path, flag, expected):
   result = _run(flag, f'--run_dir={tmp_path}/run')

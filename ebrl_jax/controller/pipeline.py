@@ -10,6 +10,7 @@ segment. `sync` is the staleness bound 0 (a barrier each iteration); `async` let
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -58,12 +59,14 @@ def _segment_spec(cfg: config_lib.Config, spec: types.EnvSpec) -> transport.Reco
 
 
 def _mailbox_specs(cfg: config_lib.Config, spec: types.EnvSpec):
-  b, k, o, a = cfg.sim.num_envs // cfg.schedule.num_groups, cfg.policy.action_chunk, spec.obs_dim, spec.action_dim
-  ints = {'group': 'int32', 'seq': 'int32'}
-  request = transport.record_spec(types.ActRequest, {'group': (), 'seq': (), 'min_version': (), 'obs': (b, o)},
+  """Request and reply specs of one env slice (the whole group without `--env_slices`)."""
+  b, k, o, a = cfg.slice_envs, cfg.policy.action_chunk, spec.obs_dim, spec.action_dim
+  ints = {'group': 'int32', 'env_slice': 'int32', 'seq': 'int32'}
+  request = transport.record_spec(types.ActRequest, {'group': (), 'env_slice': (), 'seq': (), 'min_version': (),
+                                                     'obs': (b, o)},
                                   dtypes={**ints, 'min_version': 'int32'})
-  reply = transport.record_spec(types.ActReply, {'group': (), 'seq': (), 'version': (), 'actions': (b, k, a),
-                                                 'raw_actions': (b, k, a), 'log_probs': (b,)},
+  reply = transport.record_spec(types.ActReply, {'group': (), 'env_slice': (), 'seq': (), 'version': (),
+                                                 'actions': (b, k, a), 'raw_actions': (b, k, a), 'log_probs': (b,)},
                                 dtypes={**ints, 'version': 'int32'})
   return request, reply
 
@@ -224,12 +227,18 @@ def _sigterm_as_interrupt():
     signal.signal(signal.SIGTERM, previous)
 
 
+def _generation_stats_files(cfg: config_lib.Config):
+  return sorted(glob.glob(os.path.join(cfg.schedule.run_dir, generation_worker.STATS_PREFIX + '*.json')))
+
+
 def run(cfg: config_lib.Config) -> fused.RunSummary:
   """Runs `sync` or `async` and returns the trainer's summary (plus worker restarts)."""
   os.makedirs(cfg.schedule.run_dir, exist_ok=True)
   summary_path = os.path.join(cfg.schedule.run_dir, 'summary.json')
   if os.path.exists(summary_path):
     os.remove(summary_path)
+  for path in _generation_stats_files(cfg):  # a reused run directory: count this run's batches only
+    os.remove(path)
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
   use_processes = cfg.schedule.transport == 'shm'
   registry: Optional[transport.ShmRegistry] = transport.ShmRegistry() if use_processes else None
@@ -246,7 +255,8 @@ def run(cfg: config_lib.Config) -> fused.RunSummary:
     if not cfg.schedule.colocate_generation:
       request_spec, reply_spec = _mailbox_specs(cfg, spec)
       mailbox = transport.make_mailbox(cfg.schedule.transport, request_spec, reply_spec, cfg.schedule.num_groups,
-                                       registry=registry)
+                                       registry=registry, num_slices=cfg.schedule.env_slices,
+                                       slice_field='env_slice')
     workers = _Workers(cfg, seg_channel, store, use_processes, mailbox, placement)
     with _sigterm_as_interrupt():
       workers.start_all()
@@ -263,4 +273,10 @@ def run(cfg: config_lib.Config) -> fused.RunSummary:
   with open(summary_path) as f:
     summary = fused.RunSummary(**json.load(f))
   summary.extra['worker_restarts'] = workers.restarts  # written to summary.json by the runner
+  generation = generation_worker.merge_stats(_generation_stats_files(cfg))
+  if generation is not None:
+    summary.extra['generation'] = generation
+    logging.info('generation worker: %d batches; slices per batch %s; batches per bucket %s; %.1f%% padding.',
+                 generation['batches'], generation['requests_per_batch'], generation['batches_per_bucket'],
+                 100.0 * generation['padded_rows'] / max(1, generation['rows'] + generation['padded_rows']))
   return summary

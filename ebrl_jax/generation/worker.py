@@ -1,19 +1,113 @@
-"""Generation worker: serves actions to every env group from one process, batching whichever groups are ready.
+"""Generation worker: serves actions to every env group from one process, batching whichever slices are ready.
 
-Batch shapes come from a small set of buckets (multiples of the group size), so XLA compiles at most
-`num_groups` act programs. Parameters are refreshed from the store whenever a newer version is published
-(async), and a request is never answered with a version older than its `min_version` (sync: exactly the
-version of the group's iteration, which the trainer cannot pass before the group's segment arrives).
+A requester is an env slice: a group's `--env_slices` parts each ask on their own (one slice per group by
+default, the whole group). A batch takes every request that is ready, of any group and slice, and is padded to
+the smallest bucket that holds it (`batching.make_buckets`: the slice size times powers of two, up to all envs),
+so XLA compiles one act program per bucket, all of them when the first parameters arrive. Each reply goes back
+to its (group, slice). Parameters are refreshed from the store whenever a newer version is published (async),
+and a request is never answered with a version older than its `min_version` (sync: exactly the version of the
+group's iteration, which the trainer cannot pass before the group's segment — all its slices — arrives).
+How many slices each batch held and which bucket it used is counted, and written to
+`<run_dir>/generation_stats_<pid>_<start>.json` when the worker stops; the controller adds them to the summary.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import collections
+import json
+import os
+import time
+from typing import Any, Callable, Dict, Optional, Sequence
 
 from absl import logging
 import numpy as np
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import types
+from ebrl_jax.generation import batching
+
+STATS_PREFIX = 'generation_stats_'
+
+
+class ActServer:
+  """Answers batches of act requests: pads the ready slices' observations to a bucket, acts once, replies to
+  each request's (group, slice).
+
+  `act(params, obs [B, O], key, index) -> ActOutput`-like (actions, raw_actions, log_probs); `mailbox` is a
+  `transport.Mailbox` whose requests are `types.ActRequest`s of `slice_envs` envs each.
+  """
+
+  def __init__(self, mailbox, act: Callable, slice_envs: int, total_envs: int, obs_dim: int, tracer=None,
+               reply_timeout_s: float = 2.0):
+    self._mailbox, self._act, self._m, self._tracer = mailbox, act, slice_envs, tracer
+    self._reply_timeout_s = reply_timeout_s
+    self.buckets = batching.make_buckets(slice_envs, total_envs)
+    self._obs = {b: np.zeros((b, obs_dim), np.float32) for b in self.buckets}
+    self._programs: Dict[int, Callable] = {}
+    self.requests_per_batch: collections.Counter = collections.Counter()
+    self.batches_per_bucket: collections.Counter = collections.Counter()
+    self.rows, self.padded_rows, self.dropped_replies = 0, 0, 0
+
+  def compile(self, params, key) -> float:
+    """Compiles the act program of every bucket (a jitted `act`); returns the seconds it took."""
+    t0 = time.monotonic()
+    for bucket in self.buckets:
+      self._programs[bucket] = self._act.lower(params, self._obs[bucket], key, 0).compile()
+    return time.monotonic() - t0
+
+  def serve(self, requests: Sequence, params, version: int, key, index: int) -> int:
+    """Acts on `requests` ([(group, ActRequest)], from `mailbox.gather`) in one batch and replies to each.
+    Returns the bucket (batch rows) used."""
+    rows = len(requests) * self._m
+    bucket = batching.bucket_for(self.buckets, rows)
+    obs = batching.pack([r.obs for _, r in requests], self._obs[bucket])
+    act = self._programs.get(bucket, self._act)
+    start = time.time_ns() // 1000
+    out = act(params, obs, key, index)
+    actions, raw, log_probs = np.asarray(out.actions), np.asarray(out.raw_actions), np.asarray(out.log_probs)
+    if self._tracer is not None:
+      self._tracer.add('gen/act_batch', start, time.time_ns() // 1000 - start, batch=rows, bucket=bucket)
+    for i, (group, request) in enumerate(requests):
+      env_slice = self._mailbox.slice_of(request)
+      part = slice(i * self._m, (i + 1) * self._m)
+      reply = types.ActReply(group=np.int32(group), env_slice=np.int32(env_slice), seq=np.int32(request.seq),
+                             version=np.int32(version), actions=actions[part], raw_actions=raw[part],
+                             log_probs=log_probs[part])
+      try:
+        self._mailbox.reply(group, reply, timeout=self._reply_timeout_s, env_slice=env_slice)
+      except TimeoutError:  # nobody reads that slice's replies (its rollout worker is being restarted)
+        self.dropped_replies += 1
+        logging.warning('generation worker: dropped a reply to group %d, slice %d (seq %d).', group, env_slice,
+                        int(request.seq))
+    self.requests_per_batch[len(requests)] += 1
+    self.batches_per_bucket[bucket] += 1
+    self.rows += rows
+    self.padded_rows += bucket - rows
+    return bucket
+
+  def stats(self) -> Dict[str, Any]:
+    return {'slice_envs': self._m, 'buckets': list(self.buckets), 'batches': sum(self.requests_per_batch.values()),
+            'requests_per_batch': {str(k): v for k, v in sorted(self.requests_per_batch.items())},
+            'batches_per_bucket': {str(k): v for k, v in sorted(self.batches_per_bucket.items())},
+            'rows': self.rows, 'padded_rows': self.padded_rows, 'dropped_replies': self.dropped_replies}
+
+
+def merge_stats(paths: Sequence[str]) -> Optional[Dict[str, Any]]:
+  """Sums the stats files of a run's generation workers (one per start); None if there are none."""
+  merged: Optional[Dict[str, Any]] = None
+  for path in paths:
+    with open(path) as f:
+      stats = json.load(f)
+    if merged is None:
+      merged = stats
+      continue
+    for name in ('batches', 'rows', 'padded_rows', 'dropped_replies'):
+      merged[name] += stats[name]
+    for name in ('requests_per_batch', 'batches_per_bucket'):
+      for k, v in stats[name].items():
+        merged[name][k] = merged[name].get(k, 0) + v
+  if merged is not None:
+    merged['workers'] = len(paths)
+  return merged
 
 
 def generation_main(cfg: config_lib.Config, mailbox: Any, store: Any, stop: Any, env: Optional[dict] = None):
@@ -32,14 +126,18 @@ def generation_main(cfg: config_lib.Config, mailbox: Any, store: Any, stop: Any,
   tracer = tracing.Tracer(cfg.schedule.trace_dir, 'generation')
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
   network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
-  act = cpu_rollout.make_act(network, cfg.policy.min_std)
-  group_envs = cfg.sim.num_envs // cfg.schedule.num_groups
+  server = ActServer(mailbox, cpu_rollout.make_act(network, cfg.policy.min_std), cfg.slice_envs,
+                     cfg.sim.num_envs, spec.obs_dim, tracer if tracer.enabled else None)
+  num_requesters = cfg.schedule.num_groups * cfg.schedule.env_slices
+  logging.info('generation worker: %d requesters of %d envs; act batches padded to buckets %s (%d programs).',
+               num_requesters, cfg.slice_envs, server.buckets, len(server.buckets))
   key = jax.random.PRNGKey(cfg.schedule.seed + 2)
   version, params, calls = -1, None, 0
+  stats_path = os.path.join(cfg.schedule.run_dir, f'{STATS_PREFIX}{os.getpid()}_{time.time_ns()}.json')
   try:
     while not stop.is_set():
       try:
-        requests = mailbox.gather(cfg.schedule.num_groups, timeout=0.5)
+        requests = mailbox.gather(num_requesters, timeout=0.5)
       except TimeoutError:
         continue
       need = max(int(r.min_version) for _, r in requests)
@@ -49,21 +147,14 @@ def generation_main(cfg: config_lib.Config, mailbox: Any, store: Any, stop: Any,
             break
           version, host = store.latest()
           params = jax.device_put(host)
-      with tracer.span('gen/act', batch=len(requests) * group_envs):
-        obs = np.concatenate([r.obs for _, r in requests], axis=0)
-        out = act(params, obs, key, calls)
-        actions, raw, log_probs = (np.asarray(out.actions), np.asarray(out.raw_actions),
-                                   np.asarray(out.log_probs))
+        if calls == 0:
+          logging.info('generation worker: compiled %d act programs in %.2f s.', len(server.buckets),
+                       server.compile(params, key))
+      server.serve(requests, params, version, key, calls)
       calls += 1
-      for i, (group, request) in enumerate(requests):
-        rows = slice(i * group_envs, (i + 1) * group_envs)
-        reply = types.ActReply(group=np.int32(group), seq=np.int32(request.seq), version=np.int32(version),
-                               actions=actions[rows], raw_actions=raw[rows], log_probs=log_probs[rows])
-        try:
-          mailbox.reply(group, reply, timeout=2.0)
-        except TimeoutError:  # nobody reads that group's replies (its sim worker is being restarted)
-          logging.warning('generation worker: dropped a reply to group %d (seq %d).', group, int(request.seq))
   except ChannelClosed:
     pass
   finally:
     tracer.close()
+    with open(stats_path, 'w') as f:
+      json.dump(server.stats(), f)

@@ -5,6 +5,7 @@ NOTE: a collector's buffer is reused by the next `collect`; consumers copy it (o
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import time
 from typing import NamedTuple, Optional, Tuple
@@ -74,12 +75,28 @@ class SegmentBuffer:
 
 class CpuCollector:
   """Collects `unrolls` segments of `steps` policy steps from every env of `pool` (PPO), or one whole episode per
-  env with resets at the start (`episodic`, GRPO). Segment s = u * num_envs + env (unroll-major)."""
+  env with resets at the start (`episodic`, GRPO). Segment s = u * num_envs + env (unroll-major).
+
+  `act_fn` is one callable, or a list of one per env slice: then the pool's envs are split into that many equal,
+  contiguous slices, each run from its own thread — act, step its envs (`pool.step(env_ids=...)`, physics on the
+  pool's threads), write its columns of the buffer — so a slice waiting for its actions never holds the others.
+  Slices meet only at the end of `collect`; the buffer is the same as without slices.
+  NOTE: slices touch disjoint envs, buffer columns and observation rows; the pool allows that concurrently.
+  """
 
   def __init__(self, pool, spec: types.EnvSpec, act_fn, unrolls: int, steps: int, action_chunk: int,
                episodic: bool, tracer=None):
-    self._pool, self._act, self._tracer = pool, act_fn, tracer
+    self._pool, self._tracer = pool, tracer
     self._n = pool.num_envs
+    sliced = isinstance(act_fn, (list, tuple))
+    self._act = None if sliced else act_fn  # fused_cpu swaps in its compiled act after construction
+    self._slice_acts = list(act_fn) if sliced else []
+    num_slices = max(1, len(self._slice_acts))
+    if self._n % num_slices:
+      raise ValueError(f'{num_slices} env slices must divide the pool\'s {self._n} envs.')
+    self._slice_envs = self._n // num_slices
+    self._executor = (concurrent.futures.ThreadPoolExecutor(num_slices, thread_name_prefix='env_slice')
+                      if num_slices > 1 else None)
     self._unrolls, self._steps, self._episodic = unrolls, steps, episodic
     self.buffer = SegmentBuffer(steps, unrolls * self._n, spec, action_chunk)
     self._obs: Optional[np.ndarray] = None if episodic else pool.reset()
@@ -89,26 +106,42 @@ class CpuCollector:
     self._obs = None if self._episodic else self._pool.reset()
 
   def collect(self, params, version: int, key) -> Tuple[types.Transition, EpisodeStats]:
-    buf, n = self.buffer, self._n
     if self._episodic:
       self._obs = self._pool.reset()
-      active = np.ones((n,), np.float32)
+    if self._executor is None:
+      stats = self._collect_envs(self._act, 0, self._n, params, version, key)
+    else:
+      m = self._slice_envs
+      futures = [self._executor.submit(self._collect_envs, act, i * m, (i + 1) * m, params, version, key, i)
+                 for i, act in enumerate(self._slice_acts)]
+      parts = [f.result() for f in futures]  # re-raises a slice's exception (InterruptedError on stop)
+      stats = EpisodeStats(*(sum(p[i] for p in parts) for i in range(3)))
+    return self.buffer.transition(), stats
+
+  def _collect_envs(self, act_fn, lo: int, hi: int, params, version: int, key,
+                    slice_index: Optional[int] = None) -> EpisodeStats:
+    """The policy/env loop over envs [lo, hi) (the whole pool: `slice_index` None), writing their columns."""
+    buf, n, whole = self.buffer, self._n, slice_index is None
+    env_ids = None if whole else np.arange(lo, hi)
+    trace = {} if whole else {'slice': slice_index}
+    obs = self._obs if whole else self._obs[lo:hi]
+    active = np.ones((hi - lo,), np.float32)
     ret_sum, len_sum, count, index = 0.0, 0.0, 0.0, 0
     for u in range(self._unrolls):
-      cols = slice(u * n, (u + 1) * n)
+      cols = slice(u * n + lo, u * n + hi)
       for t in range(self._steps):
         t0 = time.time_ns() // 1000
-        out = self._act(params, self._obs, key, index)
+        out = act_fn(params, obs, key, index)
         actions = np.asarray(out.actions)
         t1 = time.time_ns() // 1000
         index += 1
-        res = self._pool.step(actions)
+        res = self._pool.step(actions, env_ids)
         if self._tracer is not None:
-          self._tracer.add('gen/act', t0, t1 - t0)
-          self._tracer.add('sim/step', t1, time.time_ns() // 1000 - t1)
+          self._tracer.add('gen/act', t0, t1 - t0, **trace)
+          self._tracer.add('sim/step', t1, time.time_ns() // 1000 - t1, **trace)
         mask = active if self._episodic else 1.0
         # A remote generation worker reports the version it acted with; a local act uses `version`.
-        done = buf.write(t, cols, self._obs, np.asarray(out.raw_actions), np.asarray(out.log_probs), res,
+        done = buf.write(t, cols, obs, np.asarray(out.raw_actions), np.asarray(out.log_probs), res,
                          int(getattr(out, 'version', version)), mask)
         finished = done * mask
         ret_sum += float(np.sum(res.episode_return * finished))
@@ -116,8 +149,17 @@ class CpuCollector:
         count += float(np.sum(finished))
         if self._episodic:
           active = active * (1.0 - done)
-        self._obs = res.obs
-    return buf.transition(), EpisodeStats(ret_sum, len_sum, count)
+        obs = res.obs
+    if whole:
+      self._obs = obs
+    else:
+      self._obs[lo:hi] = obs
+    return EpisodeStats(ret_sum, len_sum, count)
+
+  def close(self) -> None:
+    if self._executor is not None:
+      self._executor.shutdown(wait=True)
+      self._executor = None
 
 
 def evaluate(pool, act_fn, params, key, episode_length: int, action_chunk: int) -> Tuple[float, float]:

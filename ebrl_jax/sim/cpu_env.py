@@ -17,7 +17,10 @@ Episode semantics (shared with `ebrl_jax.sim.stages`):
     reward 0, done 1, the truncation and episode_return/episode_length of its finished episode.
   * episode_length counts Brax env steps (so it includes action_repeat), like Brax's episode metrics.
 
-NOTE: the pool is not thread-safe: call it from one thread. Its own worker threads each step a disjoint
+NOTE: the pool is not thread-safe in general: call it from one thread, except that `step` calls with disjoint
+`env_ids` may run concurrently from several threads (a rollout worker's env slices do): every array they touch
+is indexed by env, and auto-reset draws from a `np.random.Generator`, which serialises its draws (their order,
+and so which initial state an env gets, then depends on timing). Its own worker threads each step a disjoint
 slice of envs and write disjoint rows of the preallocated buffers.
 """
 from __future__ import annotations

@@ -28,19 +28,22 @@ class RolloutChannels(NamedTuple):
 
 
 class _RemoteAct:
-  """Stands in for a local `act`: sends the group's observations to the generation worker, waits for its reply.
+  """Stands in for a local `act`: sends one slice's observations (the whole group's without slices) to the
+  generation worker, waits for its reply.
 
   NOTE: a request whose reply does not come within `resend_s` is sent again (the generation worker may have
   died and been replaced); replies carry the request's seq, so a late duplicate is recognised and dropped.
   """
 
-  def __init__(self, mailbox, group: int, stop, resend_s: float = 2.0):
-    self._mailbox, self._group, self._stop, self._resend_s = mailbox, group, stop, resend_s
+  def __init__(self, mailbox, group: int, stop, env_slice: int = 0, resend_s: float = 2.0):
+    self._mailbox, self._group, self._slice = mailbox, group, env_slice
+    self._stop, self._resend_s = stop, resend_s
     self.min_version, self._seq = 0, 0
 
   def _ask(self, obs) -> None:
-    request = types.ActRequest(group=np.int32(self._group), seq=np.int32(self._seq),
-                               min_version=np.int32(self.min_version), obs=np.asarray(obs, np.float32))
+    request = types.ActRequest(group=np.int32(self._group), env_slice=np.int32(self._slice),
+                               seq=np.int32(self._seq), min_version=np.int32(self.min_version),
+                               obs=np.asarray(obs, np.float32))
     while not self._stop.is_set():
       try:
         self._mailbox.ask(request, timeout=0.5)
@@ -55,7 +58,7 @@ class _RemoteAct:
     self._ask(obs)
     while not self._stop.is_set():
       try:
-        reply = self._mailbox.receive(self._group, timeout=self._resend_s)
+        reply = self._mailbox.receive(self._group, timeout=self._resend_s, env_slice=self._slice)
       except TimeoutError:
         self._ask(obs)
         continue
@@ -87,28 +90,38 @@ def wait_for_version(store, min_version: int, stop) -> bool:
 
 
 class _CpuGroup:
-  """A native-MuJoCo env group and its collector."""
+  """A native-MuJoCo env group and its collector; with a generation worker, one remote act per env slice."""
 
-  def __init__(self, cfg: config_lib.Config, group: int, network, tracer, remote_act=None):
+  def __init__(self, cfg: config_lib.Config, group: int, network, tracer, mailbox=None, stop=None):
     from ebrl_jax.controller import fused_cpu  # pylint: disable=g-import-not-at-top
     from ebrl_jax.rollout import cpu as cpu_rollout  # pylint: disable=g-import-not-at-top
     from ebrl_jax import sim  # pylint: disable=g-import-not-at-top
-    n = cfg.sim.num_envs // cfg.schedule.num_groups
     spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
     episodic = cfg.algo.name == 'grpo'
     # Group 0 uses the run's seed, so one group replays the fused schedule's envs exactly.
-    self._pool = fused_cpu.make_pool(cfg, n, cfg.schedule.seed + 7919 * group, auto_reset=not episodic)
+    self._pool = fused_cpu.make_pool(cfg, cfg.group_envs, cfg.schedule.seed + 7919 * group,
+                                     auto_reset=not episodic)
     unrolls, steps = fused_cpu.collector_shape(cfg)
-    act = remote_act or cpu_rollout.make_act(network, cfg.policy.min_std)
-    self.remote_act = remote_act
+    if mailbox is None:
+      self.remote_acts = []
+      act = cpu_rollout.make_act(network, cfg.policy.min_std)
+    else:
+      self.remote_acts = [_RemoteAct(mailbox, group, stop, s) for s in range(cfg.schedule.env_slices)]
+      act = self.remote_acts if len(self.remote_acts) > 1 else self.remote_acts[0]
     self.collector = cpu_rollout.CpuCollector(self._pool, spec, act, unrolls, steps, cfg.policy.action_chunk,
                                               episodic, tracer if tracer.enabled else None)
+
+  def set_min_version(self, version: int) -> None:
+    """The oldest policy version the generation worker may answer this group's requests with."""
+    for remote in self.remote_acts:
+      remote.min_version = version
 
   def collect(self, params, version: int, key):
     transition, stats = self.collector.collect(params, version, key)
     return transition, (stats.return_sum, stats.length_sum, stats.count)
 
   def close(self):
+    self.collector.close()
     self._pool.close()
 
 
@@ -132,8 +145,7 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
     from ebrl_jax.rollout import mjx_group  # pylint: disable=g-import-not-at-top
     worker = mjx_group.MjxGroup(cfg, group, network)
   else:
-    remote = _RemoteAct(channels.mailbox, group, stop) if channels.mailbox is not None else None
-    worker = _CpuGroup(cfg, group, network, tracer, remote)
+    worker = _CpuGroup(cfg, group, network, tracer, channels.mailbox, stop)
   base_key = jax.random.PRNGKey(cfg.schedule.seed + 1)
   bound = cfg.schedule.staleness_bound
   store = channels.params
@@ -147,8 +159,9 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
       with tracer.span('rollout/wait_params'):
         if not wait_for_version(store, iteration - bound, stop):
           break
-        if getattr(worker, 'remote_act', None) is not None:
-          params_version = worker.remote_act.min_version = max(0, iteration - bound)
+        if getattr(worker, 'remote_acts', None):
+          params_version = max(0, iteration - bound)
+          worker.set_min_version(params_version)
         elif store.version() != params_version:
           params_version, host_params = store.latest()
           params = jax.device_put(host_params)

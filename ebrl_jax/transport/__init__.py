@@ -52,11 +52,13 @@ def make_param_store(kind: str, template: Any, registry: Optional[ShmRegistry] =
 
 def make_mailbox(kind: str, request_spec: RecordSpec, reply_spec: RecordSpec, num_groups: int,
                  capacity: Optional[int] = None, registry: Optional[ShmRegistry] = None,
-                 group_field: str = 'group') -> Mailbox:
-  """One request channel (capacity defaults to `num_groups`) and one reply channel of capacity 1 per group."""
-  requests = make_channel(kind, request_spec, capacity or num_groups, registry)
-  replies = [make_channel(kind, reply_spec, 1, registry) for _ in range(num_groups)]
-  return Mailbox(requests, replies, group_field)
+                 group_field: str = 'group', num_slices: int = 1, slice_field: Optional[str] = None) -> Mailbox:
+  """One request channel (capacity defaults to one request per requester, `num_groups * num_slices`) and one
+  reply channel of capacity 1 per requester (group, or (group, slice) when `num_slices` > 1)."""
+  requesters = num_groups * num_slices
+  requests = make_channel(kind, request_spec, capacity or requesters, registry)
+  replies = [make_channel(kind, reply_spec, 1, registry) for _ in range(requesters)]
+  return Mailbox(requests, replies, group_field, num_slices, slice_field)
 
 
 __all__ = [

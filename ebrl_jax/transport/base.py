@@ -123,45 +123,62 @@ class ParamStore(abc.ABC):
 
 class Mailbox:
   """Request/response between many env groups and one generation server: the cheapest form is one shared request
-  channel (many producers) plus one reply channel per group (single producer, single consumer).
+  channel (many producers) plus one reply channel per requester (single producer, single consumer).
 
   Each request record carries its group id in the integer field `group_field` (shape ()), so the server knows
-  where to reply. The server batches whichever groups are ready with `gather`. A group has at most one
-  request outstanding, so reply channels need capacity 1.
+  where to reply. A group may be split into `num_slices` requesters (slices of its envs), each with its own reply
+  channel; then requests also carry the slice in `slice_field`, and replies go to (group, slice). The server
+  batches whichever requesters are ready with `gather`. A requester has at most one request outstanding, so
+  reply channels need capacity 1. `replies` is ordered group-major: the channel of (g, s) is g * num_slices + s.
   """
 
-  def __init__(self, requests: Channel, replies: Sequence[Channel], group_field: str = 'group'):
-    if group_field not in requests.spec or requests.spec[group_field].shape != ():
-      raise ValueError(f'request spec {requests.spec} needs a scalar integer field {group_field!r} (the group id).')
+  def __init__(self, requests: Channel, replies: Sequence[Channel], group_field: str = 'group',
+               num_slices: int = 1, slice_field: Optional[str] = None):
+    for field in filter(None, (group_field, slice_field)):
+      if field not in requests.spec or requests.spec[field].shape != ():
+        raise ValueError(f'request spec {requests.spec} needs a scalar integer field {field!r}.')
+    if num_slices < 1 or len(replies) % num_slices:
+      raise ValueError(f'num_slices={num_slices} must be >= 1 and divide the {len(replies)} reply channels.')
+    if num_slices > 1 and slice_field is None:
+      raise ValueError(f'num_slices={num_slices} needs a slice_field naming the slice in each request.')
     self.requests = requests
     self.replies = list(replies)
-    self.group_field = group_field
+    self.group_field, self.slice_field, self.num_slices = group_field, slice_field, num_slices
 
   @property
   def num_groups(self) -> int:
-    return len(self.replies)
+    return len(self.replies) // self.num_slices
+
+  def _channel(self, group: int, env_slice: int) -> Channel:
+    if not 0 <= group < self.num_groups:
+      raise ValueError(f'{self.group_field}={group} is outside [0, {self.num_groups}).')
+    if not 0 <= env_slice < self.num_slices:
+      raise ValueError(f'{self.slice_field or "slice"}={env_slice} is outside [0, {self.num_slices}).')
+    return self.replies[group * self.num_slices + env_slice]
+
+  def slice_of(self, request: Any) -> int:
+    """The slice a request comes from (0 without a slice field)."""
+    return int(getattr(request, self.slice_field)) if self.slice_field else 0
 
   def ask(self, request: Any, timeout: Optional[float] = None) -> None:
-    """Sim side: sends a request for group `request.<group_field>`."""
-    group = int(getattr(request, self.group_field))
-    if not 0 <= group < len(self.replies):
-      raise ValueError(f'{self.group_field}={group} is outside [0, {len(self.replies)}).')
+    """Sim side: sends a request for group `request.<group_field>` (slice `request.<slice_field>`)."""
+    self._channel(int(getattr(request, self.group_field)), self.slice_of(request))  # checks the address
     self.requests.put(request, timeout)
 
-  def receive(self, group: int, timeout: Optional[float] = None) -> Any:
-    """Sim side: waits for the reply to group `group`'s outstanding request."""
-    return self.replies[group].get(timeout)
+  def receive(self, group: int, timeout: Optional[float] = None, env_slice: int = 0) -> Any:
+    """Sim side: waits for the reply to the outstanding request of group `group`, slice `env_slice`."""
+    return self._channel(group, env_slice).get(timeout)
 
   def gather(self, max_requests: int, timeout: Optional[float] = None) -> List[Tuple[int, Any]]:
     """Server side: blocks for one request, then takes up to `max_requests - 1` more that are ready.
 
-    Returns [(group, request), ...] in arrival order.
+    Returns [(group, request), ...] in arrival order (the slice is `slice_of(request)`).
     """
     return [(int(getattr(r, self.group_field)), r) for r in self.requests.get_many(max_requests, timeout)]
 
-  def reply(self, group: int, response: Any, timeout: Optional[float] = None) -> None:
-    """Server side: sends the response for `group`."""
-    self.replies[group].put(response, timeout)
+  def reply(self, group: int, response: Any, timeout: Optional[float] = None, env_slice: int = 0) -> None:
+    """Server side: sends the response for group `group`, slice `env_slice`."""
+    self._channel(group, env_slice).put(response, timeout)
 
   def close(self) -> None:
     self.requests.close()

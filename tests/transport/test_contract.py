@@ -237,6 +237,37 @@ def test_mailbox_round_trip(make):
     mailbox.receive(0, timeout=1)
 
 
+class _SliceRequest(NamedTuple):
+  group: np.ndarray
+  part: np.ndarray
+  obs: np.ndarray
+
+
+def test_mailbox_routes_replies_to_group_slices(make):
+  spec = transport.record_spec(_SliceRequest, {'group': (), 'part': (), 'obs': (2, 3)},
+                               dtypes={'group': 'int32', 'part': 'int32'})
+  requests = make(spec, 6)
+  replies = [make(transport.record_spec(_Reply, {'action': (2, 2)}), 1) for _ in range(6)]  # 2 groups x 3 slices
+  mailbox = transport.Mailbox(requests, replies, num_slices=3, slice_field='part')
+  assert mailbox.num_groups == 2
+  ready = [(1, 2), (0, 0), (1, 0)]
+  for g, s in ready:
+    mailbox.ask(_SliceRequest(np.int32(g), np.int32(s), np.full((2, 3), 10 * g + s, np.float32)))
+  batch = mailbox.gather(max_requests=6, timeout=1)
+  assert [(g, mailbox.slice_of(r)) for g, r in batch] == ready
+  for g, request in batch:
+    mailbox.reply(g, _Reply(request.obs[:, :2]), env_slice=mailbox.slice_of(request))
+  for g, s in sorted(ready):
+    assert np.all(mailbox.receive(g, timeout=1, env_slice=s).action == 10 * g + s)
+  with pytest.raises(TimeoutError):
+    mailbox.receive(0, timeout=0.01, env_slice=1)  # nothing was sent to (0, 1)
+  with pytest.raises(ValueError, match='part=3 is outside'):
+    mailbox.ask(_SliceRequest(np.int32(0), np.int32(3), np.zeros((2, 3), np.float32)))
+  with pytest.raises(ValueError, match='needs a slice_field'):
+    transport.Mailbox(requests, replies, num_slices=3)
+  mailbox.close()
+
+
 def test_unknown_kind_lists_valid_ones():
   with pytest.raises(ValueError, match='valid kinds: shm, thread'):
     transport.make_channel('cuda', ITEM_SPEC, 2)
