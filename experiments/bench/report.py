@@ -11,6 +11,7 @@ run missing a field, is an error that names the file and the field.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import os
@@ -85,18 +86,124 @@ def _fmt(value, digits=0, scale=1.0, suffix=''):
   return '—' if value is None else f'{value * scale:,.{digits}f}{suffix}'
 
 
-def table(results: Dict[str, Dict[str, List[dict]]]) -> str:
-  lines = ['| result | run | seeds | env steps/s | compile s | wall s to target | env steps to target | best return |',
-           '| --- | --- | --- | --- | --- | --- | --- | --- |']
+def run_extras(path: str) -> Dict[str, dict]:
+  """Per label of a bench result: mean SM activity of its runs and its overlap efficiency, where recorded."""
+  with open(path) as f:
+    data = json.load(f)
+  out = {}
+  for label, runs in data.get('runs', {}).items():
+    runs = runs if isinstance(runs, list) else [runs]
+    sm = _mean([(r.get('gpm') or {}).get('sm_activity_pct') for r in runs if isinstance(r, dict)])
+    overlap = (data.get('overlap') or {}).get(label, {}).get('overlap_efficiency')
+    out[label] = {'sm_activity_pct': sm, 'overlap_efficiency': overlap}
+  return out
+
+
+def table(results: Dict[str, Dict[str, List[dict]]], extras: Dict[str, Dict[str, dict]] = None) -> str:
+  """One row per (file, label): means over seeds; time to target over the seeds that reached it (count shown)."""
+  extras = extras or {}
+  lines = ['| result | run | seeds | env steps/s | compile s | reached target | wall s to target | '
+           'env steps to target | best return | SM activity % | overlap eff. |',
+           '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |']
   for path, runs in results.items():
     for label, seeds in runs.items():
-      lines.append('| {} | {} | {} | {} | {} | {} | {} | {} |'.format(
+      x = extras.get(path, {}).get(label, {})
+      reached = sum(s.get('env_steps_to_target') is not None for s in seeds)
+      lines.append('| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |'.format(
           os.path.basename(path), label, len(seeds), _fmt(_mean([s.get('env_steps_per_s') for s in seeds])),
-          _fmt(_mean([s.get('compile_s') for s in seeds]), 1),
+          _fmt(_mean([s.get('compile_s') for s in seeds]), 1), f'{reached}/{len(seeds)}',
           _fmt(_mean([s.get('wall_s_to_target') for s in seeds]), 1),
           _fmt(_mean([s.get('env_steps_to_target') for s in seeds]), 2, 1e-6, ' M'),
-          _fmt(_mean([s.get('best_eval_return', s.get('best_return')) for s in seeds]), 1)))
+          _fmt(_mean([s.get('best_eval_return', s.get('best_return')) for s in seeds]), 1),
+          _fmt(x.get('sm_activity_pct'), 1), _fmt(x.get('overlap_efficiency'), 2)))
   return '\n'.join(lines)
+
+
+def _read_jsonl(path: str) -> List[dict]:
+  opener = gzip.open if path.endswith('.gz') else open
+  try:
+    with opener(path, 'rt') as f:
+      return [json.loads(line) for line in f if line.strip()]
+  except (OSError, json.JSONDecodeError) as e:
+    raise ResultError(f'{path}: cannot read it as JSON lines ({e})') from None
+
+
+def plot_sm_activity(path: str, telemetry_paths: List[str]) -> str:
+  """Device-wide SM activity (NVML GPM) over time, one panel per telemetry log (one per GPU), with the bench
+  result's runs on that GPU marked as spans."""
+  with open(path) as f:
+    data = json.load(f)
+  fig, axes = plt.subplots(len(telemetry_paths), 1, figsize=(14, 2.8 * len(telemetry_paths)), squeeze=False)
+  colors = plt.rcParams['axes.prop_cycle'].by_key()['color']
+  labels = list(data.get('runs', {}))
+  for ax, tel_path in zip(axes[:, 0], telemetry_paths):
+    records = [r for r in _read_jsonl(tel_path) if 'sm_activity_pct' in r]
+    if not records:
+      raise ResultError(f'{tel_path}: no record has "sm_activity_pct"')
+    t0 = records[0]['t']
+    ax.plot([r['t'] - t0 for r in records], [r['sm_activity_pct'] for r in records], lw=0.6, color='k',
+            label='SM activity %')
+    ax.plot([r['t'] - t0 for r in records], [r.get('sm_occupancy_pct', float('nan')) for r in records], lw=0.6,
+            color='tab:gray', alpha=0.6, label='SM occupancy %')
+    gpu = next((c for c in os.path.basename(tel_path).split('_') if c.startswith('gpu')), '')
+    for label, runs in data.get('runs', {}).items():
+      for r in runs if isinstance(runs, list) else [runs]:
+        if gpu and f'gpu{r.get("gpu")}' != gpu.split('.')[0]:
+          continue
+        if r.get('start_unix', 0) <= records[-1]['t'] and r.get('end_unix', 0) >= records[0]['t']:
+          ax.axvspan(r['start_unix'] - t0, r['end_unix'] - t0, alpha=0.15,
+                     color=colors[labels.index(label) % len(colors)])
+          ax.text(max(r['start_unix'] - t0, 0) + 1, 95, label, fontsize=7, va='top')
+    ax.set_ylim(0, 100)
+    ax.set_ylabel('%')
+    ax.set_title(os.path.basename(tel_path), fontsize=9)
+    ax.grid(alpha=0.3)
+  axes[0, 0].legend(fontsize=8, loc='upper right')
+  axes[-1, 0].set_xlabel('seconds since the first sample')
+  fig.tight_layout()
+  out = os.path.splitext(path)[0] + '_sm.png'
+  fig.savefig(out, dpi=110)
+  plt.close(fig)
+  return out
+
+
+def plot_timeline(trace_path: str, window_s: float = 3.0) -> str:
+  """The stage spans of every process in a Chrome/Perfetto trace, over `window_s` seconds from the middle of
+  the run: one row per process, one colour per stage."""
+  try:
+    with open(trace_path) as f:
+      data = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ResultError(f'{trace_path}: cannot read it as JSON ({e})') from None
+  events = data['traceEvents'] if isinstance(data, dict) else data
+  names = {e['pid']: e['args']['name'] for e in events if e.get('ph') == 'M' and e.get('name') == 'process_name'}
+  spans = [e for e in events if e.get('ph') == 'X']
+  if not spans:
+    raise ResultError(f'{trace_path}: no complete ("X") span events')
+  t_lo = min(e['ts'] for e in spans)
+  t_hi = max(e['ts'] + e['dur'] for e in spans)
+  start = t_lo + (t_hi - t_lo) / 2
+  end = start + window_s * 1e6
+  pids = sorted({e['pid'] for e in spans}, key=lambda p: names.get(p, str(p)))
+  stages = sorted({e['name'] for e in spans})
+  colors = plt.get_cmap('tab10')
+  fig, ax = plt.subplots(figsize=(14, 0.6 * len(pids) + 1.5))
+  for row, pid in enumerate(pids):
+    for e in spans:
+      if e['pid'] == pid and e['ts'] < end and e['ts'] + e['dur'] > start:
+        ax.broken_barh([((e['ts'] - start) / 1e3, e['dur'] / 1e3)], (row - 0.4, 0.8),
+                       color=colors(stages.index(e['name']) % 10))
+  ax.set_yticks(range(len(pids)), [names.get(p, str(p)) for p in pids])
+  ax.set_xlim(0, window_s * 1e3)
+  ax.set_xlabel(f'milliseconds ({window_s:g} s from the middle of the run)')
+  handles = [plt.Rectangle((0, 0), 1, 1, color=colors(i % 10)) for i in range(len(stages))]
+  ax.legend(handles, stages, fontsize=7, loc='upper left', bbox_to_anchor=(1.0, 1.0))
+  ax.set_title(os.path.basename(trace_path), fontsize=9)
+  fig.tight_layout()
+  out = os.path.splitext(trace_path)[0] + '_timeline.png'
+  fig.savefig(out, dpi=110)
+  plt.close(fig)
+  return out
 
 
 def plot(path: str, runs: Dict[str, List[dict]]) -> str:
@@ -138,20 +245,32 @@ def main(argv=None) -> int:
   parser.add_argument('results', nargs='+', help='result JSON files')
   parser.add_argument('--md', help='also write the Markdown table to this file')
   parser.add_argument('--no_plots', action='store_true')
+  parser.add_argument('--telemetry', action='append', default=[],
+                      help='telemetry JSONL(.gz) of the bench (one per GPU): plots SM activity over time beside '
+                           'the first result, as <result>_sm.png')
+  parser.add_argument('--trace', action='append', default=[],
+                      help='a merged trace.json of a run: plots its stage timeline as <trace>_timeline.png')
+  parser.add_argument('--window_s', type=float, default=3.0, help='seconds of timeline to plot')
   args = parser.parse_args(argv)
   try:
     results = {path: load(path) for path in args.results}
+    extras = {path: run_extras(path) for path in args.results}
+    md = table(results, extras)
+    outputs = []
+    if not args.no_plots:
+      outputs += [plot(path, runs) for path, runs in results.items()]
+      if args.telemetry:
+        outputs.append(plot_sm_activity(args.results[0], args.telemetry))
+      outputs += [plot_timeline(t, args.window_s) for t in args.trace]
   except ResultError as e:
     print(f'report: {e}', file=sys.stderr)
     return 2
-  md = table(results)
   print(md)
   if args.md:
     with open(args.md, 'w') as f:
       f.write(md + '\n')
-  if not args.no_plots:
-    for path, runs in results.items():
-      print(f'wrote {plot(path, runs)}', file=sys.stderr)
+  for out in outputs:
+    print(f'wrote {out}', file=sys.stderr)
   return 0
 
 
