@@ -149,3 +149,30 @@ def test_merging_seed_files_gives_the_figures_of_one_invocation(quick_result, tm
   (tmp_path / 'other.json').write_text(json.dumps(other))
   with pytest.raises(ValueError, match='other.json has extra_flags='):
     bench_run.merge([str(parts[0]), str(tmp_path / 'other.json')])
+
+
+def test_report_plots_sm_activity_and_a_stage_timeline(tmp_path):
+  """The telemetry and trace plots from small synthetic files; a trace without spans is refused by name."""
+  result = {'runs': {'async': [{'gpu': '0', 'start_unix': 100.0, 'end_unix': 103.0, 'gpm': {'sm_activity_pct': 40.0},
+                                'summary': {'env_steps': 10, 'env_steps_per_s': 5.0,
+                                            'eval_curve': [{'env_steps': 0, 'wall_s': 1.0, 'return': 1.0}]}}]}}
+  (tmp_path / 'r.json').write_text(json.dumps(result))
+  tel = tmp_path / 'telemetry_gpu0.jsonl'
+  tel.write_text(''.join(json.dumps({'t': 99.0 + 0.1 * i, 'sm_activity_pct': i % 50, 'sm_occupancy_pct': 5})
+                         + '\n' for i in range(60)))
+  trace = {'traceEvents': [{'name': 'process_name', 'ph': 'M', 'pid': 1, 'args': {'name': 'trainer'}},
+                           {'name': 'train/train_step', 'ph': 'X', 'pid': 1, 'ts': 0, 'dur': 500_000},
+                           {'name': 'rollout/collect', 'ph': 'X', 'pid': 2, 'ts': 100_000, 'dur': 2_000_000}]}
+  (tmp_path / 'trace.json').write_text(json.dumps(trace))
+  proc = subprocess.run([sys.executable, '-m', 'experiments.bench.report', str(tmp_path / 'r.json'), '--telemetry',
+                         str(tel), '--trace', str(tmp_path / 'trace.json')], cwd=ROOT, capture_output=True, text=True,
+                        timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+  assert proc.returncode == 0, proc.stderr
+  assert '| 40.0 |' in proc.stdout  # the run's SM activity in the table
+  for name in ('r_sm.png', 'trace_timeline.png'):
+    assert os.path.getsize(tmp_path / name) > 5_000
+  (tmp_path / 'empty_trace.json').write_text(json.dumps({'traceEvents': trace['traceEvents'][:1]}))
+  proc = subprocess.run([sys.executable, '-m', 'experiments.bench.report', str(tmp_path / 'r.json'), '--trace',
+                         str(tmp_path / 'empty_trace.json')], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                        env=dict(os.environ, PYTHONPATH=ROOT))
+  assert proc.returncode == 2 and 'empty_trace.json: no complete ("X") span events' in proc.stderr
