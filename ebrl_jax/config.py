@@ -207,11 +207,21 @@ class ResourceConfig:
   pin_cpus: bool = True
   # Telemetry (SM activity via NVML GPM, GPU memory and CPU use per process) every this many seconds; 0 = off.
   telemetry_period_s: float = 0.1
+  # sync/async: choose the number of env groups and (under MPS) the SM quotas from stage profiles, calibrating
+  # the stages first when the profile store holds none for this machine and workload. --sm_quotas pins roles.
+  plan: bool = False
+  # Where stage profiles are kept between runs ('' = ~/.cache/ebrl_jax/profiles).
+  profile_dir: str = ''
+  # SM quotas (percent) the calibration times each stage at, one process per quota (100 only without MPS).
+  calibration_quotas: Tuple[int, ...] = (25, 50, 100)
 
   def __post_init__(self):
     _check_choice('platform', self.platform, ('', 'cpu', 'gpu', 'cuda'))
     _check_positive('telemetry_period_s', self.telemetry_period_s, allow_zero=True)
     quotas = self.quotas  # parses and checks
+    if not self.calibration_quotas or any(not 1 <= q <= 100 for q in self.calibration_quotas):
+      raise ValueError(f'--calibration_quotas={",".join(map(str, self.calibration_quotas))} must be non-empty, '
+                       'each in [1, 100] percent.')
     if quotas and not self.use_mps:
       raise ValueError(f'--sm_quotas={self.sm_quotas} needs --use_mps (quotas are an MPS setting).')
 
@@ -247,6 +257,9 @@ class Config:
     if self.schedule.name != 'fused' and (self.sim.num_envs // self.schedule.num_groups) % self.sim.group_size:
       raise ValueError(f'each env group ({self.sim.num_envs} / --num_groups={self.schedule.num_groups}) must hold '
                        f'whole GRPO groups of --group_size={self.sim.group_size}.')
+    if self.resources.plan and self.schedule.name == 'fused':
+      raise ValueError('--plan chooses env groups and SM quotas for the process schedules; it needs '
+                       '--schedule=sync or --schedule=async.')
     if not self.schedule.colocate_generation and self.sim.backend != 'mujoco_cpu':
       raise ValueError('--nocolocate_generation (a separate generation worker) needs --backend=mujoco_cpu; '
                        f'got --backend={self.sim.backend}.')

@@ -10,6 +10,7 @@ segment. `sync` is the staleness bound 0 (a barrier each iteration); `async` let
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import json
 import multiprocessing
@@ -31,6 +32,7 @@ from ebrl_jax.controller import fused
 from ebrl_jax.controller import fused_cpu
 from ebrl_jax.controller import runner
 from ebrl_jax.generation import policies
+from ebrl_jax.resources import autoplan
 from ebrl_jax.resources import cpus
 from ebrl_jax.resources import mps
 from ebrl_jax.generation import worker as generation_worker
@@ -227,6 +229,14 @@ def _sigterm_as_interrupt():
     signal.signal(signal.SIGTERM, previous)
 
 
+def _calibration_env(mps_daemon: Optional[mps.MpsDaemon], quota: int) -> Dict[str, str]:
+  """A calibration process runs alone: most of the memory, and its quota under the run's MPS daemon."""
+  env = {'EBRL_ROLE': f'calibrate/q{quota}', 'XLA_PYTHON_CLIENT_MEM_FRACTION': '0.850'}
+  if mps_daemon is not None:
+    env.update(mps_daemon.worker_env(quota))
+  return env
+
+
 def _generation_stats_files(cfg: config_lib.Config):
   return sorted(glob.glob(os.path.join(cfg.schedule.run_dir, generation_worker.STATS_PREFIX + '*.json')))
 
@@ -242,11 +252,14 @@ def run(cfg: config_lib.Config) -> fused.RunSummary:
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
   use_processes = cfg.schedule.transport == 'shm'
   registry: Optional[transport.ShmRegistry] = transport.ShmRegistry() if use_processes else None
-  workers = None
+  workers, plan_record = None, None
   mps_daemon = mps.MpsDaemon(cfg.schedule.run_dir) if cfg.resources.use_mps and use_processes else None
   try:
     if mps_daemon is not None and not mps_daemon.start():
       mps_daemon = None
+    if cfg.resources.plan:  # groups and quotas from stage profiles (calibrated first if there are none)
+      cfg, plan_record = autoplan.plan_run(cfg, mps_daemon is not None,
+                                           functools.partial(_calibration_env, mps_daemon))
     placement = _Placement(cfg, mps_daemon)
     capacity = cfg.schedule.num_groups * (cfg.schedule.staleness_bound + 1)
     seg_channel = transport.make_channel(cfg.schedule.transport, _segment_spec(cfg, spec), capacity, registry)
@@ -273,6 +286,12 @@ def run(cfg: config_lib.Config) -> fused.RunSummary:
   with open(summary_path) as f:
     summary = fused.RunSummary(**json.load(f))
   summary.extra['worker_restarts'] = workers.restarts  # written to summary.json by the runner
+  if plan_record is not None:
+    plan_record['measured_env_steps_per_s'] = summary.env_steps_per_s
+    plan_record['measured_over_predicted'] = summary.env_steps_per_s / plan_record['predicted_env_steps_per_s']
+    summary.extra['plan'] = plan_record
+    logging.info('--plan predicted %.0f env steps/s, measured %.0f (%.2fx).', plan_record['predicted_env_steps_per_s'],
+                 summary.env_steps_per_s, plan_record['measured_over_predicted'])
   generation = generation_worker.merge_stats(_generation_stats_files(cfg))
   if generation is not None:
     summary.extra['generation'] = generation

@@ -184,11 +184,27 @@ def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5) -> dict
 
 
 def add_to_store(store, profile: dict) -> None:
-  """Feeds a calibration's samples into a `profiles.ProfileStore` (stage -> (batch, quota, seconds))."""
+  """Feeds a calibration into a `profiles.ProfileStore` in the planner's units: 'sim' and 'generation' are the
+  seconds of one env step of a batch of E envs (an unroll's time over its env steps per env), 'train' the seconds
+  of one train_step on an iteration's batch (batch = the iteration's env steps)."""
   q = profile['quota']
   for e, entry in profile['groups'].items():
     for name in ('sim', 'generation'):
+      steps_per_env = entry[name]['env_steps'] / int(e)
       for t in entry[name]['samples_s']:
-        store.profile(name).add_sample(int(e), q, t)
+        store.profile(name).add_sample(int(e), q, t / steps_per_env)
   for t in profile['train']['samples_s']:
     store.profile('train').add_sample(profile['steps_per_iteration'], q, t)
+
+
+def calibrate_main(cfg, envs_per_group: Sequence[int], repeats: int, out_path: str, env=None) -> None:
+  """Process entry point: applies the worker environment (SM quota, memory share), profiles, writes JSON."""
+  import json  # pylint: disable=g-import-not-at-top
+  from ebrl_jax import resources  # pylint: disable=g-import-not-at-top
+  resources.apply_worker_env(env)
+  from ebrl_jax.controller import runner  # pylint: disable=g-import-not-at-top
+  runner.configure_jax(cfg)
+  profile = profile_stages(cfg, envs_per_group, repeats)
+  with open(out_path + '.tmp', 'w') as f:
+    json.dump(profile, f)
+  os.replace(out_path + '.tmp', out_path)

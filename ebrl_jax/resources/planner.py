@@ -47,6 +47,9 @@ class PlanSpace:
   train_calls_per_iteration: int = 1
   iteration_handoff_s: float = 0.0
   step_handoff_s: float = 0.0
+  # False without MPS: no quotas to share out (every process at 100 %), so the sum-to-100 % limit is lifted and
+  # the model's overlap is optimistic (time-sliced processes do not truly run at once).
+  quota_limit: bool = True
 
   def __post_init__(self):
     for name in ('num_envs', 'steps_per_iteration', 'train_calls_per_iteration'):
@@ -137,6 +140,8 @@ def evaluate(profiles: Mapping, space: PlanSpace, num_groups: int, quotas: Mappi
 
 
 def _feasible(space: PlanSpace, num_groups: int, quotas: Mapping[str, int], schedule: str) -> bool:
+  if not space.quota_limit:
+    return True
   rollout = num_groups * quotas[ROLLOUT] + quotas.get(GENERATION, 0)
   if schedule == 'async':
     return rollout + quotas[TRAINER] <= 100

@@ -1,0 +1,160 @@
+"""`--plan`: the process schedules' env groups and SM quotas chosen from stage profiles at the start of a run.
+
+  1. The profile store of this machine and workload is read from `--profile_dir` (one JSON file per pair).
+  2. Where it lacks a stage, the stages are calibrated (`calibrate.profile_stages`): one short-lived process per
+     quota of `--calibration_quotas`, each started with that CUDA_MPS_ACTIVE_THREAD_PERCENTAGE under the run's
+     MPS daemon, at every group size the planner may choose; compile is excluded from the samples, and the
+     persistent compilation cache makes the second and later quotas cheap. The store is saved, so the next run
+     on this machine and workload starts from it.
+  3. `planner.plan` picks the number of groups and the quotas with the least predicted iteration time; quotas
+     given with `--sm_quotas` stay pinned. Without MPS only the group count is chosen: there are no quotas to
+     share, and the prediction assumes the processes overlap, which time-slicing does not deliver.
+  4. The run goes on with the chosen `--num_groups` (and `--sm_quotas`); the decision, its reason and the
+     predicted env steps/s go to the log and to the summary, where the measured figure sits beside it.
+
+Quotas are fixed for the whole run: changing one means new processes, and live re-planning is not wired in yet.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import multiprocessing
+import os
+import time
+from typing import Dict, List, Optional, Tuple
+
+from absl import logging
+
+from ebrl_jax import config as config_lib
+from ebrl_jax.resources import calibrate
+from ebrl_jax.resources import planner
+from ebrl_jax.resources import profiles
+from ebrl_jax.resources import telemetry
+
+_GROUP_CHOICES = (1, 2, 4, 8)
+_QUOTA_GRID = tuple(range(10, 101, 10))
+_CALIBRATION_TIMEOUT_S = 900.0
+
+
+def machine_key() -> str:
+  """This machine as the profile store knows it: the visible GPU's name and driver (NVML), and the CPU count."""
+  name, driver = 'none', 'none'
+  try:
+    import pynvml  # pylint: disable=g-import-not-at-top
+    pynvml.nvmlInit()
+    device = telemetry.visible_gpu()
+    handle = (pynvml.nvmlDeviceGetHandleByUUID(device) if device.startswith('GPU-')
+              else pynvml.nvmlDeviceGetHandleByIndex(int(device)))
+    name = pynvml.nvmlDeviceGetName(handle)
+    driver = pynvml.nvmlSystemGetDriverVersion()
+    name, driver = (v.decode() if isinstance(v, bytes) else str(v) for v in (name, driver))
+  except Exception:  # pylint: disable=broad-except  (no NVML, no GPU: a CPU machine)
+    pass
+  return profiles.machine_id(name, driver, os.cpu_count() or 1)
+
+
+def workload_key(cfg: config_lib.Config) -> str:
+  """Everything that changes a stage's time at a given batch size and quota, and nothing else: task, backend,
+  envs, the policy's shape, and the training batch and epochs."""
+  p, a, s = cfg.policy, cfg.algo, cfg.sim
+  policy = (f'{p.kind}:d{p.d_model}x{p.num_layers}h{p.num_heads}m{p.mlp_ratio}t{p.obs_token_size}k{p.action_chunk}'
+            if p.kind == 'transformer' else
+            f'{p.kind}:{"x".join(map(str, p.policy_hidden_sizes))}/{"x".join(map(str, p.value_hidden_sizes))}')
+  policy += (f';algo={a.name},seg={a.segments_per_iteration},unroll={a.unroll_length},mb={a.num_minibatches},'
+             f'epochs={a.num_updates_per_batch};repeat={s.action_repeat};threads={s.num_threads}')
+  return profiles.workload_id(s.task, s.backend, s.num_envs, policy)
+
+
+def store_path(cfg: config_lib.Config, machine: str, workload: str) -> str:
+  folder = cfg.resources.profile_dir or os.path.join(os.path.expanduser('~'), '.cache', 'ebrl_jax', 'profiles')
+  digest = hashlib.sha1(f'{machine}|{workload}'.encode()).hexdigest()[:16]
+  return os.path.join(folder, f'{digest}.json')
+
+
+def group_choices(cfg: config_lib.Config) -> Tuple[int, ...]:
+  """Group counts that split the envs evenly into whole GRPO groups and whole env slices."""
+  n = cfg.sim.num_envs
+  out = []
+  for g in _GROUP_CHOICES:
+    e = n // g
+    if g * e == n and e % cfg.sim.group_size == 0 and e % cfg.schedule.env_slices == 0:
+      out.append(g)
+  return tuple(out)
+
+
+def _calibrate(cfg: config_lib.Config, sizes: List[int], quotas: Tuple[int, ...], worker_env, run_dir: str,
+               repeats: int = 3) -> List[dict]:
+  """One spawned process per quota; returns their calibration JSONs. A failed or hung process is an error
+  naming the quota and where its output went."""
+  ctx = multiprocessing.get_context('spawn')
+  out = []
+  for q in quotas:
+    path = os.path.join(run_dir, f'calibration_q{q}.json')
+    env = worker_env(q)
+    proc = ctx.Process(target=calibrate.calibrate_main, args=(cfg, sizes, repeats, path), kwargs={'env': env},
+                       name=f'calibrate/q{q}', daemon=True)
+    t0 = time.monotonic()
+    proc.start()
+    proc.join(_CALIBRATION_TIMEOUT_S)
+    if proc.is_alive():
+      proc.kill()
+      proc.join(5)
+      raise RuntimeError(f'stage calibration at SM quota {q} % did not finish in {_CALIBRATION_TIMEOUT_S:.0f} s.')
+    if proc.exitcode != 0 or not os.path.exists(path):
+      raise RuntimeError(f'stage calibration at SM quota {q} % failed (exit code {proc.exitcode}); see its log '
+                         'above. Run without --plan, or fix --sm_quotas by hand.')
+    with open(path) as f:
+      out.append(json.load(f))
+    logging.info('calibration at quota %d %%: %.1f s (sizes %s)', q, time.monotonic() - t0, sizes)
+  return out
+
+
+def plan_run(cfg: config_lib.Config, mps_active: bool, worker_env) -> Tuple[config_lib.Config, dict]:
+  """The config the run goes on with, and the record of the decision (for the log and the summary).
+
+  `worker_env(quota)` gives the environment of a calibration process at that quota (MPS pipe, memory share).
+  """
+  machine, workload = machine_key(), workload_key(cfg)
+  path = store_path(cfg, machine, workload)
+  store = profiles.ProfileStore.load(path, machine, workload)
+  choices = group_choices(cfg)
+  sizes = sorted({cfg.sim.num_envs // g for g in choices})
+  quotas = tuple(sorted(set(cfg.resources.calibration_quotas))) if mps_active else (100,)
+  calibrated_s = None
+  if not all(name in store for name in ('sim', 'generation', 'train')):
+    t0 = time.monotonic()
+    logging.info('--plan: no stage profiles for this machine and workload in %s; calibrating at quotas %s, '
+                 'group sizes %s.', path, quotas, sizes)
+    for profile in _calibrate(cfg, sizes, quotas, worker_env, cfg.schedule.run_dir):
+      calibrate.add_to_store(store, profile)
+    store.save(path)
+    calibrated_s = time.monotonic() - t0
+  steps = cfg.env_steps_per_iteration // cfg.sim.num_envs
+  space = planner.PlanSpace(
+      num_envs=cfg.sim.num_envs, steps_per_iteration=steps, num_groups=choices,
+      group_sizes=tuple(sizes), quotas=_QUOTA_GRID if mps_active else (100,),
+      colocate_generation=cfg.schedule.colocate_generation, quota_limit=mps_active)
+  pinned = {role: q for role, q in cfg.resources.quotas.items() if role in space.roles} if mps_active else {}
+  schedule = 'sync' if cfg.schedule.name == 'sync' else 'async'
+  chosen = planner.plan(store, space, schedule, pinned)
+  fused_like = planner.evaluate(store, space, 1, {r: 100 for r in space.roles}, 'sync') if not mps_active else None
+  logging.info('--plan chose %s', chosen.reason)
+  if not mps_active:
+    logging.warning('--plan without MPS: only the number of groups is chosen, and its prediction assumes the '
+                    'processes run at once, which time-slicing does not deliver.')
+  schedule_cfg = dataclasses.replace(cfg.schedule, num_groups=chosen.num_groups)
+  resources_cfg = cfg.resources
+  if mps_active:
+    quota_text = ','.join(f'{role}={q}' for role, q in sorted(chosen.quotas.items()))
+    resources_cfg = dataclasses.replace(cfg.resources, sm_quotas=quota_text)
+  new_cfg = dataclasses.replace(cfg, schedule=schedule_cfg, resources=resources_cfg)
+  record = {'num_groups': chosen.num_groups, 'envs_per_group': chosen.envs_per_group,
+            'quotas': chosen.quotas if mps_active else None, 'predicted_env_steps_per_s': chosen.env_steps_per_s,
+            'predicted_iteration_s': chosen.iteration_s, 'predicted_rollout_s': chosen.rollout_s,
+            'predicted_train_s': chosen.train_s, 'reason': chosen.reason, 'mps': mps_active,
+            'calibrated_s': calibrated_s, 'calibration_quotas': list(quotas) if calibrated_s is not None else [],
+            'profile_store': path, 'fits': {name: store[name].fit_note for name in sorted(store)}}
+  if fused_like is not None:
+    record['predicted_sequential_env_steps_per_s'] = fused_like.env_steps_per_s
+  return new_cfg, record

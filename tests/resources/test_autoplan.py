@@ -1,0 +1,88 @@
+"""--plan: the decision from a profile store (hand-checkable), its pins, its keys, and a CPU run that calibrates
+once and then starts from the saved store."""
+import dataclasses
+
+import pytest
+
+from ebrl_jax import config as config_lib
+from ebrl_jax import controller
+from ebrl_jax.resources import autoplan
+from ebrl_jax.resources import profiles
+
+
+def _cfg(tmp_path, schedule='async', sm_quotas='', **resources):
+  return config_lib.Config(
+      sim=config_lib.SimConfig(task='inverted_pendulum', num_envs=32, num_eval_envs=8, num_threads=1),
+      algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
+      schedule=config_lib.ScheduleConfig(name=schedule, num_timesteps=12_800, num_evals=2,
+                                         run_dir=str(tmp_path / 'run'), compilation_cache_dir='',
+                                         progress_bar=False, transport='shm', num_groups=2),
+      resources=config_lib.ResourceConfig(plan=True, profile_dir=str(tmp_path / 'profiles'), use_mps=bool(sm_quotas)
+                                          or resources.pop('use_mps', False), sm_quotas=sm_quotas, **resources))
+
+
+def _fill(cfg, sim_s, gen_s, train_s):
+  """A store where every stage is linear in the batch and saturates at q_sat (samples at two sizes and quotas)."""
+  machine, workload = autoplan.machine_key(), autoplan.workload_key(cfg)
+  store = profiles.ProfileStore(machine, workload)
+  for name, (per_env, q_sat) in (('sim', sim_s), ('generation', gen_s)):
+    for e in (8, 32):
+      for q in (25, 100):
+        store.profile(name).add_sample(e, q, per_env * e * max(1.0, q_sat / q))
+  steps = cfg.env_steps_per_iteration
+  for q in (25, 100):
+    store.profile('train').add_sample(steps, q, train_s[0] * max(1.0, train_s[1] / q))
+    store.profile('train').add_sample(steps // 2, q, train_s[0] / 2 * max(1.0, train_s[1] / q))
+  store.save(autoplan.store_path(cfg, machine, workload))
+
+
+def test_plan_from_a_store_balances_rollout_and_training_quotas(tmp_path):
+  # 1 group of 32 envs: a step costs 16 us (sim saturating at 20 % of the SMs; generation 0.3 us), so an
+  # iteration's S = 40 steps take 0.65 ms at >= 20 %, under 1 ms for this config's S; training takes 1 ms at
+  # >= 80 %. Async at rollout 20 % + trainer 80 %: both fit in 100 % and iteration = max(rollout, 1 ms) = 1 ms,
+  # the best any split can do (training alone needs 80 %); 2 groups tie and lose the tie (fewer groups first).
+  cfg = _cfg(tmp_path, use_mps=True)
+  steps = cfg.env_steps_per_iteration // cfg.sim.num_envs
+  assert steps * 16.3e-6 < 1e-3
+  _fill(cfg, sim_s=(0.5e-6, 20.0), gen_s=(1e-8, 1.0), train_s=(1e-3, 80.0))
+  new_cfg, record = autoplan.plan_run(cfg, mps_active=True, worker_env=None)
+  assert record['calibrated_s'] is None  # the store had every stage
+  assert record['quotas']['trainer'] == 80 and record['quotas']['rollout'] == 20 and record['num_groups'] == 1
+  assert record['predicted_iteration_s'] == pytest.approx(1e-3, rel=1e-3)
+  assert new_cfg.schedule.num_groups == 1
+  assert new_cfg.resources.quotas == {'rollout': 20, 'trainer': 80}
+  # A pinned trainer quota stays pinned, and the rest is planned around it.
+  pinned = dataclasses.replace(cfg, resources=dataclasses.replace(cfg.resources, sm_quotas='trainer=50'))
+  _, record = autoplan.plan_run(pinned, mps_active=True, worker_env=None)
+  assert record['quotas']['trainer'] == 50 and 'pinned' in record['reason']
+
+
+def test_workload_key_changes_with_what_changes_stage_times(tmp_path):
+  cfg = _cfg(tmp_path)
+  bigger = dataclasses.replace(cfg, sim=dataclasses.replace(cfg.sim, num_envs=64))
+  epochs = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, num_updates_per_batch=8))
+  seed = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, seed=7))
+  keys = {autoplan.workload_key(c) for c in (cfg, bigger, epochs)}
+  assert len(keys) == 3 and autoplan.workload_key(seed) == autoplan.workload_key(cfg)
+
+
+def test_plan_needs_a_process_schedule(tmp_path):
+  with pytest.raises(ValueError, match='--plan .* needs --schedule=sync or --schedule=async'):
+    _cfg(tmp_path, schedule='fused')
+
+
+def test_cpu_run_calibrates_once_then_starts_from_the_saved_profiles(tmp_path):
+  """No MPS here: one calibration process at 100 %, groups chosen, the run completes with the plan and the
+  measured rate in its summary; a second run of the same workload does not calibrate again."""
+  first = controller.run(_cfg(tmp_path))
+  plan = first.extra['plan']
+  assert plan['calibrated_s'] > 0 and plan['calibration_quotas'] == [100] and plan['mps'] is False
+  assert plan['num_groups'] in (1, 2, 4, 8) and plan['quotas'] is None
+  assert plan['measured_env_steps_per_s'] == pytest.approx(first.env_steps_per_s)
+  assert first.env_steps == 12_800 and first.extra['segments_duplicated'] == 0
+  assert (tmp_path / 'run' / 'calibration_q100.json').exists()
+  cfg2 = _cfg(tmp_path)
+  cfg2 = dataclasses.replace(cfg2, schedule=dataclasses.replace(cfg2.schedule, run_dir=str(tmp_path / 'run2')))
+  second = controller.run(cfg2)
+  assert second.extra['plan']['calibrated_s'] is None
+  assert second.extra['plan']['num_groups'] == plan['num_groups']
