@@ -32,7 +32,8 @@ PROBES = {
         "'raw_action_shape': list(batch.raw_action.shape), 'reward_shape': list(batch.reward.shape), "
         "'T': T, 'B': NUM_ENVS, 'O': spec.obs_dim, 'A': spec.action_dim, " + _COMMON + "}"),
     '03_reading_results.ipynb': (
-        "{'rows': [r['system'] for r in rows], 'stages': len(totals), 'spans': len(spans), " + _COMMON + "}"),
+        "{'rows': list(bench['figures']), 'seeds': len(bench['seeds']), 'stages': len(totals), "
+        "'spans': len(spans), " + _COMMON + "}"),
 }
 
 
@@ -52,8 +53,7 @@ def _check_02(out):
 
 
 def _check_03(out):
-  assert any('fused' in r for r in out['rows']) and any('async' in r for r in out['rows']), out
-  assert any('Brax' in r for r in out['rows']), out
+  assert {'fused', 'sync', 'async', 'brax'} <= set(out['rows']) and out['seeds'] == 3, out
   assert out['stages'] > 0 and out['spans'] > 0, out
   assert len(out['figures']) >= 2, out
 
