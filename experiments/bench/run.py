@@ -117,7 +117,9 @@ def machine() -> dict:
 
 
 def commit() -> str:
-  """The checkout's commit (or $EBRL_COMMIT where the tree is not a git checkout, e.g. a copy on another host)."""
+  """$EBRL_COMMIT when set (a copied tree on another host may carry a stale .git), else the checkout's commit."""
+  if os.environ.get('EBRL_COMMIT'):
+    return os.environ['EBRL_COMMIT']
   try:
     out = subprocess.run(['git', 'rev-parse', 'HEAD'], capture_output=True, text=True, timeout=10)
   except (OSError, subprocess.SubprocessError):
