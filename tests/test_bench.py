@@ -176,3 +176,16 @@ def test_report_plots_sm_activity_and_a_stage_timeline(tmp_path):
                          str(tmp_path / 'empty_trace.json')], cwd=ROOT, capture_output=True, text=True, timeout=120,
                         env=dict(os.environ, PYTHONPATH=ROOT))
   assert proc.returncode == 2 and 'empty_trace.json: no complete ("X") span events' in proc.stderr
+
+
+def test_planner_prediction_from_the_kept_w2_results(tmp_path):
+  out = tmp_path / 'plan.json'
+  proc = subprocess.run([sys.executable, 'experiments/plan_from_results.py', f'--out={out}'], cwd=ROOT,
+                        capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+  assert proc.returncode == 0, proc.stderr
+  plans = json.load(open(out))['plans']
+  for schedule, p in plans.items():
+    assert p['predicted_env_steps_per_s'] > 0 and sum(p['quotas'].values()) <= (
+        100 + (p['num_groups'] - 1) * p['quotas']['rollout'] if schedule == 'async' else 200)
+  # The kept profiles make W2 training-bound: the trainer gets the larger share in either schedule.
+  assert all(p['quotas']['trainer'] > p['quotas']['rollout'] for p in plans.values())
