@@ -43,10 +43,7 @@ def make_train_fn(cfg: config_lib.Config, network, optimizer, recompute_proximal
 
 def collector_shape(cfg: config_lib.Config) -> Tuple[int, int]:
   """(unrolls per env, policy steps per segment) of one iteration."""
-  k = cfg.policy.action_chunk
-  if cfg.algo.name == 'grpo':
-    return 1, cfg.sim.episode_length // k
-  return cfg.unrolls_per_env, cfg.algo.unroll_length // k
+  return cfg.segment_shape
 
 
 class CpuFusedLoop:
