@@ -32,6 +32,7 @@ from ebrl_jax.controller import fused_cpu
 from ebrl_jax.controller import runner
 from ebrl_jax.generation import policies
 from ebrl_jax.resources import cpus
+from ebrl_jax.resources import memory
 from ebrl_jax.resources import mps
 from ebrl_jax.generation import worker as generation_worker
 from ebrl_jax.sim import worker as sim_worker
@@ -90,19 +91,16 @@ def _roles(cfg: config_lib.Config):
 
 
 class _Placement:
-  """Per-worker environment: memory share, MPS pipe and SM quota, CPU cores."""
+  """Per-worker environment: memory budget, MPS pipe and SM quota, CPU cores."""
 
-  def __init__(self, cfg: config_lib.Config, mps_daemon: Optional[mps.MpsDaemon]):
-    self._cfg, self.mps = cfg, mps_daemon
+  def __init__(self, cfg: config_lib.Config, mps_daemon: Optional[mps.MpsDaemon], memory_plan: memory.MemoryPlan):
+    self._cfg, self.mps, self.memory = cfg, mps_daemon, memory_plan
     cpu_roles, feeders = _roles(cfg)
     self.cores = (cpus.plan_cores(cpus.available_cores(), cpu_roles, feeders)
                   if cfg.resources.pin_cpus else {})
-    # Each process gets an equal share of 90 % of the accelerator's memory, so the first to start cannot take the
-    # 75 % JAX preallocates by default. Only the current variable name is set, never the older one beside it.
-    self._memory_share = 0.9 / (len(cpu_roles) + len(feeders))
 
   def env(self, role: str) -> Dict[str, str]:
-    env = {'EBRL_ROLE': role, 'XLA_PYTHON_CLIENT_MEM_FRACTION': f'{self._memory_share:.3f}'}
+    env = {'EBRL_ROLE': role, **self.memory.worker_env(role, mps_active=self.mps is not None)}
     if self.mps is not None:
       env.update(self.mps.worker_env(self._cfg.resources.quotas.get(role.split('/')[0])))
     if role in self.cores:
@@ -240,6 +238,9 @@ def run(cfg: config_lib.Config) -> fused.RunSummary:
   for path in _generation_stats_files(cfg):  # a reused run directory: count this run's batches only
     os.remove(path)
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
+  cpu_roles, feeders = _roles(cfg)
+  memory_plan = memory.plan_for_run(cfg, spec, feeders + cpu_roles)  # a plan that does not fit stops here
+  memory_plan.log()
   use_processes = cfg.schedule.transport == 'shm'
   registry: Optional[transport.ShmRegistry] = transport.ShmRegistry() if use_processes else None
   workers = None
@@ -247,7 +248,7 @@ def run(cfg: config_lib.Config) -> fused.RunSummary:
   try:
     if mps_daemon is not None and not mps_daemon.start():
       mps_daemon = None
-    placement = _Placement(cfg, mps_daemon)
+    placement = _Placement(cfg, mps_daemon, memory_plan)
     capacity = cfg.schedule.num_groups * (cfg.schedule.staleness_bound + 1)
     seg_channel = transport.make_channel(cfg.schedule.transport, _segment_spec(cfg, spec), capacity, registry)
     store = transport.make_param_store(cfg.schedule.transport, _param_template(cfg, spec), registry)
@@ -273,6 +274,7 @@ def run(cfg: config_lib.Config) -> fused.RunSummary:
   with open(summary_path) as f:
     summary = fused.RunSummary(**json.load(f))
   summary.extra['worker_restarts'] = workers.restarts  # written to summary.json by the runner
+  summary.extra['memory_plan'] = memory_plan.summary()
   generation = generation_worker.merge_stats(_generation_stats_files(cfg))
   if generation is not None:
     summary.extra['generation'] = generation
