@@ -40,10 +40,15 @@ from ebrl_jax.trainer import stages as trainer_stages
 from ebrl_jax.trainer import worker as trainer_worker
 
 _JOIN_S = 10.0
+_MPS_CHECK_S = 1.0  # the watch loop asks the MPS daemon whether it is alive at most this often
 
 
 class WorkerFailure(runner.RunError):
   """A worker died and the run could not go on; the message names the worker and its exit code."""
+
+
+class MpsDaemonDied(runner.RunError):
+  """The run's MPS daemon stopped answering; every worker was stopped. The message says how to resume."""
 
 
 def _segment_spec(cfg: config_lib.Config, spec: types.EnvSpec) -> transport.RecordSpec:
@@ -123,6 +128,7 @@ class _Workers:
     self.workers: Dict[str, Any] = {}
     self.restarts = 0
     self._role_restarts: Dict[str, int] = {}
+    self._next_mps_check = 0.0
 
   def _start(self, role: str, target, args) -> None:
     # Threads share one process: only processes get their own environment and cores.
@@ -150,13 +156,15 @@ class _Workers:
       self._start(f'rollout/{g}', sim_worker.rollout_main, (self._cfg, g, self._rollout_ch, 0))
 
   def watch(self) -> None:
-    """Returns when the trainer has finished; handles rollout-worker deaths on the way."""
+    """Returns when the trainer has finished; handles rollout-worker deaths and a dead MPS daemon on the way."""
     while True:
       trainer = self.workers['trainer']
       if self._use_processes:
         multiprocessing.connection.wait([w.sentinel for w in self.workers.values()], timeout=0.5)
       else:
         trainer.join(timeout=0.5)
+      # A worker that died may have died with the daemon: ask it then too, so the error names the cause.
+      self._check_mps(force=not all(w.is_alive() for w in self.workers.values()))
       if not trainer.is_alive():
         code = getattr(trainer, 'exitcode', 0)
         if code not in (0, None):
@@ -168,6 +176,22 @@ class _Workers:
         if role != 'trainer' and not w.is_alive() and not self.stop.is_set():
           self._on_rollout_death(role, w)
 
+  def _check_mps(self, force: bool) -> None:
+    """Raises MpsDaemonDied when the run's MPS daemon no longer answers (asked at most once a second unless
+    `force`d); the caller's `stop_all` then stops every worker, and the trainer's last checkpoint stays whole."""
+    daemon = self._placement.mps if self._placement is not None else None
+    if daemon is None or not daemon.active or (not force and time.monotonic() < self._next_mps_check):
+      return
+    self._next_mps_check = time.monotonic() + _MPS_CHECK_S
+    if daemon.alive():
+      return
+    daemon.lost()
+    logging.error('The MPS daemon serving pipe directory %s died (it no longer answers); stopping every worker.',
+                  daemon.pipe_dir)
+    raise MpsDaemonDied(f'the MPS daemon (pipe directory {daemon.pipe_dir}) died mid-run; every worker was '
+                        f'stopped. The last checkpoint in {self._cfg.schedule.run_dir}/checkpoints stays loadable: '
+                        'start MPS again (or run without --use_mps) and continue with --resume.')
+
   def _on_rollout_death(self, role: str, w) -> None:
     code = getattr(w, 'exitcode', None)
     if self._cfg.schedule.worker_fault != 'restart':
@@ -175,12 +199,9 @@ class _Workers:
                           '(--worker_fault=stop).')
     self._role_restarts[role] = self._role_restarts.get(role, 0) + 1
     if self._role_restarts[role] > self._cfg.schedule.max_restarts:
-      hint = ''
-      if self._placement is not None and self._placement.mps is not None and not self._placement.mps.alive():
-        hint = ' The MPS daemon no longer answers: restart it, or run without --use_mps.'
       raise WorkerFailure(f'{role} died {self._role_restarts[role]} times (last exit code {code}), more than '
-                          f'--max_restarts={self._cfg.schedule.max_restarts}; stopping.{hint} The last '
-                          f'checkpoint in {self._cfg.schedule.run_dir}/checkpoints stays loadable.')
+                          f'--max_restarts={self._cfg.schedule.max_restarts}; stopping. The last checkpoint in '
+                          f'{self._cfg.schedule.run_dir}/checkpoints stays loadable.')
     self.restarts += 1
     logging.warning('%s (pid %s) died with exit code %s; restarting it (restart %d).',
                     role, getattr(w, 'pid', None), code, self.restarts)
