@@ -28,7 +28,6 @@ from ebrl_jax import sim
 from ebrl_jax import transport
 from ebrl_jax import types
 from ebrl_jax.controller import fused
-from ebrl_jax.controller import fused_cpu
 from ebrl_jax.controller import runner
 from ebrl_jax.generation import policies
 from ebrl_jax.resources import cpus
@@ -52,7 +51,7 @@ class MpsDaemonDied(runner.RunError):
 
 
 def _segment_spec(cfg: config_lib.Config, spec: types.EnvSpec) -> transport.RecordSpec:
-  unrolls, steps = fused_cpu.collector_shape(cfg)
+  unrolls, steps = cfg.segment_shape
   s = unrolls * (cfg.sim.num_envs // cfg.schedule.num_groups)
   t, k, o, a = steps, cfg.policy.action_chunk, spec.obs_dim, spec.action_dim
   shapes = {'obs': (t, s, o), 'raw_action': (t, s, k, a), 'reward': (t, s), 'termination': (t, s),
