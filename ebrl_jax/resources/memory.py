@@ -105,8 +105,8 @@ class MemoryPlan(NamedTuple):
 
   def log(self) -> None:
     if self.device_total is None:
-      logging.info('GPU memory: no plan (%s); each of %d processes gets %.3f of the device.', self.note,
-                   len(self.roles), next(iter(self.roles.values())).fraction if self.roles else 0.0)
+      logging.info('GPU memory: no plan (%s); fractions of the device: %s.', self.note,
+                   ', '.join(f'{role} {b.fraction:.3f} ({b.source})' for role, b in self.roles.items()))
       return
     logging.info('GPU memory plan on %.0f MiB (headroom %.2f, %d MiB context per process):',
                  self.device_total / MIB, self.headroom, CONTEXT_BYTES // MIB)
@@ -165,8 +165,11 @@ def row_bytes(network, params, obs_dim: int, k: int, action_dim: int) -> Tuple[i
             _value_sizes(jax.make_jaxpr(loss)(params.network, params, obs, raw).jaxpr))
 
   (saved4, values4), (saved8, values8) = measure(4), measure(8)
-  growth = [b - a for a, b in zip(values4, values8)] if len(values4) == len(values8) else values8
-  return max(0, saved8 - saved4) // 4, max([0] + growth) // 4
+  if len(values4) == len(values8):
+    largest = max([0] + [b - a for a, b in zip(values4, values8)]) // 4
+  else:  # the two traces differ in structure: the 8-row trace's largest value, per row
+    largest = max([0] + values8) // 8
+  return max(0, saved8 - saved4) // 4, largest
 
 
 _MJX_STATE_PROBE = '''
