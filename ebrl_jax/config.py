@@ -195,6 +195,20 @@ class ScheduleConfig:
 QUOTA_ROLES = ('trainer', 'rollout', 'generation')
 
 
+def _role_values(flag: str, text: str, convert, example: str) -> Dict[str, object]:
+  """Parses 'role=value,role=value' (roles from QUOTA_ROLES) with `convert`; errors name the flag."""
+  out: Dict[str, object] = {}
+  for item in filter(None, (p.strip() for p in text.split(','))):
+    role, _, value = item.partition('=')
+    if role not in QUOTA_ROLES:
+      raise ValueError(f'--{flag}: role {role!r} is not valid; allowed roles: {", ".join(QUOTA_ROLES)}.')
+    try:
+      out[role] = convert(value)
+    except ValueError:
+      raise ValueError(f'--{flag}: {item!r} must read {example}.') from None
+  return out
+
+
 @dataclasses.dataclass(frozen=True)
 class ResourceConfig:
   """Placement of the process schedules' workers on the machine."""
@@ -203,6 +217,14 @@ class ResourceConfig:
   use_mps: bool = False
   # SM quotas in percent per role under MPS, e.g. 'trainer=30,rollout=35' ('' = no quotas).
   sm_quotas: str = ''
+  # GPU memory plan: each worker process gets its estimated footprint times this as its budget.
+  memory_headroom: float = 1.5
+  # GPU memory fractions per role, fixed by hand instead of planned, e.g. 'trainer=0.4,rollout=0.2' (each
+  # rollout worker gets the rollout fraction; '' = planned for every role).
+  memory_fractions: str = ''
+  # A calibration JSON (experiments/bench/stage_profile.py --profile_out) whose measured peak memory raises the
+  # plan's estimates where it is larger ('' = estimates only).
+  memory_profile: str = ''
   # Pin native-MuJoCo rollout workers to cores of their own, and each GPU feeder process to one core.
   pin_cpus: bool = True
   # Telemetry (SM activity via NVML GPM, GPU memory and CPU use per process) every this many seconds; 0 = off.
@@ -224,21 +246,26 @@ class ResourceConfig:
                        'each in [1, 100] percent.')
     if quotas and not self.use_mps:
       raise ValueError(f'--sm_quotas={self.sm_quotas} needs --use_mps (quotas are an MPS setting).')
+    if not self.memory_headroom >= 1.0:
+      raise ValueError(f'--memory_headroom={self.memory_headroom} must be >= 1 (a budget is the estimated '
+                       'footprint times the headroom; to give less, set --memory_fractions).')
+    _ = self.fractions  # parses and checks (the memory plan checks that they fit the GPU)
 
   @property
   def quotas(self) -> Dict[str, int]:
-    out: Dict[str, int] = {}
-    for item in filter(None, (p.strip() for p in self.sm_quotas.split(','))):
-      role, _, value = item.partition('=')
-      if role not in QUOTA_ROLES:
-        raise ValueError(f'--sm_quotas: role {role!r} is not valid; allowed roles: {", ".join(QUOTA_ROLES)}.')
-      try:
-        percent = int(value)
-      except ValueError:
-        raise ValueError(f'--sm_quotas: {item!r} must read role=percent, e.g. trainer=30.') from None
+    out = _role_values('sm_quotas', self.sm_quotas, int, 'role=percent, e.g. trainer=30')
+    for role, percent in out.items():
       if not 1 <= percent <= 100:
         raise ValueError(f'--sm_quotas: {role}={percent} must lie in [1, 100] percent.')
-      out[role] = percent
+    return out
+
+  @property
+  def fractions(self) -> Dict[str, float]:
+    """--memory_fractions by role: the GPU memory share of each process of that role."""
+    out = _role_values('memory_fractions', self.memory_fractions, float, 'role=fraction, e.g. trainer=0.4')
+    for role, fraction in out.items():
+      if not 0.0 < fraction <= 1.0:
+        raise ValueError(f'--memory_fractions: {role}={fraction} must lie in (0, 1] (a share of the GPU memory).')
     return out
 
 
@@ -320,3 +347,12 @@ class Config:
   @property
   def unrolls_per_env(self) -> int:
     return self.algo.segments_per_iteration // self.sim.num_envs
+
+  @property
+  def segment_shape(self) -> Tuple[int, int]:
+    """(unrolls per env, policy steps per segment) of one iteration: PPO collects `unrolls_per_env` segments of
+    unroll_length / action_chunk steps from every env, GRPO one whole episode per env."""
+    k = self.policy.action_chunk
+    if self.algo.name == 'grpo':
+      return 1, self.sim.episode_length // k
+    return self.unrolls_per_env, self.algo.unroll_length // k

@@ -21,6 +21,15 @@ from ebrl_jax import config as config_lib
     (config_lib.ScheduleConfig, {'name': 'warp'}, r'--schedule=.warp. is not valid; allowed values: fused, sync, async'),
     (config_lib.ScheduleConfig, {'num_timesteps': 0}, r'--num_timesteps=0 must be > 0'),
     (config_lib.ScheduleConfig, {'env_slices': 0}, r'--env_slices=0 must be > 0'),
+    (config_lib.ResourceConfig, {'sm_quotas': 'trainer=x', 'use_mps': True},
+     r"--sm_quotas: 'trainer=x' must read role=percent"),
+    (config_lib.ResourceConfig, {'memory_fractions': 'sim=0.2'},
+     r"--memory_fractions: role 'sim' is not valid; allowed roles: trainer, rollout, generation"),
+    (config_lib.ResourceConfig, {'memory_fractions': 'trainer=x'},
+     r"--memory_fractions: 'trainer=x' must read role=fraction, e.g. trainer=0.4"),
+    (config_lib.ResourceConfig, {'memory_fractions': 'trainer=1.5'},
+     r'--memory_fractions: trainer=1.5 must lie in \(0, 1\]'),
+    (config_lib.ResourceConfig, {'memory_headroom': 0.5}, r'--memory_headroom=0.5 must be >= 1'),
 ])
 def test_component_validation(ctor, kwargs, pattern):
   with pytest.raises(ValueError, match=pattern):

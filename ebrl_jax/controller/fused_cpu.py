@@ -41,14 +41,6 @@ def make_train_fn(cfg: config_lib.Config, network, optimizer, recompute_proximal
                  donate_argnums=(0,))
 
 
-def collector_shape(cfg: config_lib.Config) -> Tuple[int, int]:
-  """(unrolls per env, policy steps per segment) of one iteration."""
-  k = cfg.policy.action_chunk
-  if cfg.algo.name == 'grpo':
-    return 1, cfg.sim.episode_length // k
-  return cfg.unrolls_per_env, cfg.algo.unroll_length // k
-
-
 class CpuFusedLoop:
   """Steps `num_envs` native MuJoCo envs; PPO collects U unrolls per env, GRPO one whole episode per env."""
 
@@ -57,7 +49,7 @@ class CpuFusedLoop:
     episodic = cfg.algo.name == 'grpo'
     self._pool = make_pool(cfg, cfg.sim.num_envs, cfg.schedule.seed, auto_reset=not episodic)
     self._evaluator = evaluation.CpuEvaluator(cfg, network)
-    unrolls, steps = collector_shape(cfg)
+    unrolls, steps = cfg.segment_shape
     self._act = cpu_rollout.make_act(network, cfg.policy.min_std)
     self._collector = cpu_rollout.CpuCollector(self._pool, spec, None, unrolls, steps, cfg.policy.action_chunk,
                                                episodic)

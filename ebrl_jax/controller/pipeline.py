@@ -29,11 +29,11 @@ from ebrl_jax import sim
 from ebrl_jax import transport
 from ebrl_jax import types
 from ebrl_jax.controller import fused
-from ebrl_jax.controller import fused_cpu
 from ebrl_jax.controller import runner
 from ebrl_jax.generation import policies
 from ebrl_jax.resources import autoplan
 from ebrl_jax.resources import cpus
+from ebrl_jax.resources import memory
 from ebrl_jax.resources import mps
 from ebrl_jax.generation import worker as generation_worker
 from ebrl_jax.sim import worker as sim_worker
@@ -41,14 +41,19 @@ from ebrl_jax.trainer import stages as trainer_stages
 from ebrl_jax.trainer import worker as trainer_worker
 
 _JOIN_S = 10.0
+_MPS_CHECK_S = 1.0  # the watch loop asks the MPS daemon whether it is alive at most this often
 
 
 class WorkerFailure(runner.RunError):
   """A worker died and the run could not go on; the message names the worker and its exit code."""
 
 
+class MpsDaemonDied(runner.RunError):
+  """The run's MPS daemon stopped answering; every worker was stopped. The message says how to resume."""
+
+
 def _segment_spec(cfg: config_lib.Config, spec: types.EnvSpec) -> transport.RecordSpec:
-  unrolls, steps = fused_cpu.collector_shape(cfg)
+  unrolls, steps = cfg.segment_shape
   s = unrolls * (cfg.sim.num_envs // cfg.schedule.num_groups)
   t, k, o, a = steps, cfg.policy.action_chunk, spec.obs_dim, spec.action_dim
   shapes = {'obs': (t, s, o), 'raw_action': (t, s, k, a), 'reward': (t, s), 'termination': (t, s),
@@ -92,19 +97,16 @@ def _roles(cfg: config_lib.Config):
 
 
 class _Placement:
-  """Per-worker environment: memory share, MPS pipe and SM quota, CPU cores."""
+  """Per-worker environment: memory budget, MPS pipe and SM quota, CPU cores."""
 
-  def __init__(self, cfg: config_lib.Config, mps_daemon: Optional[mps.MpsDaemon]):
-    self._cfg, self.mps = cfg, mps_daemon
+  def __init__(self, cfg: config_lib.Config, mps_daemon: Optional[mps.MpsDaemon], memory_plan: memory.MemoryPlan):
+    self._cfg, self.mps, self.memory = cfg, mps_daemon, memory_plan
     cpu_roles, feeders = _roles(cfg)
     self.cores = (cpus.plan_cores(cpus.available_cores(), cpu_roles, feeders)
                   if cfg.resources.pin_cpus else {})
-    # Each process gets an equal share of 90 % of the accelerator's memory, so the first to start cannot take the
-    # 75 % JAX preallocates by default. Only the current variable name is set, never the older one beside it.
-    self._memory_share = 0.9 / (len(cpu_roles) + len(feeders))
 
   def env(self, role: str) -> Dict[str, str]:
-    env = {'EBRL_ROLE': role, 'XLA_PYTHON_CLIENT_MEM_FRACTION': f'{self._memory_share:.3f}'}
+    env = {'EBRL_ROLE': role, **self.memory.worker_env(role, mps_active=self.mps is not None)}
     if self.mps is not None:
       env.update(self.mps.worker_env(self._cfg.resources.quotas.get(role.split('/')[0])))
     if role in self.cores:
@@ -127,6 +129,7 @@ class _Workers:
     self.workers: Dict[str, Any] = {}
     self.restarts = 0
     self._role_restarts: Dict[str, int] = {}
+    self._next_mps_check = 0.0
 
   def _start(self, role: str, target, args) -> None:
     # Threads share one process: only processes get their own environment and cores.
@@ -154,13 +157,15 @@ class _Workers:
       self._start(f'rollout/{g}', sim_worker.rollout_main, (self._cfg, g, self._rollout_ch, 0))
 
   def watch(self) -> None:
-    """Returns when the trainer has finished; handles rollout-worker deaths on the way."""
+    """Returns when the trainer has finished; handles rollout-worker deaths and a dead MPS daemon on the way."""
     while True:
       trainer = self.workers['trainer']
       if self._use_processes:
         multiprocessing.connection.wait([w.sentinel for w in self.workers.values()], timeout=0.5)
       else:
         trainer.join(timeout=0.5)
+      # A worker that died may have died with the daemon: ask it then too, so the error names the cause.
+      self._check_mps(force=not all(w.is_alive() for w in self.workers.values()))
       if not trainer.is_alive():
         code = getattr(trainer, 'exitcode', 0)
         if code not in (0, None):
@@ -172,6 +177,22 @@ class _Workers:
         if role != 'trainer' and not w.is_alive() and not self.stop.is_set():
           self._on_rollout_death(role, w)
 
+  def _check_mps(self, force: bool) -> None:
+    """Raises MpsDaemonDied when the run's MPS daemon no longer answers (asked at most once a second unless
+    `force`d); the caller's `stop_all` then stops every worker, and the trainer's last checkpoint stays whole."""
+    daemon = self._placement.mps if self._placement is not None else None
+    if daemon is None or not daemon.active or (not force and time.monotonic() < self._next_mps_check):
+      return
+    self._next_mps_check = time.monotonic() + _MPS_CHECK_S
+    if daemon.alive():
+      return
+    daemon.lost()
+    logging.error('The MPS daemon serving pipe directory %s died (it no longer answers); stopping every worker.',
+                  daemon.pipe_dir)
+    raise MpsDaemonDied(f'the MPS daemon (pipe directory {daemon.pipe_dir}) died mid-run; every worker was '
+                        f'stopped. The last checkpoint in {self._cfg.schedule.run_dir}/checkpoints stays loadable: '
+                        'start MPS again (or run without --use_mps) and continue with --resume.')
+
   def _on_rollout_death(self, role: str, w) -> None:
     code = getattr(w, 'exitcode', None)
     if self._cfg.schedule.worker_fault != 'restart':
@@ -179,12 +200,9 @@ class _Workers:
                           '(--worker_fault=stop).')
     self._role_restarts[role] = self._role_restarts.get(role, 0) + 1
     if self._role_restarts[role] > self._cfg.schedule.max_restarts:
-      hint = ''
-      if self._placement is not None and self._placement.mps is not None and not self._placement.mps.alive():
-        hint = ' The MPS daemon no longer answers: restart it, or run without --use_mps.'
       raise WorkerFailure(f'{role} died {self._role_restarts[role]} times (last exit code {code}), more than '
-                          f'--max_restarts={self._cfg.schedule.max_restarts}; stopping.{hint} The last '
-                          f'checkpoint in {self._cfg.schedule.run_dir}/checkpoints stays loadable.')
+                          f'--max_restarts={self._cfg.schedule.max_restarts}; stopping. The last checkpoint in '
+                          f'{self._cfg.schedule.run_dir}/checkpoints stays loadable.')
     self.restarts += 1
     logging.warning('%s (pid %s) died with exit code %s; restarting it (restart %d).',
                     role, getattr(w, 'pid', None), code, self.restarts)
@@ -250,6 +268,9 @@ def run(cfg: config_lib.Config) -> fused.RunSummary:
   for path in _generation_stats_files(cfg):  # a reused run directory: count this run's batches only
     os.remove(path)
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
+  cpu_roles, feeders = _roles(cfg)
+  memory_plan = memory.plan_for_run(cfg, spec, feeders + cpu_roles)  # a plan that does not fit stops here
+  memory_plan.log()
   use_processes = cfg.schedule.transport == 'shm'
   registry: Optional[transport.ShmRegistry] = transport.ShmRegistry() if use_processes else None
   workers, plan_record = None, None
@@ -260,7 +281,10 @@ def run(cfg: config_lib.Config) -> fused.RunSummary:
     if cfg.resources.plan:  # groups and quotas from stage profiles (calibrated first if there are none)
       cfg, plan_record = autoplan.plan_run(cfg, mps_daemon is not None,
                                            functools.partial(_calibration_env, mps_daemon))
-    placement = _Placement(cfg, mps_daemon)
+      cpu_roles, feeders = _roles(cfg)  # the chosen number of groups: budgets again, still before any worker
+      memory_plan = memory.plan_for_run(cfg, spec, feeders + cpu_roles)
+      memory_plan.log()
+    placement = _Placement(cfg, mps_daemon, memory_plan)
     capacity = cfg.schedule.num_groups * (cfg.schedule.staleness_bound + 1)
     seg_channel = transport.make_channel(cfg.schedule.transport, _segment_spec(cfg, spec), capacity, registry)
     store = transport.make_param_store(cfg.schedule.transport, _param_template(cfg, spec), registry)
@@ -292,6 +316,7 @@ def run(cfg: config_lib.Config) -> fused.RunSummary:
     summary.extra['plan'] = plan_record
     logging.info('--plan predicted %.0f env steps/s, measured %.0f (%.2fx).', plan_record['predicted_env_steps_per_s'],
                  summary.env_steps_per_s, plan_record['measured_over_predicted'])
+  summary.extra['memory_plan'] = memory_plan.summary()
   generation = generation_worker.merge_stats(_generation_stats_files(cfg))
   if generation is not None:
     summary.extra['generation'] = generation

@@ -14,13 +14,19 @@ call (which compiles); the median is kept, and every sample is returned for the 
 
 The SM quota of the samples is this process's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (100 without one): to
 profile at a quota, run the calibration in a process started with that variable under an MPS daemon.
+
+Device memory: after each group size's sim and generation, and after training, the process's high-water mark
+(`memory_stats()['peak_bytes_in_use']` of the first device; None on the CPU, which keeps no statistics) is
+recorded as that stage's `peak_bytes_in_use`. Each includes what was allocated before it (the train state; the
+smaller group sizes, which run first), so it is an upper bound of the stage's own peak. The memory plan
+(`resources.memory`, `--memory_profile`) raises its estimates to these.
 """
 from __future__ import annotations
 
 import os
 import statistics
 import time
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -32,6 +38,13 @@ def current_quota() -> int:
     return max(1, min(100, int(float(value)))) if value else 100
   except ValueError:
     return 100
+
+
+def peak_bytes_in_use() -> Optional[int]:
+  """This process's high-water mark of device memory so far; None where the device keeps no statistics."""
+  import jax  # pylint: disable=g-import-not-at-top
+  value = (jax.devices()[0].memory_stats() or {}).get('peak_bytes_in_use')
+  return None if value is None else int(value)
 
 
 def _timed(fn: Callable[[], object], repeats: int) -> List[float]:
@@ -143,9 +156,10 @@ def _train(cfg, network, optimizer, train_state, repeats: int) -> List[float]:
 def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5) -> dict:
   """Times sim and generation at each group size and training once; see the module doc for what and how.
 
-  Returns {'quota', 'train': {...}, 'groups': {E: {...}}, 'steps_per_iteration'}, each stage with
-  'samples_s', 'median_s', 'per_env_step_s'; per group size also the sequential floor and overlap ceiling
-  (env steps/s) for that group size with the iteration's training.
+  Returns {'quota', 'device', 'backend', 'num_params', 'steps_per_iteration', 'train': {...}, 'groups': {E: {...}}},
+  each stage with 'samples_s', 'median_s', 'per_env_step_s'; per group size also the sequential floor and overlap
+  ceiling (env steps/s) for that group size with the iteration's training; 'train' and each group size with
+  'peak_bytes_in_use' (see the module doc).
   """
   import jax  # pylint: disable=g-import-not-at-top
   from ebrl_jax import sim  # pylint: disable=g-import-not-at-top
@@ -169,13 +183,19 @@ def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5) -> dict
     return {'samples_s': samples, 'median_s': med, 'per_env_step_s': med / env_steps, 'env_steps': env_steps}
 
   out = {'quota': current_quota(), 'device': str(jax.devices()[0].device_kind), 'backend': cfg.sim.backend,
-         'steps_per_iteration': iteration_steps, 'groups': {}}
+         'num_params': policies.count_params(train_state.params.network), 'steps_per_iteration': iteration_steps,
+         'groups': {}}
   sim_gen = _mjx_sim_gen if cfg.sim.backend == 'mjx' else _cpu_sim_gen
-  times = {int(e): sim_gen(cfg, network, train_state.params, int(e), repeats) for e in envs_per_group}
+  times, peaks = {}, {}
+  for e in sorted({int(e) for e in envs_per_group}):  # smallest first: each peak bounds its own size's
+    times[e] = sim_gen(cfg, network, train_state.params, e, repeats)
+    peaks[e] = peak_bytes_in_use()
   train = stage(_train(cfg, network, optimizer, train_state, repeats), iteration_steps)  # donates train_state
+  train['peak_bytes_in_use'] = peak_bytes_in_use()
   out['train'] = train
   for e in envs_per_group:
     entry = {name: stage(samples, int(e) * unroll_steps) for name, samples in times[int(e)].items()}
+    entry['peak_bytes_in_use'] = peaks[int(e)]
     per_step = [entry['sim']['per_env_step_s'], entry['generation']['per_env_step_s'], train['per_env_step_s']]
     entry['sequential_floor_steps_per_s'] = 1.0 / sum(per_step)
     entry['overlap_ceiling_steps_per_s'] = 1.0 / max(per_step)

@@ -86,8 +86,12 @@ class MpsDaemon:
     return env
 
   def alive(self) -> bool:
-    """Whether the daemon still answers (the controller checks this when a worker dies)."""
+    """Whether the daemon still answers (the controller asks about once a second, and when a worker dies)."""
     return self.active and self._command('get_server_list\n', self._env(self.pipe_dir, self.log_dir)) is not None
+
+  def lost(self) -> None:
+    """Records that the daemon is gone: no worker gets its variables any more and `stop()` sends it nothing."""
+    self.active = self.started_here = False
 
   def stop(self) -> None:
     """Quits the daemon if this run started it (safe to call twice)."""

@@ -34,6 +34,13 @@ def visible_gpu(environ=None) -> str:
   return first or '0'
 
 
+def nvml_handle(pynvml, device: str):
+  """NVML's handle of `device`: an index in PCI-bus order, or a 'GPU-...'/'MIG-...' UUID (see `visible_gpu`)."""
+  if device.startswith(('GPU-', 'MIG-')):
+    return pynvml.nvmlDeviceGetHandleByUUID(device)
+  return pynvml.nvmlDeviceGetHandleByIndex(int(device))
+
+
 class _Gpm:
   """NVML GPM SM activity/occupancy between consecutive samples, plus per-process GPU memory, of one GPU."""
 
@@ -41,10 +48,7 @@ class _Gpm:
     import pynvml  # pylint: disable=g-import-not-at-top
     pynvml.nvmlInit()
     self._n = pynvml
-    if device.startswith(('GPU-', 'MIG-')):
-      self._handle = pynvml.nvmlDeviceGetHandleByUUID(device)
-    else:
-      self._handle = pynvml.nvmlDeviceGetHandleByIndex(int(device))
+    self._handle = nvml_handle(pynvml, device)
     self._samples = [pynvml.nvmlGpmSampleAlloc(), pynvml.nvmlGpmSampleAlloc()]
     pynvml.nvmlGpmSampleGet(self._handle, self._samples[0])
 

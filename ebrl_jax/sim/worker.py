@@ -101,7 +101,7 @@ class _CpuGroup:
     # Group 0 uses the run's seed, so one group replays the fused schedule's envs exactly.
     self._pool = fused_cpu.make_pool(cfg, cfg.group_envs, cfg.schedule.seed + 7919 * group,
                                      auto_reset=not episodic)
-    unrolls, steps = fused_cpu.collector_shape(cfg)
+    unrolls, steps = cfg.segment_shape
     if mailbox is None:
       self.remote_acts = []
       act = cpu_rollout.make_act(network, cfg.policy.min_std)

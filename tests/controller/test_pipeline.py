@@ -13,15 +13,17 @@ from ebrl_jax import config as config_lib
 from ebrl_jax import controller
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FAKES = os.path.join(ROOT, 'tests', 'fakes')  # stand-ins for nvidia-cuda-mps-control and pynvml
 
 
 def _config(run_dir, schedule='sync', transport='thread', num_groups=1, **schedule_kw):
+  schedule_kw = {'num_timesteps': 25_600, 'num_evals': 2, **schedule_kw}
   return config_lib.Config(
       sim=config_lib.SimConfig(task='inverted_pendulum', num_envs=32, num_eval_envs=8, num_threads=1),
       algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
-      schedule=config_lib.ScheduleConfig(name=schedule, num_timesteps=25_600, num_evals=2, run_dir=str(run_dir),
-                                         compilation_cache_dir='', progress_bar=False, transport=transport,
-                                         num_groups=num_groups, **schedule_kw))
+      schedule=config_lib.ScheduleConfig(name=schedule, run_dir=str(run_dir), compilation_cache_dir='',
+                                         progress_bar=False, transport=transport, num_groups=num_groups,
+                                         **schedule_kw))
 
 
 def test_sync_with_one_group_replays_fused_exactly(tmp_path):
@@ -45,8 +47,8 @@ def test_async_processes_learn_with_bounded_staleness(tmp_path):
   assert summary.best_eval_return > 2 * summary.eval_curve[0]['return']
 
 
-def _launch(run_dir, *flags):
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
+def _launch(run_dir, *flags, env=None):
+  env = dict(os.environ, JAX_PLATFORMS='cpu', **(env or {}))
   return subprocess.Popen(
       [sys.executable, '-m', 'ebrl_jax.main', '--task=inverted_pendulum', '--num_envs=32', '--batch_size=32',
        '--num_minibatches=8', '--num_eval_envs=8', '--num_threads=1', '--compilation_cache_dir=',
@@ -208,3 +210,50 @@ def test_a_worker_that_keeps_dying_stops_the_run_after_max_restarts(tmp_path, mo
   with pytest.raises(controller.RunError, match=r'rollout/0 died 3 times .* more than --max_restarts=2; stopping'):
     controller.run(cfg)
   assert starts == [0, 0, 0]  # the first start and two restarts
+
+
+def test_mps_daemon_death_stops_the_run_and_resume_continues(tmp_path, monkeypatch):
+  """The stand-in MPS control binary stops answering mid-run: the controller names the daemon's pipe directory,
+  stops every worker, frees shared memory, keeps the checkpoint, and says to resume; --resume then continues.
+  A stand-in NVML reports a 16 GiB GPU, so both runs make a memory plan."""
+  run_dir, dead, calls = tmp_path / 'mps_dies', tmp_path / 'daemon_dead', tmp_path / 'mps_calls.log'
+  env = {'PATH': f'{FAKES}:{os.environ["PATH"]}', 'PYTHONPATH': os.pathsep.join([FAKES, ROOT]),
+         'FAKE_MPS_DEAD': str(dead), 'FAKE_MPS_LOG': str(calls), 'EBRL_FAKE_GPU_MIB': '16384',
+         'CUDA_MPS_PIPE_DIRECTORY': ''}
+  proc = _launch(run_dir, '--schedule=async', '--num_groups=2', '--use_mps', '--num_evals=2000',
+                 '--num_timesteps=10000000', env=env)
+  try:
+    assert _wait_for(lambda: os.path.isdir(run_dir / 'checkpoints') and
+                     any(n.isdigit() for n in os.listdir(run_dir / 'checkpoints')), 240, proc)
+    workers = json.load(open(run_dir / 'workers.json'))
+    dead.write_text('')
+    out, _ = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  pipe = run_dir / 'mps' / 'pipe'
+  assert proc.returncode == 3, out[-3000:]  # a RunError
+  assert f'The MPS daemon serving pipe directory {pipe} died' in out
+  assert f'the MPS daemon (pipe directory {pipe}) died mid-run' in out and 'continue with --resume' in out
+  assert 'GPU memory plan on 16384 MiB' in out
+  assert 'quit' not in calls.read_text()  # a dead daemon is not asked to quit
+  pids = list(workers['workers'].values())
+  deadline = time.monotonic() + 10
+  while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    time.sleep(0.2)
+  assert not [p for p in pids if _alive(p)]
+  assert not _our_segments(workers['controller'])
+  from ebrl_jax.trainer import checkpoint  # pylint: disable=g-import-not-at-top
+  with checkpoint.Checkpointer(str(run_dir / 'checkpoints')) as ckpt:
+    step = ckpt.latest_step()
+  assert step
+  # Resume (in threads, to be quick) for two iterations of 1280 env steps past the checkpoint.
+  monkeypatch.syspath_prepend(FAKES)
+  monkeypatch.delitem(sys.modules, 'pynvml', raising=False)
+  monkeypatch.setenv('EBRL_FAKE_GPU_MIB', '16384')
+  summary = controller.run(_config(run_dir, schedule='sync', transport='thread', num_groups=1,
+                                   num_timesteps=(step + 2) * 1280, num_evals=1, resume=True))
+  assert summary.iterations == step + 2 and summary.env_steps == (step + 2) * 1280
+  plan = summary.extra['memory_plan']
+  assert plan['device_total_mib'] == 16384 and set(plan['roles']) == {'trainer', 'rollout/0'}
+  assert all(r['budget_mib'] >= r['footprint_mib'] * 1.5 for r in plan['roles'].values())

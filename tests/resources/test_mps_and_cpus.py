@@ -7,25 +7,15 @@ import pytest
 from ebrl_jax.resources import cpus
 from ebrl_jax.resources import mps
 
-_FAKE_CONTROL = '''#!/bin/sh
-# Stand-in for nvidia-cuda-mps-control: logs each call with its pipe directory; MODE picks its behaviour.
-echo "$* stdin=$(if [ "$1" != "-d" ]; then cat; fi) pipe=$CUDA_MPS_PIPE_DIRECTORY" >> "{log}"
-case "{mode}" in
-  hang) sleep 30 ;;
-  fail) echo "cannot start" >&2; exit 1 ;;
-esac
-exit 0
-'''
+FAKES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'fakes')
 
 
 def _fake_control(tmp_path, monkeypatch, mode='ok'):
-  bin_dir = tmp_path / 'bin'
-  bin_dir.mkdir()
+  """tests/fakes/nvidia-cuda-mps-control first on PATH, logging its calls to the returned file."""
   log = tmp_path / 'calls.log'
-  path = bin_dir / mps.CONTROL
-  path.write_text(_FAKE_CONTROL.format(log=log, mode=mode))
-  path.chmod(path.stat().st_mode | stat.S_IEXEC)
-  monkeypatch.setenv('PATH', f'{bin_dir}:{os.environ["PATH"]}')
+  monkeypatch.setenv('PATH', f'{FAKES}:{os.environ["PATH"]}')
+  monkeypatch.setenv('FAKE_MPS_LOG', str(log))
+  monkeypatch.setenv('FAKE_MPS_MODE', mode)
   monkeypatch.delenv('CUDA_MPS_PIPE_DIRECTORY', raising=False)
   return log
 
@@ -95,3 +85,17 @@ def test_core_plan_by_hand():
   assert cpus.decode(cpus.encode([3, 5])) == [3, 5]
   with pytest.raises(ValueError, match="EBRL_CPUS='a,b'"):
     cpus.decode('a,b')
+
+
+def test_a_daemon_that_dies_is_seen_and_not_sent_quit(tmp_path, monkeypatch):
+  log = _fake_control(tmp_path, monkeypatch)
+  dead = tmp_path / 'dead'
+  monkeypatch.setenv('FAKE_MPS_DEAD', str(dead))
+  daemon = mps.MpsDaemon(str(tmp_path / 'run'))
+  assert daemon.start() and daemon.alive()
+  dead.write_text('')  # from now on the control binary cannot reach a daemon
+  assert not daemon.alive()
+  daemon.lost()
+  assert daemon.worker_env(30) == {} and not daemon.alive()
+  daemon.stop()
+  assert 'quit' not in log.read_text()
