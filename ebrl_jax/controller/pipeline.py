@@ -5,7 +5,9 @@ processes (`--transport=shm`, spawned, each with its own JAX client and environm
 (`--transport=thread`), watches them, restarts a dead rollout worker (`--worker_fault=restart`) or stops
 cleanly, and on exit — normal, error, Ctrl-C or SIGTERM — stops every child and unlinks every shared-memory
 segment. `sync` is the staleness bound 0 (a barrier each iteration); `async` lets each group run up to
-`--max_staleness` versions ahead of the trainer, with the decoupled PPO correction.
+`--max_staleness` versions ahead of the trainer, with the decoupled PPO correction. With `--quota_schedule` or
+`--replan`, the watch loop also changes the rollout workers' SM quota during the run by warm-standby swaps
+(controller/replan.py; the trainer and the number of groups stay as they are, a swapped group's envs reset).
 """
 from __future__ import annotations
 
@@ -126,7 +128,8 @@ class _Workers:
     self.use_processes = use_processes
     self.trainer_feedback = feedback.Feedback(use_processes)  # read by controller/replan.py
     self.controls: Dict[str, feedback.WorkerControl] = {}  # rollout role -> its feedback and events
-    self.tick = None  # called by `watch` about every 0.5 s when set (the live quota changes)
+    self.tick = None  # called by `watch` every `poll_s` when set (the live quota changes)
+    self.poll_s = 0.5
     self._incarnations: Dict[str, int] = {}
     self._trainer_ch = trainer_worker.TrainerChannels(seg_channel, store, self.stop, self.trainer_feedback)
     self._rollout_ch = sim_worker.RolloutChannels(seg_channel, store, self.stop, mailbox)
@@ -195,9 +198,9 @@ class _Workers:
     while True:
       trainer = self.workers['trainer']
       if self._use_processes:
-        multiprocessing.connection.wait([w.sentinel for w in self.workers.values()], timeout=0.5)
+        multiprocessing.connection.wait([w.sentinel for w in self.workers.values()], timeout=self.poll_s)
       else:
-        trainer.join(timeout=0.5)
+        trainer.join(timeout=self.poll_s)
       if not trainer.is_alive():
         code = getattr(trainer, 'exitcode', 0)
         if code not in (0, None):

@@ -10,7 +10,8 @@ change means a new rollout process. Per env group, a change is a WARM STANDBY sw
 Nothing is duplicated (records are keyed by (group, incarnation, iteration)) and nothing is lost: the old
 worker's in-flight segment is delivered, the standby's warm-up segment is never sent. The cost of a change is
 the group's gap: from the old worker's last segment to the new worker's first (`gap_s`), times the group's
-measured env steps/s before the swap (`env_steps_lost`).
+measured env steps/s before the swap (`env_steps_lost`); a group's normal time between segments
+(`period_before_s`) is part of the gap, so the excess over it is what the swap itself cost.
 NOTE: the env group's state is reset in the new worker (its envs start new episodes); handing MJX or MuJoCo
 state across processes is not done. Only rollout quotas change: the trainer holds the training state and is
 never swapped, and the number of groups stays fixed for the run.
@@ -34,14 +35,15 @@ from ebrl_jax.resources import profiles
 from ebrl_jax.transport import feedback as fb
 
 _JOIN_S = 10.0
+_POLL_S, _SWAP_POLL_S = 0.5, 0.02
 _KEEP_DECISIONS = 20  # 'keep' decisions kept in the summary (every change is kept)
 
 
 def group_env_steps_per_s(snap: fb.FeedbackSnapshot, steps_per_iteration: float) -> Optional[float]:
-  """A group's measured production rate: iterations delivered between its first and latest segment, else one
-  iteration over its mean collect time; None before it delivered anything."""
-  if snap.iterations >= 2 and snap.last_t > snap.first_t:
-    return (snap.iterations - 1) * steps_per_iteration / (snap.last_t - snap.first_t)
+  """A group's measured production rate: an iteration over the recent time between its segments (an EMA, so the
+  first iterations, slowed by compiling, fade), else over its mean collect time; None before any segment."""
+  if snap.period_s > 0:
+    return steps_per_iteration / snap.period_s
   per = snap.stage_s_since(None)
   return steps_per_iteration / per if per else None
 
@@ -58,6 +60,7 @@ class _Swap:
   new_quota: int
   started_t: float
   rate_before: Optional[float]
+  period_before_s: float
   phase: str = 'standby'  # -> 'retiring' -> 'running' -> done
   old_last_t: float = 0.0
 
@@ -83,9 +86,11 @@ class QuotaChanger:
     for g in range(self._cfg.schedule.num_groups):
       role = f'rollout/{g}'
       old, old_control = self._workers.workers[role], self._workers.controls[role]
-      rate = group_env_steps_per_s(old_control.feedback.snapshot(), self._steps_per_group_iteration)
+      snap = old_control.feedback.snapshot()
+      rate = group_env_steps_per_s(snap, self._steps_per_group_iteration)
       new, control = self._workers.start_rollout(g, quota=quota, standby=True)
-      self.active.append(_Swap(g, old, old_control, new, control, self.quota, quota, time.time(), rate))
+      self.active.append(_Swap(g, old, old_control, new, control, self.quota, quota, time.time(), rate,
+                               snap.period_s))
       self._workers.rollout_quota[role] = quota
     self.quota = quota
 
@@ -94,6 +99,8 @@ class QuotaChanger:
       self._advance(swap)
     if not self.active:
       self._trigger.poll(self)
+    # While a swap is on, the watch loop looks often: each phase waits on the previous one's event.
+    self._workers.poll_s = _SWAP_POLL_S if self.active else _POLL_S
 
   def _advance(self, swap: _Swap) -> None:
     role = f'rollout/{swap.group}'
@@ -129,6 +136,7 @@ class QuotaChanger:
     record = {'group': swap.group, 'old_quota': swap.old_quota, 'new_quota': swap.new_quota,
               'standby_ready_s': ready_t - swap.started_t if ready_t else float('nan'), 'gap_s': gap,
               'env_steps_lost': lost, 'env_steps_per_s_before': swap.rate_before,
+              'period_before_s': swap.period_before_s,
               'quota_seen_by_worker': int(quota_seen), 'failed': failed}
     self.swaps.append(record)
     logging.info('rollout/%d swapped to quota %d %%: standby ready in %.2f s, gap %.2f s, %.0f env steps lost.',

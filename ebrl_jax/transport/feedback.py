@@ -20,7 +20,9 @@ READY_T = 4  # time.time() at which a warm standby finished building and compili
 QUOTA = 5  # the CUDA_MPS_ACTIVE_THREAD_PERCENTAGE the worker runs under, as it sees it (0: none)
 START_ITERATION = 6  # written by the controller before 'go': the first iteration a standby may collect
 LAST_ITERATION = 7  # the iteration number of the latest delivery (trainer: its policy version)
-_SLOTS = 8
+PERIOD_S = 8  # EMA of the seconds between deliveries (0: fewer than two), the recent production period
+_SLOTS = 9
+_PERIOD_ALPHA = 0.3
 
 
 class Feedback:
@@ -41,6 +43,9 @@ class Feedback:
     now = time.time()
     if self.values[FIRST_T] == 0.0:
       self.values[FIRST_T] = now
+    else:
+      period, ema = now - self.values[LAST_T], self.values[PERIOD_S]
+      self.values[PERIOD_S] = period if ema == 0.0 else (1 - _PERIOD_ALPHA) * ema + _PERIOD_ALPHA * period
     self.values[STAGE_S] += stage_s
     self.values[LAST_T] = now
     self.values[LAST_ITERATION] = iteration
@@ -60,6 +65,7 @@ class FeedbackSnapshot(NamedTuple):
   quota: float
   start_iteration: float
   last_iteration: float
+  period_s: float
 
   def stage_s_since(self, earlier: Optional['FeedbackSnapshot']) -> Optional[float]:
     """Mean stage seconds per iteration since `earlier` (None: since the start); None without a new iteration."""

@@ -55,6 +55,8 @@ def test_quota_schedule_swaps_each_group_through_a_warm_standby(tmp_path, monkey
     assert s['quota_seen_by_worker'] == 40  # the new process runs with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=40
     assert 0 < s['standby_ready_s'] < 120 and 0 < s['gap_s'] < 60
     assert 0 < s['env_steps_lost'] < float('inf') and s['env_steps_per_s_before'] > 0
+    assert s['env_steps_lost'] == pytest.approx(s['gap_s'] * s['env_steps_per_s_before'])
+    assert s['period_before_s'] == pytest.approx(640 / s['env_steps_per_s_before'])  # 1,280 steps / 2 groups
   assert summary.extra['worker_restarts'] == 0  # a swap is not a restart
   assert not [n for n in os.listdir('/dev/shm') if n.startswith(f'ebrl_{os.getpid()}_')]
   import multiprocessing  # pylint: disable=g-import-not-at-top
@@ -154,3 +156,17 @@ def test_replanner_keeps_the_quota_within_hysteresis(tmp_path):
 def test_flag_errors_name_the_flag(resources, message):
   with pytest.raises(ValueError, match=message):
     config_lib.ResourceConfig(**resources)
+
+
+@pytest.mark.parametrize('use_processes', [False, True], ids=['thread', 'shm'])
+def test_feedback_slots_give_stage_seconds_and_the_recent_period(use_processes, monkeypatch):
+  clock = iter([100.0, 101.0, 103.0])  # deliveries 1 s, then 2 s apart
+  monkeypatch.setattr(feedback.time, 'time', lambda: next(clock))
+  slots = feedback.Feedback(use_processes)
+  for stage_s, iteration in ((0.5, 7), (0.25, 8), (0.75, 9)):
+    slots.delivered(stage_s, iteration)
+  snap = slots.snapshot()
+  assert (snap.iterations, snap.stage_s, snap.first_t, snap.last_t, snap.last_iteration) == (3, 1.5, 100, 103, 9)
+  assert snap.period_s == pytest.approx(0.7 * 1.0 + 0.3 * 2.0)  # EMA (alpha 0.3) of 1 s then 2 s
+  assert snap.stage_s_since(None) == 0.5
+  assert replan.group_env_steps_per_s(snap, 640) == pytest.approx(640 / 1.3)
