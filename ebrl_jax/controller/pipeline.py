@@ -165,6 +165,8 @@ class _Workers:
       env = self._placement.env(role)
       if quota is not None and self._placement.mps is not None:
         env.update(self._placement.mps.worker_env(quota))
+      if standby:  # it runs beside the worker it replaces: its memory share is a cap, grown into, not taken
+        env['XLA_PYTHON_CLIENT_PREALLOCATE'] = 'false'
     incarnation = self._incarnations.get(role, -1) + 1
     self._incarnations[role] = incarnation
     control = feedback.make_control(self._use_processes, standby)
