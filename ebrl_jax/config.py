@@ -236,6 +236,19 @@ class ResourceConfig:
   profile_dir: str = ''
   # SM quotas (percent) the calibration times each stage at, one process per quota (100 only without MPS).
   calibration_quotas: Tuple[int, ...] = (25, 50, 100)
+  # With --plan: re-plan the ROLLOUT quota during the run from measured stage times (the trainer's quota and the
+  # number of groups stay fixed); a change swaps each rollout worker for a warm standby at the new quota.
+  replan: bool = False
+  # Seconds between re-planning looks; a change must gain more than --replan_hysteresis (fraction of the
+  # iteration time), come --replan_min_interval trainer iterations after the last, and pay back
+  # --replan_change_cost_s (replaced by the measured gap of a swap once there is one) within 200 iterations.
+  replan_period_s: float = 5.0
+  replan_hysteresis: float = 0.10
+  replan_min_interval: int = 20
+  replan_change_cost_s: float = 30.0
+  # Manual rollout quota changes through the same warm-standby swaps, 'iteration:rollout=percent[,...]', e.g.
+  # '10:rollout=40' switches every rollout worker to 40 % at trainer iteration 10 (measures a change's cost).
+  quota_schedule: str = ''
 
   def __post_init__(self):
     _check_choice('platform', self.platform, ('', 'cpu', 'gpu', 'cuda'))
@@ -250,6 +263,41 @@ class ResourceConfig:
       raise ValueError(f'--memory_headroom={self.memory_headroom} must be >= 1 (a budget is the estimated '
                        'footprint times the headroom; to give less, set --memory_fractions).')
     _ = self.fractions  # parses and checks (the memory plan checks that they fit the GPU)
+    if self.replan and not self.plan:
+      raise ValueError('--replan re-plans the quotas that --plan chose; it needs --plan.')
+    _check_positive('replan_period_s', self.replan_period_s)
+    _check_positive('replan_hysteresis', self.replan_hysteresis, allow_zero=True)
+    _check_positive('replan_min_interval', self.replan_min_interval, allow_zero=True)
+    _check_positive('replan_change_cost_s', self.replan_change_cost_s, allow_zero=True)
+    changes = self.quota_changes  # parses and checks
+    if changes and not self.use_mps:
+      raise ValueError(f'--quota_schedule={self.quota_schedule} needs --use_mps (quotas are an MPS setting).')
+    if changes and self.replan:
+      raise ValueError(f'--quota_schedule={self.quota_schedule} and --replan both change the rollout quota '
+                       'during the run; use one of them.')
+
+  @property
+  def quota_changes(self) -> Tuple[Tuple[int, int], ...]:
+    """`--quota_schedule` as ((trainer iteration, rollout percent), ...), in iteration order."""
+    out = []
+    for item in filter(None, (p.strip() for p in self.quota_schedule.split(','))):
+      when, _, change = item.partition(':')
+      role, _, value = change.partition('=')
+      try:
+        iteration, percent = int(when), int(value)
+      except ValueError:
+        raise ValueError(f'--quota_schedule: {item!r} must read iteration:rollout=percent, e.g. 10:rollout=40.'
+                         ) from None
+      if role != 'rollout':
+        raise ValueError(f'--quota_schedule: {item!r} changes role {role!r}; only the rollout quota changes '
+                         'during a run (the trainer holds the training state and is never swapped).')
+      if iteration < 1 or not 1 <= percent <= 100:
+        raise ValueError(f'--quota_schedule: {item!r}: the iteration must be >= 1 (got {iteration}) and the '
+                         f'quota in [1, 100] percent (got {percent}).')
+      out.append((iteration, percent))
+    if len({i for i, _ in out}) != len(out):
+      raise ValueError(f'--quota_schedule={self.quota_schedule} names an iteration twice.')
+    return tuple(sorted(out))
 
   @property
   def quotas(self) -> Dict[str, int]:
@@ -286,6 +334,9 @@ class Config:
                        f'whole GRPO groups of --group_size={self.sim.group_size}.')
     if self.resources.plan and self.schedule.name == 'fused':
       raise ValueError('--plan chooses env groups and SM quotas for the process schedules; it needs '
+                       '--schedule=sync or --schedule=async.')
+    if self.resources.quota_schedule and self.schedule.name == 'fused':
+      raise ValueError(f'--quota_schedule={self.resources.quota_schedule} swaps rollout workers; it needs '
                        '--schedule=sync or --schedule=async.')
     if not self.schedule.colocate_generation and self.sim.backend != 'mujoco_cpu':
       raise ValueError('--nocolocate_generation (a separate generation worker) needs --backend=mujoco_cpu; '

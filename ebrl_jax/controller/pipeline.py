@@ -5,7 +5,9 @@ processes (`--transport=shm`, spawned, each with its own JAX client and environm
 (`--transport=thread`), watches them, restarts a dead rollout worker (`--worker_fault=restart`) or stops
 cleanly, and on exit — normal, error, Ctrl-C or SIGTERM — stops every child and unlinks every shared-memory
 segment. `sync` is the staleness bound 0 (a barrier each iteration); `async` lets each group run up to
-`--max_staleness` versions ahead of the trainer, with the decoupled PPO correction.
+`--max_staleness` versions ahead of the trainer, with the decoupled PPO correction. With `--quota_schedule` or
+`--replan`, the watch loop also changes the rollout workers' SM quota during the run by warm-standby swaps
+(controller/replan.py; the trainer and the number of groups stay as they are, a swapped group's envs reset).
 """
 from __future__ import annotations
 
@@ -28,7 +30,9 @@ from ebrl_jax import config as config_lib
 from ebrl_jax import sim
 from ebrl_jax import transport
 from ebrl_jax import types
+from ebrl_jax.transport import feedback
 from ebrl_jax.controller import fused
+from ebrl_jax.controller import replan
 from ebrl_jax.controller import runner
 from ebrl_jax.generation import policies
 from ebrl_jax.resources import autoplan
@@ -123,23 +127,61 @@ class _Workers:
     self._placement = placement
     self._ctx = multiprocessing.get_context('spawn') if use_processes else None
     self.stop = self._ctx.Event() if use_processes else threading.Event()
-    self._trainer_ch = trainer_worker.TrainerChannels(seg_channel, store, self.stop)
+    self.use_processes = use_processes
+    self.trainer_feedback = feedback.Feedback(use_processes)  # read by controller/replan.py
+    self.controls: Dict[str, feedback.WorkerControl] = {}  # rollout role -> its feedback and events
+    self.tick = None  # called by `watch` every `poll_s` when set (the live quota changes)
+    self.poll_s = 0.5
+    self._incarnations: Dict[str, int] = {}
+    self._trainer_ch = trainer_worker.TrainerChannels(seg_channel, store, self.stop, self.trainer_feedback)
     self._rollout_ch = sim_worker.RolloutChannels(seg_channel, store, self.stop, mailbox)
     self._gen_args = (cfg, mailbox, store, self.stop)
     self.workers: Dict[str, Any] = {}
     self.restarts = 0
     self._role_restarts: Dict[str, int] = {}
     self._next_mps_check = 0.0
+    self.rollout_quota: Dict[str, int] = {}  # role -> quota set by a live change (else the config's)
 
-  def _start(self, role: str, target, args) -> None:
+  def _start(self, role: str, target, args, env: Optional[Dict[str, str]] = None, register: bool = True,
+             **kwargs):
     # Threads share one process: only processes get their own environment and cores.
-    kwargs = {'env': self._placement.env(role) if self._use_processes and self._placement else None}
+    if env is None and self._use_processes and self._placement:
+      env = self._placement.env(role)
+    kwargs['env'] = env if self._use_processes else None
     if self._use_processes:
       worker = self._ctx.Process(target=target, args=args, kwargs=kwargs, name=role, daemon=True)
     else:
       worker = threading.Thread(target=target, args=args, kwargs=kwargs, name=role, daemon=True)
     worker.start()
-    self.workers[role] = worker
+    if register:
+      self.workers[role] = worker
+      self._write_pids()
+    return worker
+
+  def start_rollout(self, group: int, quota: Optional[int] = None, standby: bool = False):
+    """Starts group `group`'s rollout worker as the role's next incarnation, at SM quota `quota` (None: the
+    config's). A warm standby (`standby`) is not registered: it waits on its control's `go` (controller/replan.py
+    swaps it in). Returns (worker, control)."""
+    role = f'rollout/{group}'
+    env = None
+    if self._use_processes and self._placement is not None:
+      env = self._placement.env(role)
+      if quota is not None and self._placement.mps is not None:
+        env.update(self._placement.mps.worker_env(quota))
+      if standby:  # it runs beside the worker it replaces: its memory share is a cap, grown into, not taken
+        env['XLA_PYTHON_CLIENT_PREALLOCATE'] = 'false'
+    incarnation = self._incarnations.get(role, -1) + 1
+    self._incarnations[role] = incarnation
+    control = feedback.make_control(self._use_processes, standby)
+    worker = self._start(role, sim_worker.rollout_main, (self._cfg, group, self._rollout_ch, incarnation),
+                         env=env, register=not standby, control=control)
+    if not standby:
+      self.controls[role] = control
+    return worker, control
+
+  def swap_in(self, role: str, worker, control) -> None:
+    """Makes a started standby the role's worker (the old one, retiring, is no longer watched)."""
+    self.workers[role], self.controls[role] = worker, control
     self._write_pids()
 
   def _write_pids(self) -> None:
@@ -154,16 +196,16 @@ class _Workers:
     if self._rollout_ch.mailbox is not None:
       self._start('generation', generation_worker.generation_main, self._gen_args)
     for g in range(self._cfg.schedule.num_groups):
-      self._start(f'rollout/{g}', sim_worker.rollout_main, (self._cfg, g, self._rollout_ch, 0))
+      self.start_rollout(g)
 
   def watch(self) -> None:
     """Returns when the trainer has finished; handles rollout-worker deaths and a dead MPS daemon on the way."""
     while True:
       trainer = self.workers['trainer']
       if self._use_processes:
-        multiprocessing.connection.wait([w.sentinel for w in self.workers.values()], timeout=0.5)
+        multiprocessing.connection.wait([w.sentinel for w in self.workers.values()], timeout=self.poll_s)
       else:
-        trainer.join(timeout=0.5)
+        trainer.join(timeout=self.poll_s)
       # A worker that died may have died with the daemon: ask it then too, so the error names the cause.
       self._check_mps(force=not all(w.is_alive() for w in self.workers.values()))
       if not trainer.is_alive():
@@ -176,6 +218,8 @@ class _Workers:
       for role, w in list(self.workers.items()):
         if role != 'trainer' and not w.is_alive() and not self.stop.is_set():
           self._on_rollout_death(role, w)
+      if self.tick is not None and not self.stop.is_set():
+        self.tick()
 
   def _check_mps(self, force: bool) -> None:
     """Raises MpsDaemonDied when the run's MPS daemon no longer answers (asked at most once a second unless
@@ -211,7 +255,7 @@ class _Workers:
       return
     group = int(role.split('/')[1])  # the group's envs reset; its unfinished segment is lost, never half-sent
     # A new incarnation: its iteration numbers may repeat the dead one's, its records stay distinct.
-    self._start(role, sim_worker.rollout_main, (self._cfg, group, self._rollout_ch, self._role_restarts[role]))
+    self.start_rollout(group, quota=self.rollout_quota.get(role))
 
   def stop_all(self) -> None:
     self.stop.set()
@@ -273,7 +317,7 @@ def run(cfg: config_lib.Config) -> fused.RunSummary:
   memory_plan.log()
   use_processes = cfg.schedule.transport == 'shm'
   registry: Optional[transport.ShmRegistry] = transport.ShmRegistry() if use_processes else None
-  workers, plan_record = None, None
+  workers, plan_record, changer = None, None, None
   mps_daemon = mps.MpsDaemon(cfg.schedule.run_dir) if cfg.resources.use_mps and use_processes else None
   try:
     if mps_daemon is not None and not mps_daemon.start():
@@ -295,12 +339,16 @@ def run(cfg: config_lib.Config) -> fused.RunSummary:
                                        registry=registry, num_slices=cfg.schedule.env_slices,
                                        slice_field='env_slice')
     workers = _Workers(cfg, seg_channel, store, use_processes, mailbox, placement)
+    changer = replan.make_changer(cfg, workers, plan_record, mps_daemon is not None)
+    workers.tick = changer.poll if changer is not None else None
     with _sigterm_as_interrupt():
       workers.start_all()
       workers.watch()
   finally:
     if workers is not None:
       workers.stop_all()
+    if changer is not None:
+      changer.close()
     if registry is not None:
       registry.close()
     if mps_daemon is not None:
@@ -317,6 +365,8 @@ def run(cfg: config_lib.Config) -> fused.RunSummary:
     logging.info('--plan predicted %.0f env steps/s, measured %.0f (%.2fx).', plan_record['predicted_env_steps_per_s'],
                  summary.env_steps_per_s, plan_record['measured_over_predicted'])
   summary.extra['memory_plan'] = memory_plan.summary()
+  if changer is not None:
+    summary.extra['replan'] = changer.record()
   generation = generation_worker.merge_stats(_generation_stats_files(cfg))
   if generation is not None:
     summary.extra['generation'] = generation

@@ -12,7 +12,8 @@
   4. The run goes on with the chosen `--num_groups` (and `--sm_quotas`); the decision, its reason and the
      predicted env steps/s go to the log and to the summary, where the measured figure sits beside it.
 
-Quotas are fixed for the whole run: changing one means new processes, and live re-planning is not wired in yet.
+Quotas are fixed for the run unless `--replan` is on: then controller/replan.py re-plans the rollout quota
+from measured stage times and applies a change by swapping each rollout worker for a warm standby.
 """
 from __future__ import annotations
 
@@ -110,6 +111,16 @@ def _calibrate(cfg: config_lib.Config, sizes: List[int], quotas: Tuple[int, ...]
   return out
 
 
+def plan_space(cfg: config_lib.Config, mps_active: bool) -> planner.PlanSpace:
+  """The choices `--plan` searches for this config (and `--replan` re-searches, with the groups pinned)."""
+  choices = group_choices(cfg)
+  return planner.PlanSpace(
+      num_envs=cfg.sim.num_envs, steps_per_iteration=cfg.env_steps_per_iteration // cfg.sim.num_envs,
+      num_groups=choices, group_sizes=tuple(sorted({cfg.sim.num_envs // g for g in choices})),
+      quotas=_QUOTA_GRID if mps_active else (100,), colocate_generation=cfg.schedule.colocate_generation,
+      quota_limit=mps_active)
+
+
 def plan_run(cfg: config_lib.Config, mps_active: bool, worker_env) -> Tuple[config_lib.Config, dict]:
   """The config the run goes on with, and the record of the decision (for the log and the summary).
 
@@ -130,11 +141,7 @@ def plan_run(cfg: config_lib.Config, mps_active: bool, worker_env) -> Tuple[conf
       calibrate.add_to_store(store, profile)
     store.save(path)
     calibrated_s = time.monotonic() - t0
-  steps = cfg.env_steps_per_iteration // cfg.sim.num_envs
-  space = planner.PlanSpace(
-      num_envs=cfg.sim.num_envs, steps_per_iteration=steps, num_groups=choices,
-      group_sizes=tuple(sizes), quotas=_QUOTA_GRID if mps_active else (100,),
-      colocate_generation=cfg.schedule.colocate_generation, quota_limit=mps_active)
+  space = plan_space(cfg, mps_active)
   pinned = {role: q for role, q in cfg.resources.quotas.items() if role in space.roles} if mps_active else {}
   schedule = 'sync' if cfg.schedule.name == 'sync' else 'async'
   chosen = planner.plan(store, space, schedule, pinned)

@@ -18,6 +18,7 @@ import numpy as np
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import types
+from ebrl_jax.transport import feedback as feedback_lib
 
 
 class RolloutChannels(NamedTuple):
@@ -125,9 +126,42 @@ class _CpuGroup:
     self._pool.close()
 
 
+class _EitherSet:
+  """Set when either event is: the run's stop, or this worker's own `retire` (a quota change replaces it)."""
+
+  def __init__(self, first, second):
+    self._first, self._second = first, second
+
+  def is_set(self) -> bool:
+    return self._first.is_set() or (self._second is not None and self._second.is_set())
+
+
+def _stand_by(worker, store, control, stop, key) -> bool:
+  """A warm standby: builds and compiles with one throw-away collect (the old worker still owns the group),
+  says it is ready, then waits for 'go'. False if the run stopped meanwhile.
+
+  NOTE: with a generation worker the standby does not collect (the group's mailbox slot belongs to the old
+  worker until it has exited); it only builds its envs.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  if not getattr(worker, 'remote_acts', None):
+    version, host_params = store.latest()
+    jax.device_get(worker.collect(jax.device_put(host_params), version, key)[0])
+  quota = os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE', '0')
+  control.feedback[feedback_lib.QUOTA] = float(quota or 0)
+  control.feedback[feedback_lib.READY_T] = time.time()
+  control.ready.set()
+  while not stop.is_set():
+    if control.go.wait(timeout=0.2):
+      return True
+  return False
+
+
 def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, incarnation: int = 0,
-                 env: Optional[dict] = None):
-  """Process entry point for env group `group` (`incarnation`: how many times its worker was restarted)."""
+                 env: Optional[dict] = None, control: Optional[feedback_lib.WorkerControl] = None):
+  """Process entry point for env group `group` (`incarnation`: how many times its worker was restarted or
+  swapped). `control` (optional): feedback slots written each iteration, a `retire` event that ends the worker
+  after its current iteration, and for a warm standby the `go` it waits on (see controller/replan.py)."""
   from ebrl_jax import resources  # pylint: disable=g-import-not-at-top
   resources.apply_worker_env(env)
   import jax  # pylint: disable=g-import-not-at-top
@@ -150,14 +184,21 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
   bound = cfg.schedule.staleness_bound
   store = channels.params
   params_version, params = -1, None
+  running = _EitherSet(stop, control.retire if control is not None else None)
   try:
     if not wait_for_version(store, 0, stop):  # the trainer publishes version 0 once it has initialised
       return
+    if control is not None:
+      control.feedback[feedback_lib.QUOTA] = float(os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE') or 0)
+      if control.go is not None and not _stand_by(worker, store, control, stop, base_key):
+        return
     iteration = store.version()  # a restarted worker resumes at the trainer's version
-    while not stop.is_set():
+    if control is not None:  # a standby goes on after the iteration its predecessor delivered last
+      iteration = max(iteration, int(control.feedback[feedback_lib.START_ITERATION]))
+    while not running.is_set():
       # NOTE: the staleness bound: iteration i may start once version i - bound is published.
       with tracer.span('rollout/wait_params'):
-        if not wait_for_version(store, iteration - bound, stop):
+        if not wait_for_version(store, iteration - bound, running):
           break
         if getattr(worker, 'remote_acts', None):
           params_version = max(0, iteration - bound)
@@ -166,16 +207,21 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
           params_version, host_params = store.latest()
           params = jax.device_put(host_params)
       roll_key, _ = fused_cpu.iteration_keys(base_key, iteration, group)
+      t_collect = time.monotonic()
       with tracer.span('rollout/collect', iteration=iteration, version=params_version):
         transition, stats = worker.collect(params, params_version, roll_key)
+      t_collect = time.monotonic() - t_collect
       record = types.SegmentRecord(*[np.asarray(x) for x in transition], group=np.array([group], np.int32),
                                    iteration=np.array([iteration], np.int32),
                                    incarnation=np.array([incarnation], np.int32),
                                    episode_stats=np.asarray(stats, np.float32))
       with tracer.span('rollout/put_segment'):
+        # A retiring worker still delivers the segment it finished: only the run's stop abandons it.
         while not stop.is_set():
           try:
             channels.segments.put(record, timeout=0.5)
+            if control is not None:
+              control.feedback.delivered(t_collect, iteration)
             break
           except TimeoutError:
             continue

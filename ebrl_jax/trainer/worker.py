@@ -21,10 +21,12 @@ from ebrl_jax import types
 
 
 class TrainerChannels(NamedTuple):
-  """What the controller hands the trainer process: the segment channel, parameter store and stop event."""
+  """What the controller hands the trainer process: the segment channel, parameter store and stop event, and
+  optionally its feedback slots (`transport.feedback.Feedback`: train_step seconds and iterations)."""
   segments: Any
   params: Any
   stop: Any
+  feedback: Any = None
 
 
 def _host_params(params) -> Any:
@@ -96,12 +98,15 @@ class PipelineLoop:
       with self.tracer.span('train/train_step', version=version):
         train_state, metrics = self._train(train_state, batch, train_key)
         metrics = jax.device_get(metrics)
+      t2 = time.monotonic()
       if not all(np.isfinite(float(v)) for v in metrics.values()):
         self._dump_nonfinite(batch, records, metrics, version)
       with self.tracer.span('train/publish_params'):
         self._ch.params.publish(int(train_state.policy_version), _host_params(train_state.params))
       self.counts['wait_s'] += t1 - t0
       self.counts['train_s'] += time.monotonic() - t1
+      if self._ch.feedback is not None:
+        self._ch.feedback.delivered(t2 - t1, int(train_state.policy_version))
       self.counts['segments_consumed'] += len(records)
       acc.add(metrics, sum(float(r.episode_stats[0]) for r in records),
               sum(float(r.episode_stats[2]) for r in records))

@@ -200,8 +200,8 @@ def test_a_worker_that_keeps_dying_stops_the_run_after_max_restarts(tmp_path, mo
   from ebrl_jax.sim import worker as sim_worker  # pylint: disable=g-import-not-at-top
   starts = []
 
-  def crash(cfg, group, channels, incarnation=0, env=None):
-    del cfg, channels, incarnation, env
+  def crash(cfg, group, channels, incarnation=0, env=None, control=None):
+    del cfg, channels, incarnation, env, control
     starts.append(group)
     raise RuntimeError('cannot start (e.g. at its SM quota)')
 
