@@ -1,6 +1,10 @@
 r"""The async schedule with a separate generation worker on native MuJoCo, with `--env_slices` 1 vs 2 vs 4.
 
     python experiments/bench_env_slices.py [--slices 1,2,4] [--repeats 2] [--num_timesteps 102400]
+    python experiments/bench_env_slices.py --slices 0,1 --pin_modes pin --name colocate_vs_separate
+
+`--slices 0` is the co-located topology (no generation worker: each rollout worker runs the policy itself), so
+`--slices 0,1` measures co-location against a separate generation worker on the same workload.
 
 Each run is `python -m ebrl_jax.main --schedule=async --nocolocate_generation --env_slices=S` on Ant (2 groups of
 32 envs, MLP 4x32 / 5x256, PPO with 4 unrolls of 5 steps per env and iteration), in its own process, once with
@@ -36,7 +40,8 @@ WORKLOAD = ['--platform=cpu', '--task=ant', '--backend=mujoco_cpu', '--num_envs=
 
 def run_one(slices: int, pin: bool, num_timesteps: int, run_dir: str, cache_dir: str, timeout_s: int,
             extra_flags=()) -> dict:
-  cmd = [sys.executable, '-m', 'ebrl_jax.main', *WORKLOAD, *extra_flags, f'--env_slices={slices}',
+  workload = WORKLOAD if slices else [f for f in WORKLOAD if f != '--nocolocate_generation']
+  cmd = [sys.executable, '-m', 'ebrl_jax.main', *workload, *extra_flags, f'--env_slices={max(slices, 1)}',
          f'--num_timesteps={num_timesteps}', f'--run_dir={run_dir}', '--pin_cpus' if pin else '--nopin_cpus',
          f'--trace_dir={run_dir}/trace', f'--compilation_cache_dir={cache_dir}']
   start = time.monotonic()
@@ -52,10 +57,11 @@ def run_one(slices: int, pin: bool, num_timesteps: int, run_dir: str, cache_dir:
          'rollout_env_steps_per_s': NUM_GROUPS * SEGMENT_ENV_STEPS / (stages['rollout/collect']['mean_ms'] / 1e3),
          'wall_s': summary['wall_s'], 'process_s': time.monotonic() - start,
          'max_staleness_seen': extra['max_staleness_seen'], 'segments_consumed': extra['segments_consumed'],
-         'segments_dropped_stale': extra['segments_dropped_stale'], 'generation': extra['generation'],
+         'segments_dropped_stale': extra['segments_dropped_stale'],
+         'generation': extra.get('generation', {'requests_per_batch': {}, 'batches': 0, 'rows': 0, 'padded_rows': 0}),
          'cpu_pct': {k: v for k, v in extra.get('telemetry', {}).items() if k.startswith('cpu_pct/')},
          'stage_ms': stages}
-  gen = extra['generation']
+  gen = row['generation']
   requests = sum(int(k) * v for k, v in gen['requests_per_batch'].items())
   row['mean_slices_per_batch'] = requests / max(1, gen['batches'])
   row['mean_batch_rows'] = gen['rows'] / max(1, gen['batches'])
@@ -106,12 +112,12 @@ def main():
               flush=True)
   for slices, pin in settings:
     rows = [r for r in result['runs'] if (r['env_slices'], r['pin_cpus']) == (slices, pin)]
-    name = f'slices={slices},{"pin" if pin else "nopin"}'
+    name = f'{"colocated" if slices == 0 else f"slices={slices}"},{"pin" if pin else "nopin"}'
     hist = {}
     for r in rows:
       for k, v in r['generation']['requests_per_batch'].items():
         hist[k] = hist.get(k, 0) + v
-    stage_means = {k: sum(r['stage_ms'][k]['mean_ms'] for r in rows) / len(rows)
+    stage_means = {k: sum(r['stage_ms'][k]['mean_ms'] for r in rows if k in r['stage_ms']) / len(rows)
                    for k in ('rollout/collect', 'rollout/wait_params', 'sim/step', 'gen/act', 'gen/act_batch',
                              'train/train_step', 'train/wait_segments')}
     result['summary'][name] = {'env_steps_per_s_mean': _mean(rows, 'env_steps_per_s'),
@@ -121,7 +127,7 @@ def main():
                                'mean_slices_per_batch': _mean(rows, 'mean_slices_per_batch'),
                                'mean_batch_rows': _mean(rows, 'mean_batch_rows'),
                                'padding_pct': _mean(rows, 'padding_pct'), 'slices_per_batch_histogram': hist,
-                               'buckets': rows[0]['generation']['buckets']}
+                               'buckets': rows[0]['generation'].get('buckets')}
     row = result['summary'][name]
     print(f'{name:18s} {row["env_steps_per_s_mean"]:7.0f} env steps/s (runs: '
           f'{", ".join(f"{v:.0f}" for v in row["env_steps_per_s_runs"])}), rollout '
