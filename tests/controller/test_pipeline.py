@@ -56,6 +56,16 @@ def _launch(run_dir, *flags, env=None):
       cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+def _assert_workers_gone(workers):
+  """Every worker named in workers.json exits within 10 s, and no shared-memory segment of the controller stays."""
+  pids = list(workers['workers'].values())
+  deadline = time.monotonic() + 10
+  while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    time.sleep(0.2)
+  assert not [p for p in pids if _alive(p)]
+  assert not _our_segments(workers['controller'])
+
+
 def _wait_for(predicate, timeout, proc):
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
@@ -137,12 +147,7 @@ def test_ctrl_c_leaves_no_process_and_no_shared_memory(tmp_path):
     if proc.poll() is None:
       proc.kill()
   assert 'MPS is not available' in out
-  pids = list(workers['workers'].values())
-  deadline = time.monotonic() + 10
-  while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-    time.sleep(0.2)
-  assert not [p for p in pids if _alive(p)]
-  assert not _our_segments(workers['controller'])
+  _assert_workers_gone(workers)
   # The checkpoint written before the interrupt still restores: resume continues its step count.
   summary = controller.run(config_lib.Config(
       sim=config_lib.SimConfig(task='inverted_pendulum', num_envs=32, num_eval_envs=8, num_threads=1),
@@ -237,12 +242,7 @@ def test_mps_daemon_death_stops_the_run_and_resume_continues(tmp_path, monkeypat
   assert f'the MPS daemon (pipe directory {pipe}) died mid-run' in out and 'continue with --resume' in out
   assert 'GPU memory plan on 16384 MiB' in out
   assert 'quit' not in calls.read_text()  # a dead daemon is not asked to quit
-  pids = list(workers['workers'].values())
-  deadline = time.monotonic() + 10
-  while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-    time.sleep(0.2)
-  assert not [p for p in pids if _alive(p)]
-  assert not _our_segments(workers['controller'])
+  _assert_workers_gone(workers)
   from ebrl_jax.trainer import checkpoint  # pylint: disable=g-import-not-at-top
   with checkpoint.Checkpointer(str(run_dir / 'checkpoints')) as ckpt:
     step = ckpt.latest_step()
