@@ -119,10 +119,10 @@ def generation_main(cfg: config_lib.Config, mailbox: Any, store: Any, stop: Any,
   from ebrl_jax.controller import runner  # pylint: disable=g-import-not-at-top
   from ebrl_jax.generation import policies  # pylint: disable=g-import-not-at-top
   from ebrl_jax.rollout import cpu as cpu_rollout  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.sim import worker as sim_worker  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.transport import lifecycle  # pylint: disable=g-import-not-at-top
   from ebrl_jax.transport import ChannelClosed  # pylint: disable=g-import-not-at-top
   runner.configure_jax(cfg)
-  stop = sim_worker.ParentWatch(stop)
+  stop = lifecycle.ParentWatch(stop)
   tracer = tracing.Tracer(cfg.schedule.trace_dir, 'generation')
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
   network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
@@ -143,7 +143,7 @@ def generation_main(cfg: config_lib.Config, mailbox: Any, store: Any, stop: Any,
       need = max(int(r.min_version) for _, r in requests)
       if store.version() > version or need > version:
         with tracer.span('gen/refresh_params'):
-          if not sim_worker.wait_for_version(store, need, stop):
+          if not lifecycle.wait_for_version(store, need, stop):
             break
           version, host = store.latest()
           params = jax.device_put(host)

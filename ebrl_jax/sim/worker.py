@@ -19,6 +19,7 @@ import numpy as np
 from ebrl_jax import config as config_lib
 from ebrl_jax import types
 from ebrl_jax.transport import feedback as feedback_lib
+from ebrl_jax.transport import lifecycle
 
 
 class RolloutChannels(NamedTuple):
@@ -66,28 +67,6 @@ class _RemoteAct:
       if int(reply.seq) == self._seq:
         return reply
     raise InterruptedError('stop requested')
-
-
-class ParentWatch:
-  """A stop event that also fires when the process that started this worker has gone (orphaned worker)."""
-
-  def __init__(self, stop):
-    self._stop, self._parent = stop, os.getppid()
-
-  def is_set(self) -> bool:
-    return self._stop.is_set() or os.getppid() != self._parent
-
-  def set(self) -> None:
-    self._stop.set()
-
-
-def wait_for_version(store, min_version: int, stop) -> bool:
-  """Blocks until the store holds `min_version` or later; False if a stop was requested meanwhile."""
-  while not stop.is_set():
-    if store.version() >= min_version:
-      return True
-    time.sleep(0.0005)
-  return False
 
 
 class _CpuGroup:
@@ -171,7 +150,7 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
   from ebrl_jax.transport import ChannelClosed  # pylint: disable=g-import-not-at-top
   from ebrl_jax import tracing  # pylint: disable=g-import-not-at-top
   runner.configure_jax(cfg)
-  stop = ParentWatch(channels.stop)
+  stop = lifecycle.ParentWatch(channels.stop)
   tracer = tracing.Tracer(cfg.schedule.trace_dir, f'rollout/{group}')
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
   network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
@@ -186,7 +165,7 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
   params_version, params = -1, None
   running = _EitherSet(stop, control.retire if control is not None else None)
   try:
-    if not wait_for_version(store, 0, stop):  # the trainer publishes version 0 once it has initialised
+    if not lifecycle.wait_for_version(store, 0, stop):  # the trainer publishes version 0 once it has initialised
       return
     if control is not None:
       control.feedback[feedback_lib.QUOTA] = float(os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE') or 0)
@@ -198,7 +177,7 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
     while not running.is_set():
       # NOTE: the staleness bound: iteration i may start once version i - bound is published.
       with tracer.span('rollout/wait_params'):
-        if not wait_for_version(store, iteration - bound, running):
+        if not lifecycle.wait_for_version(store, iteration - bound, running):
           break
         if getattr(worker, 'remote_acts', None):
           params_version = max(0, iteration - bound)

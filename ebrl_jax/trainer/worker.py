@@ -141,9 +141,9 @@ def trainer_main(cfg: config_lib.Config, channels: TrainerChannels, env: Optiona
   from ebrl_jax import resources  # pylint: disable=g-import-not-at-top
   resources.apply_worker_env(env)
   from ebrl_jax.controller import fused, runner  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.sim import worker as sim_worker  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.transport import lifecycle  # pylint: disable=g-import-not-at-top
   runner.configure_jax(cfg)
-  channels = channels._replace(stop=sim_worker.ParentWatch(channels.stop))
+  channels = channels._replace(stop=lifecycle.ParentWatch(channels.stop))
   try:
     fused.run_training(cfg, lambda c, s, n, o: PipelineLoop(c, s, n, o, channels))
   except InterruptedError:
