@@ -15,6 +15,7 @@ import json
 import os
 import statistics
 
+from ebrl_jax.resources import calibrate
 from ebrl_jax.resources import planner
 from ebrl_jax.resources import profiles
 
@@ -39,13 +40,7 @@ def main() -> None:
   with open(os.path.join(RESULTS, 'w2_stage_profile.json')) as f:
     prof = json.load(f)
   store = profiles.ProfileStore('h200 (kept results)', 'W2')
-  for e, entry in prof['groups'].items():
-    for name in ('sim', 'generation'):
-      steps_per_env = entry[name]['env_steps'] / int(e)
-      for t in entry[name]['samples_s']:
-        store.profile(name).add_sample(int(e), 100, t / steps_per_env)
-  for t in prof['train']['samples_s']:
-    store.profile('train').add_sample(prof['steps_per_iteration'], 100, t)
+  calibrate.add_to_store(store, prof)  # the isolated samples, at the profile's quota (100 %)
   trace = os.path.join(RESULTS, 'w2_async_eq_quotas_trace.json')
   group_envs = 1024
   steps_per_iteration = prof['steps_per_iteration'] // 2048  # env steps each env takes per iteration

@@ -44,9 +44,7 @@ def machine_key() -> str:
   try:
     import pynvml  # pylint: disable=g-import-not-at-top
     pynvml.nvmlInit()
-    device = telemetry.visible_gpu()
-    handle = (pynvml.nvmlDeviceGetHandleByUUID(device) if device.startswith('GPU-')
-              else pynvml.nvmlDeviceGetHandleByIndex(int(device)))
+    handle = telemetry.nvml_handle(pynvml, telemetry.visible_gpu())
     name = pynvml.nvmlDeviceGetName(handle)
     driver = pynvml.nvmlSystemGetDriverVersion()
     name, driver = (v.decode() if isinstance(v, bytes) else str(v) for v in (name, driver))

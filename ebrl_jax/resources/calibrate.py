@@ -226,5 +226,5 @@ def calibrate_main(cfg, envs_per_group: Sequence[int], repeats: int, out_path: s
   runner.configure_jax(cfg)
   profile = profile_stages(cfg, envs_per_group, repeats)
   with open(out_path + '.tmp', 'w') as f:
-    json.dump(profile, f)
+    json.dump(profile, f, indent=2, allow_nan=False)
   os.replace(out_path + '.tmp', out_path)

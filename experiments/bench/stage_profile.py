@@ -32,14 +32,12 @@ def main(argv):
   try:
     cfg = ebrl_main.config_from_flags()
     sizes = sorted({cfg.sim.num_envs, cfg.sim.num_envs // cfg.schedule.num_groups})
-    from ebrl_jax.controller import runner  # pylint: disable=g-import-not-at-top
-    runner.configure_jax(cfg)
-    profile = calibrate.profile_stages(cfg, sizes, _REPEATS.value)
+    os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
+    calibrate.calibrate_main(cfg, sizes, _REPEATS.value, _OUT.value)  # what --plan's calibration processes run
   except ValueError as e:
     raise app.UsageError(str(e)) from None
-  os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
-  with open(_OUT.value, 'w') as f:
-    json.dump(profile, f, indent=2, allow_nan=False)
+  with open(_OUT.value) as f:
+    profile = json.load(f)
   for e, g in profile['groups'].items():
     print(f'E={e}: t_sim {g["sim"]["per_env_step_s"]*1e9:.1f} ns, t_gen {g["generation"]["per_env_step_s"]*1e9:.1f} ns, '
           f't_train {profile["train"]["per_env_step_s"]*1e9:.1f} ns per env step; floor '
