@@ -23,6 +23,7 @@ smaller group sizes, which run first), so it is an upper bound of the stage's ow
 """
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -57,15 +58,13 @@ def _timed(fn: Callable[[], object], repeats: int) -> List[float]:
   return out
 
 
-def _mjx_sim_gen(cfg, network, params, envs: int, repeats: int) -> Dict[str, List[float]]:
+def _mjx_sim_gen(cfg, network, params, envs: int, repeats: int, env) -> Dict[str, List[float]]:
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from ebrl_jax.generation import stages as gen_stages  # pylint: disable=g-import-not-at-top
   from ebrl_jax.sim import stages as sim_stages  # pylint: disable=g-import-not-at-top
   k = cfg.policy.action_chunk
   steps = cfg.algo.unroll_length // k
-  env = sim_stages.make_mjx_env(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat,
-                                auto_reset=cfg.algo.name != 'grpo')
   state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(env, jax.random.PRNGKey(0), envs, cfg.sim.group_size)
   action_dim = env.action_size
   actions = jax.random.uniform(jax.random.PRNGKey(1), (steps, envs, k, action_dim), minval=-1.0, maxval=1.0)
@@ -127,15 +126,13 @@ def _cpu_sim_gen(cfg, network, params, envs: int, repeats: int) -> Dict[str, Lis
   return {'sim': sim, 'generation': _timed(run_gen, repeats)}
 
 
-def _train(cfg, network, optimizer, train_state, repeats: int) -> List[float]:
+def _train(cfg, env, network, optimizer, train_state, repeats: int) -> List[float]:
   """train_step on one real iteration batch (collected by the fused collection stage on MJX, or made of the
   right shapes from the native pool's observations)."""
   import jax  # pylint: disable=g-import-not-at-top
   from ebrl_jax.rollout import mjx as rollout  # pylint: disable=g-import-not-at-top
   from ebrl_jax.sim import stages as sim_stages  # pylint: disable=g-import-not-at-top
   from ebrl_jax.trainer import stages as trainer_stages  # pylint: disable=g-import-not-at-top
-  env = sim_stages.make_mjx_env(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat,
-                                auto_reset=cfg.algo.name != 'grpo')
   n = cfg.sim.num_envs
   state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(env, jax.random.PRNGKey(3), n, cfg.sim.group_size)
   collect = jax.jit(lambda p, v, s, key: rollout.collect_iteration(cfg, env, network, n, p, v, s, key))
@@ -164,6 +161,7 @@ def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5) -> dict
   import jax  # pylint: disable=g-import-not-at-top
   from ebrl_jax import sim  # pylint: disable=g-import-not-at-top
   from ebrl_jax.generation import policies  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.sim import stages as sim_stages  # pylint: disable=g-import-not-at-top
   from ebrl_jax.trainer import stages as trainer_stages  # pylint: disable=g-import-not-at-top
   if cfg.algo.name == 'grpo':
     raise ValueError('calibration times PPO unrolls; --algo=grpo is not supported by it yet.')
@@ -185,12 +183,15 @@ def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5) -> dict
   out = {'quota': current_quota(), 'device': str(jax.devices()[0].device_kind), 'backend': cfg.sim.backend,
          'num_params': policies.count_params(train_state.params.network), 'steps_per_iteration': iteration_steps,
          'groups': {}}
-  sim_gen = _mjx_sim_gen if cfg.sim.backend == 'mjx' else _cpu_sim_gen
+  # One MJX env serves the MJX sim/generation timings and the training batch (collected on MJX for both backends).
+  mjx_env = sim_stages.make_mjx_env(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat,
+                                    auto_reset=cfg.algo.name != 'grpo')
+  sim_gen = functools.partial(_mjx_sim_gen, env=mjx_env) if cfg.sim.backend == 'mjx' else _cpu_sim_gen
   times, peaks = {}, {}
   for e in sorted({int(e) for e in envs_per_group}):  # smallest first: each peak bounds its own size's
     times[e] = sim_gen(cfg, network, train_state.params, e, repeats)
     peaks[e] = peak_bytes_in_use()
-  train = stage(_train(cfg, network, optimizer, train_state, repeats), iteration_steps)  # donates train_state
+  train = stage(_train(cfg, mjx_env, network, optimizer, train_state, repeats), iteration_steps)  # donates train_state
   train['peak_bytes_in_use'] = peak_bytes_in_use()
   out['train'] = train
   for e in envs_per_group:
