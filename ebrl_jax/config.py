@@ -342,6 +342,14 @@ class Config:
       raise ValueError('--nocolocate_generation (a separate generation worker) needs --backend=mujoco_cpu; '
                        f'got --backend={self.sim.backend}.')
     self._check_env_slices()
+    if self.rollout_on_host:
+      hint = ('the rollout workers simulate on CPU cores and the separate generation worker acts for them, so '
+              'they hold no GPU context and have no SM quota')
+      if 'rollout' in self.resources.quotas:
+        raise ValueError(f'--sm_quotas={self.resources.sm_quotas} gives the rollout workers a quota, but {hint}; '
+                         'give --sm_quotas=generation=...,trainer=... instead.')
+      if self.resources.quota_schedule or self.resources.replan:
+        raise ValueError(f'--quota_schedule / --replan change the rollout workers\' quota, but {hint}.')
     if self.algo.unroll_length % self.policy.action_chunk:
       raise ValueError(f'--unroll_length={self.algo.unroll_length} must be a multiple of '
                        f'--action_chunk={self.policy.action_chunk}.')
@@ -378,6 +386,13 @@ class Config:
     if group_envs % slices:
       raise ValueError(f'--env_slices={slices} must divide the {group_envs} envs of each env group '
                        f'(--num_envs={self.sim.num_envs} / --num_groups={self.schedule.num_groups}).')
+
+  @property
+  def rollout_on_host(self) -> bool:
+    """The process schedules' rollout workers simulate on CPU cores and a separate generation worker acts for
+    them: they run JAX on the CPU, hold no GPU context and get no SM quota or GPU memory budget."""
+    return (self.schedule.name != 'fused' and self.sim.backend == 'mujoco_cpu'
+            and not self.schedule.colocate_generation)
 
   @property
   def group_envs(self) -> int:

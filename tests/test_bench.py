@@ -44,6 +44,20 @@ def test_quick_bench_reports_every_figure(quick_result):
     assert f['seeds_finished'] == 2
     per_seed = [r['summary']['env_steps_per_s'] for r in result['runs'][schedule]]
     assert f['env_steps_per_s'] == pytest.approx(sum(per_seed) / 2)
+    assert f['quota_changes'] == 0 and f['quota_change_env_steps_lost'] is None
+  # Rollout throughput: reported by the process schedules (not by fused, whose collection is inside one program);
+  # each group's rate is its segments' env steps over its seconds in collect, and collecting alone is faster than
+  # collecting and training end to end.
+  assert figures['fused']['rollout_env_steps_per_s'] is None
+  for run in result['runs']['async']:
+    rollout = run['summary']['extra']['rollout']
+    rates = rollout['group_env_steps_per_s']
+    assert sorted(rates) == ['rollout/0', 'rollout/1'] and all(r > 0 for r in rates.values())
+    assert rollout['env_steps_per_s'] == pytest.approx(sum(rates.values()))
+    assert rollout['segments'] >= 6400 // (16 * 4 * 5) * 2  # 20 iterations x 2 groups, at least
+    assert rollout['env_steps_per_s'] > run['summary']['env_steps_per_s']
+  assert figures['async']['rollout_env_steps_per_s'] == pytest.approx(
+      sum(r['summary']['extra']['rollout']['env_steps_per_s'] for r in result['runs']['async']) / 2)
   ratios = result['ratios_vs_fused']
   assert ratios['fused']['env_steps_per_s'] == pytest.approx(1.0)
   assert ratios['async']['env_steps_per_s'] == pytest.approx(
@@ -149,6 +163,20 @@ def test_merging_seed_files_gives_the_figures_of_one_invocation(quick_result, tm
   (tmp_path / 'other.json').write_text(json.dumps(other))
   with pytest.raises(ValueError, match='other.json has extra_flags='):
     bench_run.merge([str(parts[0]), str(tmp_path / 'other.json')])
+  # Labels run in separate invocations: the union, each label's figures its own; a label whose flags differ
+  # between the files is refused by name.
+  only_async = dict(result, labels={'async': result['labels']['async']}, runs={'async': result['runs']['async']})
+  only_fused = dict(result, labels={'fused': result['labels']['fused']}, runs={'fused': result['runs']['fused']})
+  (tmp_path / 'a.json').write_text(json.dumps(only_fused))
+  (tmp_path / 'b.json').write_text(json.dumps(only_async))
+  joined = bench_run.merge([str(tmp_path / 'a.json'), str(tmp_path / 'b.json')])
+  assert list(joined['labels']) == ['fused', 'async']
+  assert joined['ratios_vs_fused']['async']['env_steps_per_s'] == pytest.approx(
+      result['ratios_vs_fused']['async']['env_steps_per_s'])
+  clash = dict(only_async, labels={'async': dict(result['labels']['async'], flags=['--use_mps'])})
+  (tmp_path / 'c.json').write_text(json.dumps(clash))
+  with pytest.raises(ValueError, match=r'c.json has labels.async='):
+    bench_run.merge([str(tmp_path / 'b.json'), str(tmp_path / 'c.json')])
 
 
 def test_report_plots_sm_activity_and_a_stage_timeline(tmp_path):

@@ -21,7 +21,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from absl import logging
 import jax
@@ -91,6 +91,11 @@ def _param_template(cfg: config_lib.Config, spec: types.EnvSpec):
   return state.params
 
 
+def _gpu_roles(cfg: config_lib.Config, roles):
+  """The roles that hold a GPU context (and so get a memory budget and an SM quota)."""
+  return [r for r in roles if not (cfg.rollout_on_host and r.startswith('rollout/'))]
+
+
 def _roles(cfg: config_lib.Config):
   """(CPU-simulating roles, GPU-feeder roles) of the topology."""
   rollouts = [f'rollout/{g}' for g in range(cfg.schedule.num_groups)]
@@ -110,8 +115,11 @@ class _Placement:
                   if cfg.resources.pin_cpus else {})
 
   def env(self, role: str) -> Dict[str, str]:
-    env = {'EBRL_ROLE': role, **self.memory.worker_env(role, mps_active=self.mps is not None)}
-    if self.mps is not None:
+    if not _gpu_roles(self._cfg, [role]):  # simulates on CPU cores; generation acts for it: no GPU context
+      env = {'EBRL_ROLE': role, 'JAX_PLATFORMS': 'cpu'}
+    else:
+      env = {'EBRL_ROLE': role, **self.memory.worker_env(role, mps_active=self.mps is not None)}
+    if self.mps is not None and 'JAX_PLATFORMS' not in env:
       env.update(self.mps.worker_env(self._cfg.resources.quotas.get(role.split('/')[0])))
     if role in self.cores:
       env['EBRL_CPUS'] = cpus.encode(self.cores[role])
@@ -130,6 +138,7 @@ class _Workers:
     self.use_processes = use_processes
     self.trainer_feedback = feedback.Feedback(use_processes)  # read by controller/replan.py
     self.controls: Dict[str, feedback.WorkerControl] = {}  # rollout role -> its feedback and events
+    self.control_history: List[Tuple[str, feedback.WorkerControl]] = []  # every rollout worker that delivered
     self.tick = None  # called by `watch` every `poll_s` when set (the live quota changes)
     self.poll_s = 0.5
     self._incarnations: Dict[str, int] = {}
@@ -177,11 +186,13 @@ class _Workers:
                          env=env, register=not standby, control=control)
     if not standby:
       self.controls[role] = control
+      self.control_history.append((role, control))
     return worker, control
 
   def swap_in(self, role: str, worker, control) -> None:
     """Makes a started standby the role's worker (the old one, retiring, is no longer watched)."""
     self.workers[role], self.controls[role] = worker, control
+    self.control_history.append((role, control))
     self._write_pids()
 
   def _write_pids(self) -> None:
@@ -299,6 +310,22 @@ def _calibration_env(mps_daemon: Optional[mps.MpsDaemon], quota: int) -> Dict[st
   return env
 
 
+def rollout_figures(cfg: config_lib.Config, history) -> dict:
+  """Rollout throughput (BENCHMARKS.md): env steps per second while collecting, from what each rollout worker
+  reported (segments delivered, seconds inside collect). Groups collect at the same time, so the run's figure is
+  the sum of the groups' rates; a group served by several workers in turn (restarts, quota swaps) pools them."""
+  per_segment = cfg.env_steps_per_iteration // cfg.schedule.num_groups
+  groups: Dict[str, List[float]] = {}
+  for role, control in history:
+    snap = control.feedback.snapshot()
+    acc = groups.setdefault(role, [0.0, 0.0])
+    acc[0] += snap.iterations
+    acc[1] += snap.stage_s
+  rates = {role: n * per_segment / t for role, (n, t) in sorted(groups.items()) if n and t > 0}
+  return {'env_steps_per_s': sum(rates.values()) if rates else None, 'group_env_steps_per_s': rates,
+          'segments': int(sum(n for n, _ in groups.values())), 'collect_s': {r: t for r, (_, t) in groups.items()}}
+
+
 def _generation_stats_files(cfg: config_lib.Config):
   return sorted(glob.glob(os.path.join(cfg.schedule.run_dir, generation_worker.STATS_PREFIX + '*.json')))
 
@@ -313,7 +340,7 @@ def run(cfg: config_lib.Config) -> fused.RunSummary:
     os.remove(path)
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
   cpu_roles, feeders = _roles(cfg)
-  memory_plan = memory.plan_for_run(cfg, spec, feeders + cpu_roles)  # a plan that does not fit stops here
+  memory_plan = memory.plan_for_run(cfg, spec, _gpu_roles(cfg, feeders + cpu_roles))  # no fit: stops here
   memory_plan.log()
   use_processes = cfg.schedule.transport == 'shm'
   registry: Optional[transport.ShmRegistry] = transport.ShmRegistry() if use_processes else None
@@ -326,7 +353,7 @@ def run(cfg: config_lib.Config) -> fused.RunSummary:
       cfg, plan_record = autoplan.plan_run(cfg, mps_daemon is not None,
                                            functools.partial(_calibration_env, mps_daemon))
       cpu_roles, feeders = _roles(cfg)  # the chosen number of groups: budgets again, still before any worker
-      memory_plan = memory.plan_for_run(cfg, spec, feeders + cpu_roles)
+      memory_plan = memory.plan_for_run(cfg, spec, _gpu_roles(cfg, feeders + cpu_roles))
       memory_plan.log()
     placement = _Placement(cfg, mps_daemon, memory_plan)
     capacity = cfg.schedule.num_groups * (cfg.schedule.staleness_bound + 1)
@@ -358,6 +385,10 @@ def run(cfg: config_lib.Config) -> fused.RunSummary:
   with open(summary_path) as f:
     summary = fused.RunSummary(**json.load(f))
   summary.extra['worker_restarts'] = workers.restarts  # written to summary.json by the runner
+  summary.extra['rollout'] = rollout_figures(cfg, workers.control_history)
+  if summary.extra['rollout']['env_steps_per_s']:
+    logging.info('rollout: %.0f env steps/s while collecting (%d segments).',
+                 summary.extra['rollout']['env_steps_per_s'], summary.extra['rollout']['segments'])
   if plan_record is not None:
     plan_record['measured_env_steps_per_s'] = summary.env_steps_per_s
     plan_record['measured_over_predicted'] = summary.env_steps_per_s / plan_record['predicted_env_steps_per_s']

@@ -1,6 +1,7 @@
 """Resource management for the process schedules: the MPS daemon and SM quotas (`mps`), CPU cores (`cpus`),
 stage profiles (`profiles`) and the planner (`planner`)."""
 import os
+import sys
 from typing import Dict, Optional
 
 from ebrl_jax.resources import cpus
@@ -11,5 +12,7 @@ def apply_worker_env(env: Optional[Dict[str, str]]) -> None:
   itself to its cores (`EBRL_CPUS`), before JAX or an env pool starts."""
   if env:
     os.environ.update(env)
+    if env.get('JAX_PLATFORMS') and 'jax' in sys.modules:  # JAX read its platform variable at import
+      sys.modules['jax'].config.update('jax_platforms', env['JAX_PLATFORMS'])
   if os.environ.get('EBRL_CPUS'):
     cpus.pin(cpus.decode(os.environ['EBRL_CPUS']))

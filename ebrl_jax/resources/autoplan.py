@@ -116,7 +116,7 @@ def plan_space(cfg: config_lib.Config, mps_active: bool) -> planner.PlanSpace:
       num_envs=cfg.sim.num_envs, steps_per_iteration=cfg.env_steps_per_iteration // cfg.sim.num_envs,
       num_groups=choices, group_sizes=tuple(sorted({cfg.sim.num_envs // g for g in choices})),
       quotas=_QUOTA_GRID if mps_active else (100,), colocate_generation=cfg.schedule.colocate_generation,
-      quota_limit=mps_active)
+      quota_limit=mps_active, rollout_on_gpu=not cfg.rollout_on_host)
 
 
 def plan_run(cfg: config_lib.Config, mps_active: bool, worker_env) -> Tuple[config_lib.Config, dict]:
@@ -151,7 +151,7 @@ def plan_run(cfg: config_lib.Config, mps_active: bool, worker_env) -> Tuple[conf
   schedule_cfg = dataclasses.replace(cfg.schedule, num_groups=chosen.num_groups)
   resources_cfg = cfg.resources
   if mps_active:
-    quota_text = ','.join(f'{role}={q}' for role, q in sorted(chosen.quotas.items()))
+    quota_text = ','.join(f'{role}={q}' for role, q in sorted(chosen.quotas.items()))  # GPU roles only
     resources_cfg = dataclasses.replace(cfg.resources, sm_quotas=quota_text)
   new_cfg = dataclasses.replace(cfg, schedule=schedule_cfg, resources=resources_cfg)
   record = {'num_groups': chosen.num_groups, 'envs_per_group': chosen.envs_per_group,

@@ -97,7 +97,7 @@ def _mjx_sim_gen(cfg, network, params, envs: int, repeats: int, env) -> Dict[str
                                repeats)}
 
 
-def _cpu_sim_gen(cfg, network, params, envs: int, repeats: int) -> Dict[str, List[float]]:
+def _cpu_sim_gen(cfg, network, params, envs: int, repeats: int, threads: int = 0) -> Dict[str, List[float]]:
   import jax  # pylint: disable=g-import-not-at-top
   from ebrl_jax.rollout import cpu as cpu_rollout  # pylint: disable=g-import-not-at-top
   from ebrl_jax.sim import cpu_env  # pylint: disable=g-import-not-at-top
@@ -105,7 +105,7 @@ def _cpu_sim_gen(cfg, network, params, envs: int, repeats: int) -> Dict[str, Lis
   steps = cfg.algo.unroll_length // k
   rng = np.random.default_rng(0)
   with cpu_env.CpuEnvPool(cfg.sim.task, envs, cfg.sim.episode_length, cfg.sim.action_repeat,
-                          num_threads=cfg.sim.num_threads, seed=0) as pool:
+                          num_threads=threads or cfg.sim.num_threads, seed=0) as pool:
     obs = pool.reset()
     spec = pool.spec
     actions = rng.uniform(-1.0, 1.0, (steps, envs, k, spec.action_dim)).astype(np.float32)
@@ -150,13 +150,18 @@ def _train(cfg, env, network, optimizer, train_state, repeats: int) -> List[floa
   return _timed(run, repeats)
 
 
-def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5) -> dict:
+def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5, all_groups_threads: bool = False) -> dict:
   """Times sim and generation at each group size and training once; see the module doc for what and how.
 
   Returns {'quota', 'device', 'backend', 'num_params', 'steps_per_iteration', 'train': {...}, 'groups': {E: {...}}},
   each stage with 'samples_s', 'median_s', 'per_env_step_s'; per group size also the sequential floor and overlap
   ceiling (env steps/s) for that group size with the iteration's training; 'train' and each group size with
   'peak_bytes_in_use' (see the module doc).
+
+  Native MuJoCo with `all_groups_threads` and --num_threads > 0: a batch of E envs is stepped with the threads
+  the run gives them, --num_threads per group of num_envs / num_groups (so the whole batch stands for every
+  group stepping at once, the overlap ceiling's case); otherwise with --num_threads, one group's (the planner's
+  case: a group's time at each group size it may choose). The count is recorded per size as 'sim_threads'.
   """
   import jax  # pylint: disable=g-import-not-at-top
   from ebrl_jax import sim  # pylint: disable=g-import-not-at-top
@@ -186,10 +191,13 @@ def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5) -> dict
   # One MJX env serves the MJX sim/generation timings and the training batch (collected on MJX for both backends).
   mjx_env = sim_stages.make_mjx_env(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat,
                                     auto_reset=cfg.algo.name != 'grpo')
-  sim_gen = functools.partial(_mjx_sim_gen, env=mjx_env) if cfg.sim.backend == 'mjx' else _cpu_sim_gen
-  times, peaks = {}, {}
+  times, peaks, threads = {}, {}, {}
   for e in sorted({int(e) for e in envs_per_group}):  # smallest first: each peak bounds its own size's
-    times[e] = sim_gen(cfg, network, train_state.params, e, repeats)
+    if cfg.sim.backend == 'mjx':
+      times[e] = _mjx_sim_gen(cfg, network, train_state.params, e, repeats, env=mjx_env)
+    else:
+      threads[e] = cfg.sim.num_threads * (max(1, e // cfg.group_envs) if all_groups_threads else 1)
+      times[e] = _cpu_sim_gen(cfg, network, train_state.params, e, repeats, threads=threads[e])
     peaks[e] = peak_bytes_in_use()
   train = stage(_train(cfg, mjx_env, network, optimizer, train_state, repeats), iteration_steps)  # donates train_state
   train['peak_bytes_in_use'] = peak_bytes_in_use()
@@ -197,6 +205,8 @@ def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5) -> dict
   for e in envs_per_group:
     entry = {name: stage(samples, int(e) * unroll_steps) for name, samples in times[int(e)].items()}
     entry['peak_bytes_in_use'] = peaks[int(e)]
+    if threads:
+      entry['sim_threads'] = threads[int(e)] or None  # None: one per available core
     per_step = [entry['sim']['per_env_step_s'], entry['generation']['per_env_step_s'], train['per_env_step_s']]
     entry['sequential_floor_steps_per_s'] = 1.0 / sum(per_step)
     entry['overlap_ceiling_steps_per_s'] = 1.0 / max(per_step)
@@ -218,14 +228,15 @@ def add_to_store(store, profile: dict) -> None:
     store.profile('train').add_sample(profile['steps_per_iteration'], q, t)
 
 
-def calibrate_main(cfg, envs_per_group: Sequence[int], repeats: int, out_path: str, env=None) -> None:
+def calibrate_main(cfg, envs_per_group: Sequence[int], repeats: int, out_path: str, env=None,
+                   all_groups_threads: bool = False) -> None:
   """Process entry point: applies the worker environment (SM quota, memory share), profiles, writes JSON."""
   import json  # pylint: disable=g-import-not-at-top
   from ebrl_jax import resources  # pylint: disable=g-import-not-at-top
   resources.apply_worker_env(env)
   from ebrl_jax.controller import runner  # pylint: disable=g-import-not-at-top
   runner.configure_jax(cfg)
-  profile = profile_stages(cfg, envs_per_group, repeats)
+  profile = profile_stages(cfg, envs_per_group, repeats, all_groups_threads)
   with open(out_path + '.tmp', 'w') as f:
     json.dump(profile, f, indent=2, allow_nan=False)
   os.replace(out_path + '.tmp', out_path)

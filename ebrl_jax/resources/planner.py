@@ -17,7 +17,8 @@ Iteration model, with S = steps_per_iteration (env steps each env takes per iter
   sync:  T = T_r + T_t + iteration_handoff_s       (barrier; both schedules hand segments and weights over once);
   env-steps/s = num_envs * S / T.
 Quotas never oversubscribe the GPU: async G * q_r + q_g + q_t <= 100; sync G * q_r + q_g <= 100 and q_t <= 100
-(the trainer runs alone). The search is exhaustive; ties (within 1e-9 relative) go to fewer groups, then to the
+(the trainer runs alone). Rollout processes that only simulate on CPU cores (`rollout_on_gpu=False`) have no
+quota: G * q_r drops out and t_sim is read at 100. The search is exhaustive; ties (within 1e-9 relative) go to fewer groups, then to the
 lower total quota (G * q_r + q_g + q_t), then to the lower rollout, generation and trainer quotas in that order.
 """
 from __future__ import annotations
@@ -50,6 +51,10 @@ class PlanSpace:
   # False without MPS: no quotas to share out (every process at 100 %), so the sum-to-100 % limit is lifted and
   # the model's overlap is optimistic (time-sliced processes do not truly run at once).
   quota_limit: bool = True
+  # False when the rollout processes only simulate on CPU cores and a separate generation process acts for them
+  # (native MuJoCo, --nocolocate_generation): they hold no GPU context, so they get no quota and take none of
+  # the 100 %; their sim profile is read at quota 100 (a CPU stage does not depend on it).
+  rollout_on_gpu: bool = True
 
   def __post_init__(self):
     for name in ('num_envs', 'steps_per_iteration', 'train_calls_per_iteration'):
@@ -63,6 +68,9 @@ class PlanSpace:
       raise ValueError(f'PlanSpace.quotas={self.quotas} must be non-empty, each in 1..100 (percent of SMs).')
     if self.train_batch < 0 or self.iteration_handoff_s < 0 or self.step_handoff_s < 0:
       raise ValueError('PlanSpace.train_batch, iteration_handoff_s and step_handoff_s must be >= 0.')
+    if not self.rollout_on_gpu and self.colocate_generation:
+      raise ValueError('PlanSpace.rollout_on_gpu=False needs a separate generation process '
+                       '(colocate_generation=False): co-located generation puts the policy in the rollout process.')
     if not self.layouts:
       raise ValueError(f'PlanSpace: no num_groups in {self.num_groups} splits num_envs={self.num_envs} into groups '
                        f'of a size in group_sizes={self.group_sizes or "(powers of two)"}.')
@@ -80,7 +88,9 @@ class PlanSpace:
 
   @property
   def roles(self) -> Tuple[str, ...]:
-    return (ROLLOUT, TRAINER) if self.colocate_generation else (ROLLOUT, GENERATION, TRAINER)
+    """The roles that hold a GPU context and so get an SM quota."""
+    roles = (ROLLOUT, TRAINER) if self.colocate_generation else (ROLLOUT, GENERATION, TRAINER)
+    return roles if self.rollout_on_gpu else tuple(r for r in roles if r != ROLLOUT)
 
   @property
   def effective_train_batch(self) -> int:
@@ -93,7 +103,7 @@ class Plan:
   schedule: str
   num_groups: int
   envs_per_group: int
-  quotas: Dict[str, int]  # role -> percent; 'rollout' is each rollout process's quota
+  quotas: Dict[str, int]  # role -> percent; 'rollout' is each rollout process's quota (absent: on CPU only)
   colocate_generation: bool
   rollout_s: float
   train_s: float
@@ -103,7 +113,7 @@ class Plan:
 
   @property
   def total_quota(self) -> int:
-    return self.num_groups * self.quotas[ROLLOUT] + sum(q for r, q in self.quotas.items() if r != ROLLOUT)
+    return self.num_groups * self.quotas.get(ROLLOUT, 0) + sum(q for r, q in self.quotas.items() if r != ROLLOUT)
 
   def describe(self) -> str:
     quotas = ' '.join(f'{role} {self.quotas[role]}%' for role in sorted(self.quotas))
@@ -125,7 +135,7 @@ def evaluate(profiles: Mapping, space: PlanSpace, num_groups: int, quotas: Mappi
     raise ValueError(f'schedule={schedule!r} is not plannable; allowed values: {", ".join(SCHEDULES)}.')
   e = space.num_envs // num_groups
   sim = _profile(profiles, 'sim')
-  q_r, q_t = quotas[ROLLOUT], quotas[TRAINER]
+  q_r, q_t = quotas.get(ROLLOUT, 100), quotas[TRAINER]
   if space.colocate_generation:
     step = sim.predict(e, q_r) + (profiles['generation'].predict(e, q_r) if 'generation' in profiles else 0.0)
   else:
@@ -142,7 +152,7 @@ def evaluate(profiles: Mapping, space: PlanSpace, num_groups: int, quotas: Mappi
 def _feasible(space: PlanSpace, num_groups: int, quotas: Mapping[str, int], schedule: str) -> bool:
   if not space.quota_limit:
     return True
-  rollout = num_groups * quotas[ROLLOUT] + quotas.get(GENERATION, 0)
+  rollout = num_groups * quotas.get(ROLLOUT, 0) + quotas.get(GENERATION, 0)
   if schedule == 'async':
     return rollout + quotas[TRAINER] <= 100
   return rollout <= 100 and quotas[TRAINER] <= 100
@@ -151,7 +161,7 @@ def _feasible(space: PlanSpace, num_groups: int, quotas: Mapping[str, int], sche
 def _order(p: Plan, best_s: float) -> tuple:
   near_best = p.iteration_s <= best_s * (1 + _TIE)
   return (not near_best, p.iteration_s if not near_best else 0.0, p.num_groups, p.total_quota,
-          p.quotas[ROLLOUT], p.quotas.get(GENERATION, 0), p.quotas[TRAINER])
+          p.quotas.get(ROLLOUT, 0), p.quotas.get(GENERATION, 0), p.quotas[TRAINER])
 
 
 def candidates(profiles: Mapping, space: PlanSpace, schedule: str = 'async',
@@ -163,6 +173,9 @@ def candidates(profiles: Mapping, space: PlanSpace, schedule: str = 'async',
     raise ValueError(f'fixed={fixed}: unknown key(s) {unknown}; valid keys: {", ".join(FIXABLE)}.')
   if GENERATION in fixed and space.colocate_generation:
     raise ValueError(f'fixed={fixed} pins a generation quota, but generation is co-located (no such process).')
+  if ROLLOUT in fixed and not space.rollout_on_gpu:
+    raise ValueError(f'fixed={fixed} pins a rollout quota, but the rollout processes simulate on CPU cores only '
+                     '(no GPU context, no quota).')
   for role in set(fixed) & {ROLLOUT, GENERATION, TRAINER}:
     if not 1 <= fixed[role] <= 100:
       raise ValueError(f'fixed[{role!r}]={fixed[role]} must lie in 1..100 (percent of SMs).')

@@ -49,7 +49,7 @@ _STAGE_PROFILE = flags.DEFINE_bool(
     'stage_profile', False, 'Before the runs, time each stage alone (experiments/bench/stage_profile.py) and report '
     'every label\'s overlap efficiency: env steps/s over the perfect-overlap ceiling.')
 _MERGE = flags.DEFINE_list('merge', [], 'Instead of running: merge these result files of one workload (same '
-                           'flagfile, flags and labels; e.g. seeds run in separate invocations) into --out.')
+                           'flagfile and flags; seeds or labels run in separate invocations) into --out.')
 _QUICK = flags.DEFINE_bool('quick', False, 'Tiny CPU workload (native MuJoCo pendulum) that exercises the harness.')
 
 SCHEDULES = ('fused', 'sync', 'async', 'brax')
@@ -190,6 +190,15 @@ def aggregate(runs: Dict[str, List[dict]]) -> Dict[str, dict]:
     done = [r['summary'] for r in seeds if 'summary' in r]
     figures = {k: _mean([s.get(k) for s in done]) for k in FIGURES}
     figures['sm_activity_pct'] = _mean([r['gpm'].get('sm_activity_pct') for r in seeds])
+    # Rollout throughput (env steps/s while collecting; the process schedules report it) and the cost of an SM
+    # quota change (the swaps of --quota_schedule / --replan), where the runs have them.
+    figures['rollout_env_steps_per_s'] = _mean([((s.get('extra') or {}).get('rollout') or {}).get('env_steps_per_s')
+                                                for s in done])
+    swaps = [w for s in done for w in ((s.get('extra') or {}).get('replan') or {}).get('swaps', [])
+             if not w.get('failed')]
+    figures['quota_changes'] = len(swaps)
+    figures['quota_change_gap_s'] = _mean([w.get('gap_s') for w in swaps])
+    figures['quota_change_env_steps_lost'] = _mean([w.get('env_steps_lost') for w in swaps])
     figures['seeds_finished'] = len(done)
     figures['seeds_reaching_target'] = sum(s.get('env_steps_to_target') is not None for s in done)
     out[schedule] = figures
@@ -256,7 +265,9 @@ def _gpu_slots(indices: List[str]) -> List[Optional[Tuple[str, str]]]:
 
 
 def merge(paths: List[str]) -> dict:
-  """One result from several of the same workload, labels and flags; figures recomputed over all their seeds."""
+  """One result from several of the same workload and flags: seeds, or labels, run in separate invocations.
+  A label in several files must have the same schedule and flags in each; figures are recomputed over all their
+  seeds, and the first file's stage profile (or the first file that has one) serves every label."""
   results = []
   for path in paths:
     try:
@@ -265,19 +276,26 @@ def merge(paths: List[str]) -> dict:
     except (OSError, json.JSONDecodeError) as e:
       raise ValueError(f'--merge: cannot read {path}: {e}') from None
   first = results[0]
+  labels_seen = dict(first.get('labels', {}))
   for path, r in zip(paths[1:], results[1:]):
-    for field in ('flagfile', 'extra_flags', 'labels'):
+    for field in ('flagfile', 'extra_flags'):
       if r.get(field) != first.get(field):
         raise ValueError(f'--merge: {path} has {field}={r.get(field)!r}, {paths[0]} has {first.get(field)!r}.')
-  out = dict(first, runs={}, seeds=[], merged_from=[{'file': os.path.basename(p), 'commit': r.get('commit'),
-                                                     'seeds': r.get('seeds')} for p, r in zip(paths, results)])
+    for label, value in r.get('labels', {}).items():
+      if label in labels_seen and labels_seen[label] != value:
+        raise ValueError(f'--merge: {path} has labels.{label}={value!r}, an earlier file has '
+                         f'{labels_seen[label]!r}.')
+      labels_seen.setdefault(label, value)
+  out = dict(first, runs={}, seeds=[], labels=labels_seen,
+             merged_from=[{'file': os.path.basename(p), 'commit': r.get('commit'), 'seeds': r.get('seeds'),
+                           'labels': list(r.get('labels', {}))} for p, r in zip(paths, results)])
   for r in results:
     out['seeds'] += [s for s in r.get('seeds', []) if s not in out['seeds']]
     for label, runs in r['runs'].items():
       out['runs'].setdefault(label, []).extend(runs)
-    if 'stage_profile' in r and 'stage_profile' not in first:
+    if 'stage_profile' in r and 'stage_profile' not in out:
       out['stage_profile'] = r['stage_profile']
-  labels = [(label, v['schedule'], tuple(v['flags'])) for label, v in first['labels'].items()]
+  labels = [(label, v['schedule'], tuple(v['flags'])) for label, v in labels_seen.items()]
   out['commit'] = ','.join(sorted({r.get('commit', 'unknown') for r in results}))
   out['figures'] = aggregate(out['runs'])
   for key in [k for k in out if k.startswith('ratios_vs_')]:

@@ -4,7 +4,8 @@ r"""Isolated stage profiles of a workload: sim, generation and training each tim
       --profile_out=/tmp/w2_stages.json [--repeats=5]
 
 Times the stages at the fused batch (all envs) and at the process schedules' group size (num_envs / num_groups)
-with `ebrl_jax.resources.calibrate` and writes per-env-step times t_sim, t_gen, t_train, the sequential floor
+with `ebrl_jax.resources.calibrate` (native MuJoCo: each size with the threads the run gives it, --num_threads per
+group) and writes per-env-step times t_sim, t_gen, t_train, the sequential floor
 and the perfect-overlap ceiling (BENCHMARKS.md) to --profile_out. The bench harness runs it with
 `--stage_profile` and reports every run's overlap efficiency (achieved / ceiling) beside it.
 """
@@ -33,7 +34,8 @@ def main(argv):
     cfg = ebrl_main.config_from_flags()
     sizes = sorted({cfg.sim.num_envs, cfg.sim.num_envs // cfg.schedule.num_groups})
     os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
-    calibrate.calibrate_main(cfg, sizes, _REPEATS.value, _OUT.value)  # what --plan's calibration processes run
+    # What --plan's calibration processes run; native MuJoCo's whole batch with every group's threads.
+    calibrate.calibrate_main(cfg, sizes, _REPEATS.value, _OUT.value, all_groups_threads=True)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   with open(_OUT.value) as f:

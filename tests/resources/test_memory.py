@@ -215,3 +215,22 @@ def test_plan_for_run_on_a_faked_gpu_with_and_without_a_profile(fake_nvml, tmp_p
 
 def test_calibration_records_no_peak_on_the_cpu():
   assert calibrate.peak_bytes_in_use() is None
+
+
+def test_host_only_rollouts_run_jax_on_cpu_without_quota_or_budget():
+  # Native MuJoCo rollouts with a separate generation worker: no GPU context, so no memory budget and no quota;
+  # the generation worker gets its quota.
+  cfg = _config(colocate_generation=False, use_mps=True, sm_quotas='generation=50,trainer=50', pin_cpus=False)
+  assert cfg.rollout_on_host
+  roles = ['trainer', 'generation', 'rollout/0', 'rollout/1']
+  gpu_roles = pipeline._gpu_roles(cfg, roles)  # pylint: disable=protected-access
+  assert gpu_roles == ['trainer', 'generation']
+  plan = memory.make_plan(cfg, gpu_roles, 16 * GIB, {'trainer': _fp(2048), 'generation': _fp(1024)})
+  placement = pipeline._Placement(cfg, _FakeMps(), plan)  # pylint: disable=protected-access
+  assert placement.env('rollout/1') == {'EBRL_ROLE': 'rollout/1', 'JAX_PLATFORMS': 'cpu'}
+  gen = placement.env('generation')
+  assert gen['CUDA_MPS_ACTIVE_THREAD_PERCENTAGE'] == '50' and 'XLA_PYTHON_CLIENT_MEM_FRACTION' in gen
+  with pytest.raises(ValueError, match='rollout workers a quota, but the rollout workers simulate on CPU'):
+    _config(colocate_generation=False, use_mps=True, sm_quotas='rollout=30,trainer=50')
+  with pytest.raises(ValueError, match='--quota_schedule / --replan'):
+    _config(colocate_generation=False, use_mps=True, quota_schedule='5:rollout=30')

@@ -153,3 +153,31 @@ def test_replanner_without_a_plan_adopts_the_best():
   replanner = planner.Replanner(RE_SPACE, 'sync')
   first = replanner.update(profiles, iteration=0)
   assert first is not None and first.num_groups == 2 and replanner.decisions[-1].reason.startswith('initial')
+
+
+def test_rollouts_on_cpu_take_no_quota():
+  # Native MuJoCo with a separate generation process: the rollout processes hold no GPU context, so only
+  # generation and trainer share the 100 %. sim 10 ms a step (any quota), generation 4 ms * max(1, 50 / q_g),
+  # train 0.2 s * max(1, 50 / q_t); 10 steps, 10 ms hand-off a step; async.
+  #   rollouts on CPU: q_g = 50, q_t = 50 -> step = max(10 + 4 + 10, 2 * 4) = 24 ms -> T_r = 0.24 s, T_t = 0.2 s:
+  #     T = 0.24 s (G=4: max(24, 16) ms, a tie, goes to fewer groups).
+  #   the same profiles with rollouts counted (2 * q_r >= 20): q_g + q_t <= 80; q_g = q_t = 40 -> gen 5 ms,
+  #     step 25 ms -> 0.25 s, train 0.25 s: T = 0.25 s (q_g = 50, q_t = 30: 0.333; q_g = 30, q_t = 50: 0.267).
+  profiles = {'sim': _profile('sim', 0.01, 0.0, 1.0, (512, 1024)),
+              'generation': _profile('generation', 0.004, 0.0, 50.0, (512, 1024)),
+              'train': _profile('train', 0.2, 0.0, 50.0, (64, 128))}
+  common = dict(num_envs=2048, steps_per_iteration=10, num_groups=(2, 4), colocate_generation=False,
+                step_handoff_s=0.01)
+  host = planner.PlanSpace(rollout_on_gpu=False, **common)
+  assert host.roles == ('generation', 'trainer')
+  best = planner.plan(profiles, host, 'async')
+  assert (best.num_groups, best.quotas) == (2, {'generation': 50, 'trainer': 50})
+  assert best.iteration_s == pytest.approx(0.24)
+  assert best.total_quota == 100
+  on_gpu = planner.plan(profiles, planner.PlanSpace(**common), 'async')
+  assert (on_gpu.num_groups, on_gpu.quotas) == (2, {'rollout': 10, 'generation': 40, 'trainer': 40})
+  assert on_gpu.iteration_s == pytest.approx(0.25)
+  with pytest.raises(ValueError, match='simulate on CPU cores only'):
+    planner.plan(profiles, host, 'async', fixed={'rollout': 10})
+  with pytest.raises(ValueError, match='needs a separate generation process'):
+    planner.PlanSpace(num_envs=2048, rollout_on_gpu=False)
