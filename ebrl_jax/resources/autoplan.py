@@ -29,6 +29,7 @@ from absl import logging
 
 from ebrl_jax import config as config_lib
 from ebrl_jax.resources import calibrate
+from ebrl_jax.resources import cpus
 from ebrl_jax.resources import planner
 from ebrl_jax.resources import profiles
 from ebrl_jax.resources import telemetry
@@ -71,14 +72,21 @@ def store_path(cfg: config_lib.Config, machine: str, workload: str) -> str:
   return os.path.join(folder, f'{digest}.json')
 
 
-def group_choices(cfg: config_lib.Config) -> Tuple[int, ...]:
-  """Group counts that split the envs evenly into whole GRPO groups and whole env slices."""
+def group_choices(cfg: config_lib.Config, sim_cores: Optional[int] = None) -> Tuple[int, ...]:
+  """Group counts that split the envs evenly into whole GRPO groups and whole env slices; for native MuJoCo with
+  a fixed --num_threads per group and pinned cores, also no more groups than the sim cores (`sim_cores`: this
+  process's cores less one per GPU feeder) give each its threads, since the calibration times a group on its own
+  threads and oversubscribed cores would make that prediction wrong."""
   n = cfg.sim.num_envs
+  if sim_cores is None and cfg.sim.backend != 'mjx' and cfg.sim.num_threads and cfg.resources.pin_cpus:
+    feeders = 1 + (0 if cfg.schedule.colocate_generation else 1)
+    sim_cores = max(1, len(cpus.available_cores()) - feeders)
   out = []
   for g in _GROUP_CHOICES:
     e = n // g
     if g * e == n and e % cfg.sim.group_size == 0 and e % cfg.schedule.env_slices == 0:
-      out.append(g)
+      if sim_cores is None or g == 1 or g * cfg.sim.num_threads <= sim_cores:
+        out.append(g)
   return tuple(out)
 
 

@@ -86,3 +86,16 @@ def test_cpu_run_calibrates_once_then_starts_from_the_saved_profiles(tmp_path):
   second = controller.run(cfg2)
   assert second.extra['plan']['calibrated_s'] is None
   assert second.extra['plan']['num_groups'] == plan['num_groups']
+
+
+def test_native_mujoco_group_choices_leave_each_group_its_threads():
+  # 512 envs, 3 threads per group, 2 env slices: every count in (1, 2, 4, 8) splits evenly; with 12 sim cores only
+  # up to 4 groups get 3 threads each (8 x 3 = 24 > 12); one group always fits.
+  cfg = config_lib.Config(
+      sim=config_lib.SimConfig(num_envs=512, num_threads=3, num_eval_envs=4),
+      algo=config_lib.AlgoConfig(batch_size=512, num_minibatches=1),
+      schedule=config_lib.ScheduleConfig(name='async', num_groups=4, colocate_generation=False, env_slices=2))
+  assert autoplan.group_choices(cfg, sim_cores=12) == (1, 2, 4)
+  assert autoplan.group_choices(cfg, sim_cores=2) == (1,)
+  assert autoplan.group_choices(dataclasses.replace(cfg, sim=dataclasses.replace(cfg.sim, num_threads=0)),
+                                sim_cores=2) == (1, 2, 4, 8)

@@ -1,0 +1,81 @@
+#!/bin/bash
+# The GPU benchmark invocations behind experiments/results/ (issue 4's resource comparison, issue 5's seeds),
+# in parts that each fit one 10-minute call of a 2-GPU machine: every part runs one bench invocation per GPU
+# at once, each pinned to its own CPU cores (`taskset`; the runs' core pools split what they are given).
+#
+#   bash experiments/bench/gpu_session.sh PART OUT_DIR      PART: w3 | w2b | w2seeds1 | w2seeds2
+#
+# w3      GPU 0, cores 0-13 (12 sim cores + trainer + generation, as W3 specifies): W3 sync / async planned /
+#         async no quotas / async equal quotas (generation 50 %, trainer 50 %), stage profile first; and at
+#         the same time GPU 1, cores 16-31: W2 stage profile, async planned, sync (2 groups), 3 M env steps each.
+# w2b     GPU 0 and GPU 1: W2 async no quotas, async equal quotas (34/33/33 %), and one async run whose rollout
+#         quota changes at iteration 20 (the quota-change cost).
+# w2seedsN  issue 5's W2 (fused, sync, async; 12 M env steps) for seeds 1 and 2, one per GPU; N=1: fused and
+#         sync, N=2: async.
+# Results (JSON, telemetry) are copied to OUT_DIR; every MPS daemon a run started is stopped by the run itself,
+# and any left behind (a killed run) is stopped here.
+set -u
+PART=$1
+OUT_DIR=$2
+mkdir -p "$OUT_DIR"
+ROOT=/tmp/ebrl_bench
+mkdir -p $ROOT
+TIMEOUT=${BENCH_TIMEOUT_S:-560}
+
+bench() {  # bench NAME CORES ARGS...: one harness invocation, its output under $ROOT/NAME
+  local name=$1 cores=$2
+  shift 2
+  timeout -s TERM "$TIMEOUT" taskset -c "$cores" python3 -m experiments.bench.run --out=$ROOT/$name.json "$@" \
+    > $ROOT/$name.log 2>&1
+  echo "[$name] exit $?"
+}
+
+W2="--bench_flagfile=experiments/w2_transformer.flags --extra=--target_return=1000"
+# Issue 5's W2 flags, in the order of the kept seed-0 result (results/w2_bench.json), so the seeds merge.
+W2SEEDS="--bench_flagfile=experiments/w2_transformer.flags --extra=--num_groups=2 --extra=--num_timesteps=12000000
+  --extra=--num_evals=24 --extra=--target_return=1000"
+W3="--bench_flagfile=experiments/w3_heterogeneous.flags"
+case $PART in
+  w3)
+    bench w3_resources 0-13 $W3 --gpus=0 --stage_profile --timeout_s=240 \
+      --schedules=sync,async_plan=async,async,async_eq=async --extra=--use_mps \
+      --extra=--num_timesteps=3000000 --extra=--num_evals=3 \
+      --only=async_plan:--plan --only=async_eq:--sm_quotas=generation=50,trainer=50 &
+    bench w2_resources_a 16-31 $W2 --gpus=1 --stage_profile --timeout_s=330 \
+      --schedules=async_plan=async,sync --extra=--use_mps --extra=--num_groups=2 \
+      --extra=--num_timesteps=3000000 --extra=--num_evals=3 --only=async_plan:--plan &
+    wait ;;
+  w2b)
+    bench w2_resources_b 0-15 $W2 --gpus=0 --timeout_s=270 --schedules=async,async_eq=async \
+      --extra=--use_mps --extra=--num_groups=2 --extra=--num_timesteps=3000000 --extra=--num_evals=3 \
+      --only=async_eq:--sm_quotas=trainer=34,rollout=33 &
+    bench w2_quota_change 16-31 $W2 --gpus=1 --timeout_s=400 --schedules=async_swap=async \
+      --extra=--use_mps --extra=--num_groups=2 --extra=--num_timesteps=3000000 --extra=--num_evals=3 \
+      --only=async_swap:--sm_quotas=trainer=50,rollout=20 --only=async_swap:--quota_schedule=15:rollout=25 &
+    wait ;;
+  w2seeds1)
+    for s in 1 2; do
+      c=$([ $s = 1 ] && echo 0-15 || echo 16-31)
+      bench w2_bench_fs_seed$s $c $W2SEEDS --gpus=$((s - 1)) --seeds=$s --schedules=fused,sync --timeout_s=300 \
+        --only=sync:--use_mps &
+    done
+    wait ;;
+  w2seeds2)
+    for s in 1 2; do
+      c=$([ $s = 1 ] && echo 0-15 || echo 16-31)
+      bench w2_bench_a_seed$s $c $W2SEEDS --gpus=$((s - 1)) --seeds=$s --schedules=async --timeout_s=330 \
+        --only=async:--use_mps &
+    done
+    wait ;;
+  *) echo "unknown part $PART"; exit 2 ;;
+esac
+for c in $(find /tmp $ROOT runs -name control -type p 2>/dev/null); do
+  echo quit | CUDA_MPS_PIPE_DIRECTORY=$(dirname "$c") timeout 5 nvidia-cuda-mps-control >/dev/null 2>&1
+done
+pgrep -fa nvidia-cuda-mps || true
+cp $ROOT/*.json "$OUT_DIR"/ 2>/dev/null
+for f in $ROOT/*_runs/telemetry_gpu*.jsonl; do
+  [ -f "$f" ] && gzip -c "$f" > "$OUT_DIR/$(basename $(dirname $f) _runs)_$(basename $f).gz"
+done
+for f in $ROOT/*.log; do tail -c 3000 "$f" > "$OUT_DIR/$(basename $f).tail"; done
+ls -la "$OUT_DIR"
