@@ -45,9 +45,12 @@ from ebrl_jax.resources import telemetry
 MIB = 2**20
 # The CUDA context, cuBLAS/cuDNN workspaces and loaded kernels of one process, outside XLA's pool: a stated
 # allowance (a few hundred MiB per process on an H200; under MPS each client's context is smaller).
-CONTEXT_BYTES = 500 * MIB
+# Device memory a process needs outside XLA's pool: the CUDA context, the loaded modules of its compiled programs,
+# cuBLAS/cuBLASLt handles and workspaces. Measured on the H200 under MPS: 500 MiB was too little (a W2 trainer
+# failed to initialise cuBLASLt, a W3 generation worker to load a module: out of memory at the pinned limit).
+CONTEXT_BYTES = 2048 * MIB
 PLAN_CAP = 0.95  # the plan may take this much of the device, contexts included
-MIN_POOL_BYTES = 256 * MIB  # XLA's pool is never planned smaller (compilation scratch, small programs)
+MIN_POOL_BYTES = 1024 * MIB  # XLA's pool is never planned smaller (autotuning scratch, small programs)
 EQUAL_SHARE = 0.9  # without a plan: this much of the device split equally (JAX would take 75 % per process)
 FRACTION_VAR = 'XLA_PYTHON_CLIENT_MEM_FRACTION'
 MPS_LIMIT_VAR = 'CUDA_MPS_PINNED_DEVICE_MEM_LIMIT'

@@ -3,11 +3,15 @@
 # in parts that each fit one 10-minute call of a 2-GPU machine: every part runs one bench invocation per GPU
 # at once, each pinned to its own CPU cores (`taskset`; the runs' core pools split what they are given).
 #
-#   bash experiments/bench/gpu_session.sh PART OUT_DIR      PART: w3 | w2b | w2seeds1 | w2seeds2
+#   bash experiments/bench/gpu_session.sh PART OUT_DIR      PART: w3 | w3w2 | w2b | w2seeds1 | w2seeds2
 #
 # w3      GPU 0, cores 0-13 (12 sim cores + trainer + generation, as W3 specifies): W3 sync / async planned /
 #         async no quotas / async equal quotas (generation 50 %, trainer 50 %), stage profile first; and at
 #         the same time GPU 1, cores 16-31: W2 stage profile, async planned, sync (2 groups), 3 M env steps each.
+#         (That first call ran out of device memory under the memory plan's pinned MPS limits, see
+#         results/README.md; its stage profiles are kept as results/w{2,3}_resources_oom.json.)
+# w3w2    the same comparison after the fix, in one call: W3 on GPU 0 (2 M env steps), W2 on GPU 1 (3 M),
+#         each sync / async / async planned (--plan, calibrated at 100 % only) / async equal quotas.
 # w2b     GPU 0 and GPU 1: W2 async no quotas, async equal quotas (34/33/33 %), and one async run whose rollout
 #         quota changes at iteration 20 (the quota-change cost).
 # w2seedsN  issue 5's W2 (fused, sync, async; 12 M env steps) for seeds 1 and 2, one per GPU; N=1: fused and
@@ -44,6 +48,18 @@ case $PART in
     bench w2_resources_a 16-31 $W2 --gpus=1 --stage_profile --timeout_s=330 \
       --schedules=async_plan=async,sync --extra=--use_mps --extra=--num_groups=2 \
       --extra=--num_timesteps=3000000 --extra=--num_evals=3 --only=async_plan:--plan &
+    wait ;;
+  w3w2)  # after the memory-plan fix: both workloads' four variants, stage profiles from the first call's results
+    bench w3_resources 0-13 $W3 --gpus=0 --stage_profile_from=experiments/results/w3_resources_oom.json \
+      --timeout_s=240 --schedules=sync,async,async_plan=async,async_eq=async --extra=--use_mps \
+      --extra=--num_timesteps=2000000 --extra=--num_evals=3 \
+      --only=async_plan:--plan --only=async_plan:--calibration_quotas=100 \
+      --only=async_eq:--sm_quotas=generation=50,trainer=50 &
+    bench w2_resources 16-31 $W2 --gpus=1 --stage_profile_from=experiments/results/w2_resources_oom.json \
+      --timeout_s=330 --schedules=sync,async,async_plan=async,async_eq=async --extra=--use_mps \
+      --extra=--num_groups=2 --extra=--num_timesteps=3000000 --extra=--num_evals=3 \
+      --only=async_plan:--plan --only=async_plan:--calibration_quotas=100 \
+      --only=async_eq:--sm_quotas=trainer=34,rollout=33 &
     wait ;;
   w2b)
     bench w2_resources_b 0-15 $W2 --gpus=0 --timeout_s=270 --schedules=async,async_eq=async \

@@ -48,6 +48,9 @@ _TIMEOUT = flags.DEFINE_integer('timeout_s', 3600, 'Per-run time limit (the run 
 _STAGE_PROFILE = flags.DEFINE_bool(
     'stage_profile', False, 'Before the runs, time each stage alone (experiments/bench/stage_profile.py) and report '
     'every label\'s overlap efficiency: env steps/s over the perfect-overlap ceiling.')
+_PROFILE_FROM = flags.DEFINE_string(
+    'stage_profile_from', None, 'Instead of --stage_profile: take the stage profile of this earlier result of the same '
+    'flagfile (its stage sizes follow --num_envs and --num_groups, which must match; run length need not).')
 _MERGE = flags.DEFINE_list('merge', [], 'Instead of running: merge these result files of one workload (same '
                            'flagfile and flags; seeds or labels run in separate invocations) into --out.')
 _QUICK = flags.DEFINE_bool('quick', False, 'Tiny CPU workload (native MuJoCo pendulum) that exercises the harness.')
@@ -264,6 +267,30 @@ def _gpu_slots(indices: List[str]) -> List[Optional[Tuple[str, str]]]:
   return [(i, table[i]) for i in indices]
 
 
+def _flag_value(flag_list: List[str], name: str) -> Optional[str]:
+  values = [f.split('=', 1)[1] for f in flag_list if f.startswith(f'--{name}=')]
+  return values[-1] if values else None
+
+
+def profile_from(path: str, flagfile: str, extra: List[str]) -> dict:
+  """The stage profile kept in an earlier result of the same workload; errors name the file and the field."""
+  try:
+    with open(path) as f:
+      earlier = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ValueError(f'--stage_profile_from: cannot read {path}: {e}') from None
+  if 'stage_profile' not in earlier:
+    raise ValueError(f'--stage_profile_from: {path} has no field "stage_profile".')
+  if earlier.get('flagfile') != flagfile:
+    raise ValueError(f'--stage_profile_from: {path} has flagfile={earlier.get("flagfile")!r}, this run {flagfile!r}.')
+  for name in ('num_envs', 'num_groups', 'batch_size', 'num_minibatches', 'unroll_length'):
+    if _flag_value(earlier.get('extra_flags', []), name) != _flag_value(extra, name):
+      raise ValueError(f'--stage_profile_from: {path} was run with --{name}='
+                       f'{_flag_value(earlier.get("extra_flags", []), name)}, this run with --{name}='
+                       f'{_flag_value(extra, name)}: its stage sizes differ.')
+  return dict(earlier['stage_profile'], taken_from=os.path.basename(path))
+
+
 def merge(paths: List[str]) -> dict:
   """One result from several of the same workload and flags: seeds, or labels, run in separate invocations.
   A label in several files must have the same schedule and flags in each; figures are recomputed over all their
@@ -341,7 +368,12 @@ def main(argv):
     device = slot[1] if slot else None
     name = f'telemetry_gpu{slot[0]}' if slot else 'telemetry'
     tels[slot] = telemetry.Telemetry(run_root, dict, period=0.1, device=device, name=name).start()
-  if _STAGE_PROFILE.value:
+  if _PROFILE_FROM.value:
+    try:
+      result['stage_profile'] = profile_from(_PROFILE_FROM.value, flagfile, extra)
+    except ValueError as e:
+      raise app.UsageError(str(e)) from None
+  elif _STAGE_PROFILE.value:
     env = dict(os.environ)
     if slots[0] is not None:
       env['CUDA_VISIBLE_DEVICES'] = slots[0][1]
