@@ -48,7 +48,7 @@ MIB = 2**20
 # Device memory a process needs outside XLA's pool: the CUDA context, the loaded modules of its compiled programs,
 # cuBLAS/cuBLASLt handles and workspaces. Measured on the H200 under MPS: 500 MiB was too little (a W2 trainer
 # failed to initialise cuBLASLt, a W3 generation worker to load a module: out of memory at the pinned limit).
-CONTEXT_BYTES = 2048 * MIB
+CONTEXT_BYTES = 3072 * MIB
 PLAN_CAP = 0.95  # the plan may take this much of the device, contexts included
 MIN_POOL_BYTES = 1024 * MIB  # XLA's pool is never planned smaller (autotuning scratch, small programs)
 EQUAL_SHARE = 0.9  # without a plan: this much of the device split equally (JAX would take 75 % per process)
