@@ -61,6 +61,21 @@ case $PART in
       --only=async_plan:--plan --only=async_plan:--calibration_quotas=100 \
       --only=async_eq:--sm_quotas=trainer=34,rollout=33 &
     wait ;;
+  last)  # the third call: W3 again at 500 k env steps (its sync did not finish 2 M in 240 s), and on GPU 1 W2's
+          # equal-quota run (cut by the second call's time limit) and the quota-change run
+    bench w3_resources_500k 0-13 $W3 --gpus=0 --stage_profile_from=experiments/results/w3_resources_oom.json \
+      --timeout_s=125 --schedules=sync,async,async_plan=async,async_eq=async --extra=--use_mps \
+      --extra=--num_timesteps=500000 --extra=--num_evals=2 \
+      --only=async_plan:--plan --only=async_plan:--calibration_quotas=100 \
+      --only=async_eq:--sm_quotas=generation=50,trainer=50 &
+    (bench w2_resources_eq 16-31 $W2 --gpus=1 --stage_profile_from=experiments/results/w2_resources_oom.json \
+      --timeout_s=200 --schedules=async_eq=async --extra=--use_mps \
+      --extra=--num_groups=2 --extra=--num_timesteps=3000000 --extra=--num_evals=3 \
+      --only=async_eq:--sm_quotas=trainer=34,rollout=33
+     bench w2_quota_change 16-31 $W2 --gpus=1 --timeout_s=250 --schedules=async_swap=async \
+      --extra=--use_mps --extra=--num_groups=2 --extra=--num_timesteps=2000000 --extra=--num_evals=2 \
+      --only=async_swap:--sm_quotas=trainer=50,rollout=20 --only=async_swap:--quota_schedule=10:rollout=25) &
+    wait ;;
   w2b)
     bench w2_resources_b 0-15 $W2 --gpus=0 --timeout_s=270 --schedules=async,async_eq=async \
       --extra=--use_mps --extra=--num_groups=2 --extra=--num_timesteps=3000000 --extra=--num_evals=3 \
@@ -88,7 +103,7 @@ esac
 for c in $(find /tmp $ROOT runs -name control -type p 2>/dev/null); do
   echo quit | CUDA_MPS_PIPE_DIRECTORY=$(dirname "$c") timeout 5 nvidia-cuda-mps-control >/dev/null 2>&1
 done
-pgrep -fa nvidia-cuda-mps || true
+pgrep -a -x nvidia-cuda-mps-c || true; pgrep -a -x nvidia-cuda-mps-s || true
 cp $ROOT/*.json "$OUT_DIR"/ 2>/dev/null
 for f in $ROOT/*_runs/telemetry_gpu*.jsonl; do
   [ -f "$f" ] && gzip -c "$f" > "$OUT_DIR/$(basename $(dirname $f) _runs)_$(basename $f).gz"
