@@ -19,6 +19,14 @@ PENDULUM = sim.env_spec('inverted_pendulum', 1000, 1)  # obs 4, action 1
 ROLES = ['trainer', 'rollout/0', 'rollout/1']
 
 
+@pytest.fixture(autouse=True)
+def _small_allowances(monkeypatch):
+  # The hand computations below use a 16 GiB device with 500 MiB per process outside XLA's pool and a 256 MiB
+  # pool floor; the shipped values (memory.CONTEXT_BYTES, MIN_POOL_BYTES) are the H200-measured, larger ones.
+  monkeypatch.setattr(memory, 'CONTEXT_BYTES', 500 * MIB)
+  monkeypatch.setattr(memory, 'MIN_POOL_BYTES', 256 * MIB)
+
+
 def _config(num_envs=32, batch_size=32, hidden=(4,), colocate_generation=True, **resources):
   return config_lib.Config(
       sim=config_lib.SimConfig(num_envs=num_envs, num_eval_envs=16),
