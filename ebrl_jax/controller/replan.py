@@ -154,8 +154,14 @@ class QuotaChanger:
         w.kill()
         w.join(timeout=2.0)
 
-  def record(self) -> dict:
-    return {'mode': self._trigger.mode, 'decisions': self._trigger.decisions, 'swaps': self.swaps}
+  def record(self, now: Optional[float] = None) -> dict:
+    """The decisions, the finished swaps, and any swap the run's end cut short ('pending': its phase, e.g. a
+    standby still building, and how long it had been on)."""
+    now = time.time() if now is None else now
+    pending = [{'group': s.group, 'new_quota': s.new_quota, 'phase': s.phase, 'elapsed_s': now - s.started_t}
+               for s in self.active]
+    return {'mode': self._trigger.mode, 'decisions': self._trigger.decisions, 'swaps': self.swaps,
+            'pending': pending}
 
 
 def trainer_iteration(workers) -> int:

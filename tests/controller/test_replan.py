@@ -58,6 +58,19 @@ def test_quota_schedule_swaps_each_group_through_a_warm_standby(tmp_path, monkey
     assert s['env_steps_lost'] == pytest.approx(s['gap_s'] * s['env_steps_per_s_before'])
     assert s['period_before_s'] == pytest.approx(640 / s['env_steps_per_s_before'])  # 1,280 steps / 2 groups
   assert summary.extra['worker_restarts'] == 0  # a swap is not a restart
+  assert record['pending'] == []  # both swaps finished before the run did
+
+
+def test_a_swap_cut_short_by_the_runs_end_is_recorded_as_pending(tmp_path):
+  # On the H200 a W2 change asked for at iteration 10 of 32 had no finished swap at the end: the record must say
+  # where each group's swap stood instead of nothing.
+  cfg = _config(tmp_path, use_mps=True, sm_quotas='rollout=30,trainer=40', quota_schedule='3:rollout=40')
+  changer = replan.QuotaChanger(cfg, None, replan.ScheduleTrigger(cfg.resources.quota_changes, None))
+  control = feedback.make_control(False, True)
+  changer.active.append(replan._Swap(1, None, control, None, control, 30, 40, 100.0, None, 0.0))  # pylint: disable=protected-access
+  record = changer.record(now=142.5)
+  assert record['swaps'] == [] and record['pending'] == [
+      {'group': 1, 'new_quota': 40, 'phase': 'standby', 'elapsed_s': 42.5}]
   assert not [n for n in os.listdir('/dev/shm') if n.startswith(f'ebrl_{os.getpid()}_')]
   import multiprocessing  # pylint: disable=g-import-not-at-top
   assert not multiprocessing.active_children()
