@@ -111,6 +111,7 @@ class _Placement:
   def __init__(self, cfg: config_lib.Config, mps_daemon: Optional[mps.MpsDaemon], memory_plan: memory.MemoryPlan):
     self._cfg, self.mps, self.memory = cfg, mps_daemon, memory_plan
     cpu_roles, feeders = _roles(cfg)
+    self._cpu_roles = set(cpu_roles)
     self.cores = (cpus.plan_cores(cpus.available_cores(), cpu_roles, feeders)
                   if cfg.resources.pin_cpus else {})
 
@@ -122,7 +123,9 @@ class _Placement:
     if self.mps is not None and 'JAX_PLATFORMS' not in env:
       env.update(self.mps.worker_env(self._cfg.resources.quotas.get(role.split('/')[0])))
     if role in self.cores:
-      env['EBRL_CPUS'] = cpus.encode(self.cores[role])
+      # CPU simulators are pinned at once; GPU feeders compile on every core first (resources.pin_after_startup).
+      key = 'EBRL_CPUS' if role in self._cpu_roles else 'EBRL_CPUS_AFTER_STARTUP'
+      env[key] = cpus.encode(self.cores[role])
     return env
 
 

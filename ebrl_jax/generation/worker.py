@@ -22,6 +22,7 @@ from absl import logging
 import numpy as np
 
 from ebrl_jax import config as config_lib
+from ebrl_jax import resources
 from ebrl_jax import types
 from ebrl_jax.generation import batching
 
@@ -112,7 +113,6 @@ def merge_stats(paths: Sequence[str]) -> Optional[Dict[str, Any]]:
 
 def generation_main(cfg: config_lib.Config, mailbox: Any, store: Any, stop: Any, env: Optional[dict] = None):
   """Process entry point. Runs until the stop event is set (or its parent has gone)."""
-  from ebrl_jax import resources  # pylint: disable=g-import-not-at-top
   resources.apply_worker_env(env)
   import jax  # pylint: disable=g-import-not-at-top
   from ebrl_jax import sim, tracing  # pylint: disable=g-import-not-at-top
@@ -150,6 +150,7 @@ def generation_main(cfg: config_lib.Config, mailbox: Any, store: Any, stop: Any,
         if calls == 0:
           logging.info('generation worker: compiled %d act programs in %.2f s.', len(server.buckets),
                        server.compile(params, key))
+          resources.pin_after_startup()
       server.serve(requests, params, version, key, calls)
       calls += 1
   except ChannelClosed:

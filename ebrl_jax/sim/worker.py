@@ -17,6 +17,7 @@ from absl import logging
 import numpy as np
 
 from ebrl_jax import config as config_lib
+from ebrl_jax import resources
 from ebrl_jax import types
 from ebrl_jax.transport import feedback as feedback_lib
 from ebrl_jax.transport import lifecycle
@@ -141,7 +142,6 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
   """Process entry point for env group `group` (`incarnation`: how many times its worker was restarted or
   swapped). `control` (optional): feedback slots written each iteration, a `retire` event that ends the worker
   after its current iteration, and for a warm standby the `go` it waits on (see controller/replan.py)."""
-  from ebrl_jax import resources  # pylint: disable=g-import-not-at-top
   resources.apply_worker_env(env)
   import jax  # pylint: disable=g-import-not-at-top
   from ebrl_jax import sim  # pylint: disable=g-import-not-at-top
@@ -201,6 +201,7 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
             channels.segments.put(record, timeout=0.5)
             if control is not None:
               control.feedback.delivered(t_collect, iteration)
+            resources.pin_after_startup()  # MJX groups: the first collect compiled (native ones were pinned at start)
             break
           except TimeoutError:
             continue

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from ebrl_jax import config as config_lib
+from ebrl_jax import resources
 from ebrl_jax import types
 
 
@@ -107,6 +108,7 @@ class PipelineLoop:
       self.counts['train_s'] += time.monotonic() - t1
       if self._ch.feedback is not None:
         self._ch.feedback.delivered(t2 - t1, int(train_state.policy_version))
+      resources.pin_after_startup()  # the first train step (and the first evaluation) compiled
       self.counts['segments_consumed'] += len(records)
       acc.add(metrics, sum(float(r.episode_stats[0]) for r in records),
               sum(float(r.episode_stats[2]) for r in records))
@@ -138,7 +140,6 @@ class PipelineLoop:
 
 def trainer_main(cfg: config_lib.Config, channels: TrainerChannels, env: Optional[dict] = None) -> None:
   """Process entry point: trains until done, writes `<run_dir>/summary.json`, then sets the stop event."""
-  from ebrl_jax import resources  # pylint: disable=g-import-not-at-top
   resources.apply_worker_env(env)
   from ebrl_jax.controller import fused, runner  # pylint: disable=g-import-not-at-top
   from ebrl_jax.transport import lifecycle  # pylint: disable=g-import-not-at-top

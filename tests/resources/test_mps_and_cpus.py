@@ -99,3 +99,32 @@ def test_a_daemon_that_dies_is_seen_and_not_sent_quit(tmp_path, monkeypatch):
   assert daemon.worker_env(30) == {} and not daemon.alive()
   daemon.stop()
   assert 'quit' not in log.read_text()
+
+
+def test_feeders_take_their_core_after_startup_and_simulators_at_once(monkeypatch):
+  # Native MuJoCo, separate generation: the rollouts (CPU simulators) are pinned when they start; the trainer and
+  # the generation worker compile on every core and take their own core once compiled (pin_after_startup).
+  import os  # pylint: disable=g-import-not-at-top
+  from ebrl_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from ebrl_jax import resources  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.controller import pipeline  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.resources import memory  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(cpus, 'available_cores', lambda: list(range(6)))
+  cfg = config_lib.Config(
+      sim=config_lib.SimConfig(num_envs=32, num_eval_envs=4),
+      algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
+      schedule=config_lib.ScheduleConfig(name='async', num_groups=2, colocate_generation=False))
+  plan = memory.make_plan(cfg, ['trainer', 'generation'], None)
+  placement = pipeline._Placement(cfg, None, plan)  # pylint: disable=protected-access
+  # 6 cores: generation and trainer one each (the last two), the two rollouts two each.
+  assert placement.env('rollout/0')['EBRL_CPUS'] == '0,1' and placement.env('rollout/1')['EBRL_CPUS'] == '2,3'
+  for role in ('trainer', 'generation'):
+    env = placement.env(role)
+    assert 'EBRL_CPUS' not in env and env['EBRL_CPUS_AFTER_STARTUP'] in ('4', '5')
+  mine = sorted(os.sched_getaffinity(0))
+  pinned = []
+  monkeypatch.setattr(cpus, 'pin', pinned.append)
+  monkeypatch.setenv('EBRL_CPUS_AFTER_STARTUP', cpus.encode(mine[:1]))
+  resources.pin_after_startup()
+  resources.pin_after_startup()  # once only
+  assert pinned == [mine[:1]] and 'EBRL_CPUS_AFTER_STARTUP' not in os.environ
