@@ -217,3 +217,13 @@ def test_planner_prediction_from_the_kept_w2_results(tmp_path):
         100 + (p['num_groups'] - 1) * p['quotas']['rollout'] if schedule == 'async' else 200)
   # The kept profiles make W2 training-bound: the trainer gets the larger share in either schedule.
   assert all(p['quotas']['trainer'] > p['quotas']['rollout'] for p in plans.values())
+
+
+def test_steady_pace_is_taken_between_the_second_and_the_last_evaluation():
+  from experiments.bench.figures import steady_env_steps_per_s
+  curve = [{'env_steps': 0, 'wall_s': 40.0, 'return': 1.0},  # after a long start-up
+           {'env_steps': 1000, 'wall_s': 50.0, 'return': 1.0},
+           {'env_steps': 2000, 'wall_s': 55.0, 'return': 1.0},
+           {'env_steps': 4000, 'wall_s': 70.0, 'return': 1.0}]
+  assert steady_env_steps_per_s({'eval_curve': curve}) == pytest.approx(3000 / 20.0)
+  assert steady_env_steps_per_s({'eval_curve': curve[:2]}) is None
