@@ -146,11 +146,18 @@ def run_training(cfg: config_lib.Config, make_loop) -> RunSummary:
       t0 = time.monotonic()
       train_state, train_metrics = loop.run_iterations(train_state, num, jax.random.fold_in(loop_key, 2 * iterations))
       elapsed = time.monotonic() - t0
+      startup = loop.take_startup_s() if hasattr(loop, 'take_startup_s') else None
+      counted = num
+      if startup is not None:  # a process schedule's first iteration is start-up (see PipelineLoop)
+        compile_s += startup
+        elapsed -= startup
+        counted -= 1
+        logger.log(env_steps, {'time/compile_s': compile_s})
       train_wall += elapsed
       iterations += num
       env_steps += num * per_iteration
-      steps_this_session += num * per_iteration
-      train_metrics['rollout/env_steps_per_s'] = num * per_iteration / max(elapsed, 1e-9)
+      steps_this_session += counted * per_iteration
+      train_metrics['rollout/env_steps_per_s'] = counted * per_iteration / max(elapsed, 1e-9)
       logger.log(env_steps, train_metrics)
       logger.advance(env_steps, {'return': eval_return, 'steps/s': train_metrics['rollout/env_steps_per_s']})
   finally:

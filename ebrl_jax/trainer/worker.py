@@ -51,6 +51,8 @@ class PipelineLoop:
     self._seen: Dict[tuple, int] = {}
     self.counts = {'segments_consumed': 0, 'segments_dropped_stale': 0, 'segments_duplicated': 0,
                    'wait_s': 0.0, 'train_s': 0.0, 'max_staleness_seen': 0}
+    self._startup_s: Optional[float] = None  # the session's first iteration, once done (see take_startup_s)
+    self._startup_taken = False
 
   def compile(self, train_state, num_iterations: int) -> float:
     del num_iterations
@@ -58,6 +60,16 @@ class PipelineLoop:
     self._ch.params.publish(int(train_state.policy_version), _host_params(train_state.params))
     self._evaluator.lower_and_compile(train_state.params)
     return time.monotonic() - t0
+
+  def take_startup_s(self) -> Optional[float]:
+    """Once per session, after the first `run_iterations`: the seconds of its first iteration. That iteration
+    is start-up, not throughput: its wait covers the rollout workers' building and compiling and its first
+    collect, and its train step the train step's compile. `run_training` moves it into compile_s and leaves
+    its env steps out of the end-to-end rate (the fused schedules compile ahead instead). None afterwards."""
+    if self._startup_taken or self._startup_s is None:
+      return None
+    self._startup_taken = True
+    return self._startup_s
 
   def _next_records(self, version: int):
     """Blocks until `num_groups` usable records are in; drops stale ones. Raises ChannelClosed on stop."""
@@ -104,6 +116,8 @@ class PipelineLoop:
         self._dump_nonfinite(batch, records, metrics, version)
       with self.tracer.span('train/publish_params'):
         self._ch.params.publish(int(train_state.policy_version), _host_params(train_state.params))
+      if self._startup_s is None:
+        self._startup_s = time.monotonic() - t0
       self.counts['wait_s'] += t1 - t0
       self.counts['train_s'] += time.monotonic() - t1
       if self._ch.feedback is not None:
