@@ -91,9 +91,13 @@ def _param_template(cfg: config_lib.Config, spec: types.EnvSpec):
   return state.params
 
 
+def _on_gpu(cfg: config_lib.Config, role: str) -> bool:
+  """Whether `role`'s process holds a GPU context (and so gets a memory budget and an SM quota)."""
+  return not (cfg.rollout_on_host and role.startswith('rollout/'))
+
+
 def _gpu_roles(cfg: config_lib.Config, roles):
-  """The roles that hold a GPU context (and so get a memory budget and an SM quota)."""
-  return [r for r in roles if not (cfg.rollout_on_host and r.startswith('rollout/'))]
+  return [r for r in roles if _on_gpu(cfg, r)]
 
 
 def _roles(cfg: config_lib.Config):
@@ -116,12 +120,12 @@ class _Placement:
                   if cfg.resources.pin_cpus else {})
 
   def env(self, role: str) -> Dict[str, str]:
-    if not _gpu_roles(self._cfg, [role]):  # simulates on CPU cores; generation acts for it: no GPU context
+    if not _on_gpu(self._cfg, role):  # simulates on CPU cores; generation acts for it: no GPU context
       env = {'EBRL_ROLE': role, 'JAX_PLATFORMS': 'cpu'}
     else:
       env = {'EBRL_ROLE': role, **self.memory.worker_env(role, mps_active=self.mps is not None)}
-    if self.mps is not None and 'JAX_PLATFORMS' not in env:
-      env.update(self.mps.worker_env(self._cfg.resources.quotas.get(role.split('/')[0])))
+      if self.mps is not None:
+        env.update(self.mps.worker_env(self._cfg.resources.quotas.get(role.split('/')[0])))
     if role in self.cores:
       # CPU simulators are pinned at once; GPU feeders compile on every core first (resources.pin_after_startup).
       key = 'EBRL_CPUS' if role in self._cpu_roles else 'EBRL_CPUS_AFTER_STARTUP'

@@ -43,8 +43,6 @@ from absl import logging
 from ebrl_jax.resources import telemetry
 
 MIB = 2**20
-# The CUDA context, cuBLAS/cuDNN workspaces and loaded kernels of one process, outside XLA's pool: a stated
-# allowance (a few hundred MiB per process on an H200; under MPS each client's context is smaller).
 # Device memory a process needs outside XLA's pool: the CUDA context, the loaded modules of its compiled programs,
 # cuBLAS/cuBLASLt handles and workspaces. Measured on the H200 under MPS: 500 MiB was too little (a W2 trainer
 # failed to initialise cuBLASLt, a W3 generation worker to load a module: out of memory at the pinned limit).

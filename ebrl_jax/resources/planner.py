@@ -18,8 +18,9 @@ Iteration model, with S = steps_per_iteration (env steps each env takes per iter
   env-steps/s = num_envs * S / T.
 Quotas never oversubscribe the GPU: async G * q_r + q_g + q_t <= 100; sync G * q_r + q_g <= 100 and q_t <= 100
 (the trainer runs alone). Rollout processes that only simulate on CPU cores (`rollout_on_gpu=False`) have no
-quota: G * q_r drops out and t_sim is read at 100. The search is exhaustive; ties (within 1e-9 relative) go to fewer groups, then to the
-lower total quota (G * q_r + q_g + q_t), then to the lower rollout, generation and trainer quotas in that order.
+quota: G * q_r drops out and t_sim is read at 100. The search is exhaustive; ties (within 1e-9 relative) go to
+fewer groups, then to the lower total quota (G * q_r + q_g + q_t), then to the lower rollout, generation and
+trainer quotas in that order.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Dict, List
 
-from experiments.bench.figures import steady_env_steps_per_s
+from experiments.bench import figures
 
 import matplotlib
 
@@ -105,21 +105,19 @@ def table(results: Dict[str, Dict[str, List[dict]]], extras: Dict[str, Dict[str,
   """One row per (file, label): means over seeds; time to target over the seeds that reached it (count shown)."""
   extras = extras or {}
   lines = ['| result | run | seeds | env steps/s | steady env steps/s | rollout env steps/s | compile s | '
-           'reached target | '
-           'wall s to target | env steps to target | best return | SM activity % | overlap eff. | '
+           'reached target | wall s to target | env steps to target | best return | SM activity % | overlap eff. | '
            'env steps lost per quota change |',
            '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |']
   for path, runs in results.items():
     for label, seeds in runs.items():
       x = extras.get(path, {}).get(label, {})
       reached = sum(s.get('env_steps_to_target') is not None for s in seeds)
-      extra = [s.get('extra') or {} for s in seeds]
-      rollout = _mean([(e.get('rollout') or {}).get('env_steps_per_s') for e in extra])
-      lost = _mean([w.get('env_steps_lost') for e in extra for w in (e.get('replan') or {}).get('swaps', [])
-                    if not w.get('failed')])
+      lost = _mean([w.get('env_steps_lost') for s in seeds for w in figures.quota_swaps(s)])
       lines.append('| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |'.format(
           os.path.basename(path), label, len(seeds), _fmt(_mean([s.get('env_steps_per_s') for s in seeds])),
-          _fmt(_mean([steady_env_steps_per_s(s) for s in seeds])), _fmt(rollout), _fmt(_mean([s.get('compile_s') for s in seeds]), 1), f'{reached}/{len(seeds)}',
+          _fmt(_mean([figures.steady_env_steps_per_s(s) for s in seeds])),
+          _fmt(_mean([figures.rollout_env_steps_per_s(s) for s in seeds])),
+          _fmt(_mean([s.get('compile_s') for s in seeds]), 1), f'{reached}/{len(seeds)}',
           _fmt(_mean([s.get('wall_s_to_target') for s in seeds]), 1),
           _fmt(_mean([s.get('env_steps_to_target') for s in seeds]), 2, 1e-6, ' M'),
           _fmt(_mean([s.get('best_eval_return', s.get('best_return')) for s in seeds]), 1),

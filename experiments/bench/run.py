@@ -35,7 +35,7 @@ from absl import app
 from absl import flags
 
 from ebrl_jax.resources import telemetry
-from experiments.bench.figures import steady_env_steps_per_s
+from experiments.bench import figures as run_figures
 
 _FLAGFILE = flags.DEFINE_string('bench_flagfile', None, 'The workload flagfile (passed on as --flagfile).')
 _SCHEDULES = flags.DEFINE_list('schedules', ['fused', 'sync', 'async'],
@@ -194,13 +194,11 @@ def aggregate(runs: Dict[str, List[dict]]) -> Dict[str, dict]:
     done = [r['summary'] for r in seeds if 'summary' in r]
     figures = {k: _mean([s.get(k) for s in done]) for k in FIGURES}
     figures['sm_activity_pct'] = _mean([r['gpm'].get('sm_activity_pct') for r in seeds])
-    figures['steady_env_steps_per_s'] = _mean([steady_env_steps_per_s(s) for s in done])
+    figures['steady_env_steps_per_s'] = _mean([run_figures.steady_env_steps_per_s(s) for s in done])
     # Rollout throughput (env steps/s while collecting; the process schedules report it) and the cost of an SM
     # quota change (the swaps of --quota_schedule / --replan), where the runs have them.
-    figures['rollout_env_steps_per_s'] = _mean([((s.get('extra') or {}).get('rollout') or {}).get('env_steps_per_s')
-                                                for s in done])
-    swaps = [w for s in done for w in ((s.get('extra') or {}).get('replan') or {}).get('swaps', [])
-             if not w.get('failed')]
+    figures['rollout_env_steps_per_s'] = _mean([run_figures.rollout_env_steps_per_s(s) for s in done])
+    swaps = [w for s in done for w in run_figures.quota_swaps(s)]
     figures['quota_changes'] = len(swaps)
     figures['quota_change_gap_s'] = _mean([w.get('gap_s') for w in swaps])
     figures['quota_change_env_steps_lost'] = _mean([w.get('env_steps_lost') for w in swaps])

@@ -67,7 +67,8 @@ def test_a_swap_cut_short_by_the_runs_end_is_recorded_as_pending(tmp_path):
   cfg = _config(tmp_path, use_mps=True, sm_quotas='rollout=30,trainer=40', quota_schedule='3:rollout=40')
   changer = replan.QuotaChanger(cfg, None, replan.ScheduleTrigger(cfg.resources.quota_changes, None))
   control = feedback.make_control(False, True)
-  changer.active.append(replan._Swap(1, None, control, None, control, 30, 40, 100.0, None, 0.0))  # pylint: disable=protected-access
+  swap = replan._Swap(1, None, control, None, control, 30, 40, 100.0, None, 0.0)  # pylint: disable=protected-access
+  changer.active.append(swap)
   record = changer.record(now=142.5)
   assert record['swaps'] == [] and record['pending'] == [
       {'group': 1, 'new_quota': 40, 'phase': 'standby', 'elapsed_s': 42.5}]
