@@ -119,6 +119,7 @@ def run_training(cfg: config_lib.Config, make_loop) -> RunSummary:
   eval_curve, target_hit = [], None
   last_saved = iterations  # a resumed run's starting point is already on disk
   train_wall, steps_this_session, compile_s = 0.0, 0, 0.0
+  startup_s = None  # a process schedule's first iteration, moved into compile_s
   try:
     compile_s = loop.compile(train_state, iterations_per_eval)
     logger.log(env_steps, {'time/compile_s': compile_s})
@@ -149,6 +150,7 @@ def run_training(cfg: config_lib.Config, make_loop) -> RunSummary:
       startup = loop.take_startup_s() if hasattr(loop, 'take_startup_s') else None
       counted = num
       if startup is not None:  # a process schedule's first iteration is start-up (see PipelineLoop)
+        startup_s = startup
         compile_s += startup
         elapsed -= startup
         counted -= 1
@@ -162,6 +164,8 @@ def run_training(cfg: config_lib.Config, make_loop) -> RunSummary:
       logger.advance(env_steps, {'return': eval_return, 'steps/s': train_metrics['rollout/env_steps_per_s']})
   finally:
     loop_extra = loop.summary_extra() if hasattr(loop, 'summary_extra') else {}
+    if startup_s is not None:  # kept so a rate with the first iteration counted in can be recomputed
+      loop_extra['startup_s'] = startup_s
     logger.close()
     loop.close()
     if checkpointer is not None:

@@ -16,6 +16,8 @@
 #         quota changes at iteration 20 (the quota-change cost).
 # w2seedsN  issue 5's W2 (fused, sync, async; 12 M env steps) for seeds 1 and 2, one per GPU; N=1: fused and
 #         sync, N=2: async.
+# w2s_fused | w2s_sync | w2s_async   the same seeds on a 1-GPU machine (16 cores): one schedule per call, seeds 1
+#         and 2 one after the other on GPU 0, cores 0-15 (the kept seed 0 ran on one GPU and 16 cores too).
 # Results (JSON, telemetry) are copied to OUT_DIR; every MPS daemon a run started is stopped by the run itself,
 # and any left behind (a killed run) is stopped here.
 set -u
@@ -98,6 +100,10 @@ case $PART in
         --only=async:--use_mps &
     done
     wait ;;
+  w2s_fused|w2s_sync|w2s_async)
+    sched=${PART#w2s_}
+    mps=$([ $sched = fused ] || echo --only=$sched:--use_mps)
+    bench w2_bench_${sched}_seeds12 0-15 $W2SEEDS --gpus=0 --seeds=1,2 --schedules=$sched --timeout_s=285 $mps ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
 for c in $(find /tmp $ROOT runs -name control -type p 2>/dev/null); do

@@ -55,3 +55,4 @@ def test_first_iteration_of_a_process_schedule_counts_as_startup(tmp_path):
   assert summary.compile_s == pytest.approx(1.35, abs=0.02)
   assert summary.train_wall_s == pytest.approx(0.35, abs=0.1)
   assert summary.env_steps_per_s == pytest.approx(140 / summary.train_wall_s)
+  assert summary.extra['startup_s'] == pytest.approx(0.35, abs=0.02)
