@@ -44,11 +44,20 @@ def test_quick_bench_reports_every_figure(quick_result):
     assert f['seeds_finished'] == 2
     per_seed = [r['summary']['env_steps_per_s'] for r in result['runs'][schedule]]
     assert f['env_steps_per_s'] == pytest.approx(sum(per_seed) / 2)
+    sd = (sum((x - f['env_steps_per_s']) ** 2 for x in per_seed)) ** 0.5  # sample sd of two values
+    assert f['env_steps_per_s_sd'] == pytest.approx(sd) and f['env_steps_per_s_seeds'] == 2
+    assert not f['env_steps_per_s_counts_first_iteration']
     assert f['quota_changes'] == 0 and f['quota_change_env_steps_lost'] is None
   # Rollout throughput: reported by the process schedules (not by fused, whose collection is inside one program);
   # each group's rate is its segments' env steps over its seconds in collect, and collecting alone is faster than
   # collecting and training end to end.
   assert figures['fused']['rollout_env_steps_per_s'] is None
+  for run in result['runs']['async']:  # the first iteration is start-up, kept beside the rate
+    assert run['summary']['extra']['startup_s'] > 0
+  for runs in result['runs'].values():  # each run's whole output beside it, the workers' lines included
+    for run in runs:
+      with open(run['log']) as f:
+        assert 'Finished:' in f.read()
   for run in result['runs']['async']:
     rollout = run['summary']['extra']['rollout']
     rates = rollout['group_env_steps_per_s']
@@ -183,7 +192,10 @@ def test_report_plots_sm_activity_and_a_stage_timeline(tmp_path):
   """The telemetry and trace plots from small synthetic files; a trace without spans is refused by name."""
   result = {'runs': {'async': [{'gpu': '0', 'start_unix': 100.0, 'end_unix': 103.0, 'gpm': {'sm_activity_pct': 40.0},
                                 'summary': {'env_steps': 10, 'env_steps_per_s': 5.0,
-                                            'eval_curve': [{'env_steps': 0, 'wall_s': 1.0, 'return': 1.0}]}}]}}
+                                            'eval_curve': [{'env_steps': 0, 'wall_s': 1.0, 'return': 1.0}]}},
+                               # a run stopped by its time limit: on the timeline, not in the means
+                               {'gpu': '0', 'start_unix': 103.0, 'end_unix': 104.0, 'gpm': {'sm_activity_pct': 90.0},
+                                'error_tail': '[bench] stopped after --timeout_s=1'}]}}
   (tmp_path / 'r.json').write_text(json.dumps(result))
   tel = tmp_path / 'telemetry_gpu0.jsonl'
   tel.write_text(''.join(json.dumps({'t': 99.0 + 0.1 * i, 'sm_activity_pct': i % 50, 'sm_occupancy_pct': 5})
@@ -196,7 +208,7 @@ def test_report_plots_sm_activity_and_a_stage_timeline(tmp_path):
                          str(tel), '--trace', str(tmp_path / 'trace.json')], cwd=ROOT, capture_output=True, text=True,
                         timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
   assert proc.returncode == 0, proc.stderr
-  assert '| 40.0 |' in proc.stdout  # the run's SM activity in the table
+  assert '| 40.0 |' in proc.stdout  # the finished run's SM activity in the table
   for name in ('r_sm.png', 'trace_timeline.png'):
     assert os.path.getsize(tmp_path / name) > 5_000
   (tmp_path / 'empty_trace.json').write_text(json.dumps({'traceEvents': trace['traceEvents'][:1]}))
@@ -227,3 +239,37 @@ def test_steady_pace_is_taken_between_the_second_and_the_last_evaluation():
            {'env_steps': 4000, 'wall_s': 70.0, 'return': 1.0}]
   assert steady_env_steps_per_s({'eval_curve': curve}) == pytest.approx(3000 / 20.0)
   assert steady_env_steps_per_s({'eval_curve': curve[:2]}) is None
+
+
+def test_end_to_end_is_not_averaged_across_its_two_definitions():
+  from experiments.bench import figures
+  old = {'env_steps_per_s': 70.0, 'extra': {'segments_consumed': 8}}  # a process run kept before 29df545
+  new = [{'env_steps_per_s': 80.0, 'extra': {'segments_consumed': 8, 'startup_s': 3.0}},
+         {'env_steps_per_s': 90.0, 'extra': {'segments_consumed': 8, 'startup_s': 1.0}}]
+  fused = {'env_steps_per_s': 100.0, 'extra': {}}  # compiles ahead: one definition throughout
+  assert figures.counts_first_iteration(old) and not figures.counts_first_iteration(new[0])
+  assert not figures.counts_first_iteration(fused)
+  mixed = figures.end_to_end([old] + new)
+  assert mixed['mean'] == pytest.approx(85.0) and mixed['seeds'] == 2 and not mixed['counts_first_iteration']
+  assert mixed['sd'] == pytest.approx(50 ** 0.5)
+  only_old = figures.end_to_end([old])
+  assert only_old == {'mean': 70.0, 'sd': None, 'seeds': 1, 'counts_first_iteration': True}
+  assert figures.end_to_end([])['mean'] is None
+  curve = [{'env_steps': 0, 'wall_s': 5.0}, {'env_steps': 100, 'wall_s': 10.0}, {'env_steps': 300, 'wall_s': 12.0}]
+  pace = figures.steady([dict(old, eval_curve=curve), dict(new[0], eval_curve=curve[:2])])
+  assert pace == {'mean': 100.0, 'sd': None, 'seeds': 1}
+
+
+def test_report_table_marks_seed_counts_and_the_older_definition():
+  from experiments.bench import report
+  curve = [{'env_steps': 0, 'wall_s': 5.0, 'return': 1.0}, {'env_steps': 100, 'wall_s': 10.0, 'return': 2.0},
+           {'env_steps': 300, 'wall_s': 12.0, 'return': 3.0}]
+  old = {'env_steps': 300, 'env_steps_per_s': 70.0, 'eval_curve': curve, 'extra': {'segments_consumed': 8}}
+  new = {'env_steps': 300, 'env_steps_per_s': 80.0, 'eval_curve': curve,
+         'extra': {'segments_consumed': 8, 'startup_s': 3.0}}
+  md = report.table({'r.json': {'sync': [old, dict(new), dict(new, env_steps_per_s=90.0)], 'async': [old]}})
+  rows = {line.split(' | ')[1]: line.split(' | ') for line in md.splitlines()[2:] if line.startswith('| r.json')}
+  assert rows['sync'][3] == '85 ± 7 (2 of 3 seeds)'
+  assert rows['sync'][4] == '100 ± 0'  # steady over all three seeds
+  assert rows['async'][3] == '70 †'
+  assert '† ' in md  # the footnote saying what the mark means

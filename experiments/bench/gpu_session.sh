@@ -115,4 +115,9 @@ for f in $ROOT/*_runs/telemetry_gpu*.jsonl; do
   [ -f "$f" ] && gzip -c "$f" > "$OUT_DIR/$(basename $(dirname $f) _runs)_$(basename $f).gz"
 done
 for f in $ROOT/*.log; do tail -c 3000 "$f" > "$OUT_DIR/$(basename $f).tail"; done
+# the whole output of every run that left no summary (a failed or stopped run), workers' lines included
+for f in $(find $ROOT -name output.log 2>/dev/null); do
+  d=$(dirname "$f")
+  [ -f "$d/summary.json" ] || gzip -c "$f" > "$OUT_DIR/$(echo "${d#$ROOT/}" | tr / _)_output.log.gz"
+done
 ls -la "$OUT_DIR"

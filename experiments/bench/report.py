@@ -89,16 +89,32 @@ def _fmt(value, digits=0, scale=1.0, suffix=''):
 
 
 def run_extras(path: str) -> Dict[str, dict]:
-  """Per label of a bench result: mean SM activity of its runs and its overlap efficiency, where recorded."""
+  """Per label of a bench result: mean SM activity of its finished runs and its overlap efficiency, where
+  recorded."""
   with open(path) as f:
     data = json.load(f)
   out = {}
   for label, runs in data.get('runs', {}).items():
     runs = runs if isinstance(runs, list) else [runs]
-    sm = _mean([(r.get('gpm') or {}).get('sm_activity_pct') for r in runs if isinstance(r, dict)])
+    sm = _mean([(r.get('gpm') or {}).get('sm_activity_pct') for r in runs if isinstance(r, dict) and 'summary' in r])
     overlap = (data.get('overlap') or {}).get(label, {}).get('overlap_efficiency')
     out[label] = {'sm_activity_pct': sm, 'overlap_efficiency': overlap}
   return out
+
+
+def _rate_cell(figure: dict, total: int) -> str:
+  """'mean ± sd', the seeds it covers where fewer than all, and † for the older end-to-end definition."""
+  if figure['mean'] is None:
+    return '—'
+  cell = _fmt(figure['mean']) + (f' ± {_fmt(figure["sd"])}' if figure['sd'] is not None else '')
+  if figure['seeds'] < total:
+    cell += f' ({figure["seeds"]} of {total} seeds)'
+  return cell + (' †' if figure.get('counts_first_iteration') else '')
+
+
+FOOTNOTE = ('Rates are means ± sample standard deviation over seeds. † end to end as measured before 29df545: a '
+            'process schedule\'s first iteration (worker start-up, compiles) counted as throughput; later runs '
+            'count it as start-up, and the two are not averaged together.')
 
 
 def table(results: Dict[str, Dict[str, List[dict]]], extras: Dict[str, Dict[str, dict]] = None) -> str:
@@ -114,15 +130,15 @@ def table(results: Dict[str, Dict[str, List[dict]]], extras: Dict[str, Dict[str,
       reached = sum(s.get('env_steps_to_target') is not None for s in seeds)
       lost = _mean([w.get('env_steps_lost') for s in seeds for w in figures.quota_swaps(s)])
       lines.append('| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |'.format(
-          os.path.basename(path), label, len(seeds), _fmt(_mean([s.get('env_steps_per_s') for s in seeds])),
-          _fmt(_mean([figures.steady_env_steps_per_s(s) for s in seeds])),
+          os.path.basename(path), label, len(seeds), _rate_cell(figures.end_to_end(seeds), len(seeds)),
+          _rate_cell(figures.steady(seeds), len(seeds)),
           _fmt(_mean([figures.rollout_env_steps_per_s(s) for s in seeds])),
           _fmt(_mean([s.get('compile_s') for s in seeds]), 1), f'{reached}/{len(seeds)}',
           _fmt(_mean([s.get('wall_s_to_target') for s in seeds]), 1),
           _fmt(_mean([s.get('env_steps_to_target') for s in seeds]), 2, 1e-6, ' M'),
           _fmt(_mean([s.get('best_eval_return', s.get('best_return')) for s in seeds]), 1),
           _fmt(x.get('sm_activity_pct'), 1), _fmt(x.get('overlap_efficiency'), 2), _fmt(lost)))
-  return '\n'.join(lines)
+  return '\n'.join(lines + ['', FOOTNOTE])
 
 
 def _read_jsonl(path: str) -> List[dict]:
@@ -227,8 +243,9 @@ def plot(path: str, runs: Dict[str, List[dict]]) -> str:
         xs = [_mean([s['eval_curve'][j][key] for s in seeds]) * scale for j in range(n)]
         ys = [_mean([s['eval_curve'][j]['return'] for s in seeds]) for j in range(n)]
         ax.plot(xs, ys, color=color, lw=2, label=f'{label} (mean of {len(seeds)})')
-    rate = _mean([s.get('env_steps_per_s') for s in seeds])
-    axes[2].bar(i, rate or 0.0, color=color)
+    rate = figures.end_to_end(seeds)
+    axes[2].bar(i, rate['mean'] or 0.0, yerr=rate['sd'], capsize=4, color=color,
+                hatch='//' if rate['counts_first_iteration'] else None)
   axes[0].set_xlabel('wall-clock seconds (start-up included)')
   axes[1].set_xlabel('env steps (millions)')
   for ax in axes[:2]:
@@ -236,7 +253,8 @@ def plot(path: str, runs: Dict[str, List[dict]]) -> str:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
   axes[2].set_xticks(range(len(runs)), list(runs), rotation=30, ha='right', fontsize=8)
-  axes[2].set_ylabel('env steps / s (end to end)')
+  axes[2].set_ylabel('env steps / s (end to end; ± sd over seeds;\nhatched: first iteration counted, pre-29df545)',
+                     fontsize=8)
   axes[2].grid(alpha=0.3, axis='y')
   fig.suptitle(os.path.basename(path))
   fig.tight_layout()

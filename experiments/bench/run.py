@@ -173,6 +173,15 @@ def _run_one(cmd: List[str], run_dir: str, env: dict, tel: Optional[telemetry.Te
   end = time.time()
   result = {'command': ' '.join(cmd[1:]), 'returncode': popen.returncode, 'start_unix': start, 'end_unix': end,
             'process_wall_s': end - start, 'gpm': _gpm_window(tel, start, end)}
+  # The whole output (the controller's and every worker's, which inherit its streams) beside the run: the JSON
+  # keeps a failed run's tail only, and where a stalled run waited is usually further up.
+  try:
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, 'output.log'), 'w') as f:
+      f.write(stdout + stderr)
+    result['log'] = os.path.join(run_dir, 'output.log')
+  except OSError as e:
+    print(f'[bench] could not keep the output of {run_dir}: {e}', file=sys.stderr, flush=True)
   summary_path = os.path.join(run_dir, 'summary.json')
   if popen.returncode or not os.path.exists(summary_path):
     result['error_tail'] = (stdout + stderr)[-4000:]
@@ -188,13 +197,23 @@ def _mean(values):
 
 
 def aggregate(runs: Dict[str, List[dict]]) -> Dict[str, dict]:
-  """Per schedule: each figure's mean over the seeds that finished (None where no seed has it)."""
+  """Per schedule: each figure's mean over the seeds that finished (None where no seed has it); the end-to-end
+  and steady rates also with their sample standard deviation over seeds."""
   out = {}
   for schedule, seeds in runs.items():
     done = [r['summary'] for r in seeds if 'summary' in r]
     figures = {k: _mean([s.get(k) for s in done]) for k in FIGURES}
-    figures['sm_activity_pct'] = _mean([r['gpm'].get('sm_activity_pct') for r in seeds])
-    figures['steady_env_steps_per_s'] = _mean([run_figures.steady_env_steps_per_s(s) for s in done])
+    # End to end over the seeds of one definition (runs kept from before start-up was excluded are not averaged
+    # with later ones, see figures.end_to_end), with its spread; the steady pace the same way over every seed.
+    e2e = run_figures.end_to_end(done)
+    figures['env_steps_per_s'] = e2e['mean']
+    figures['env_steps_per_s_sd'] = e2e['sd']
+    figures['env_steps_per_s_seeds'] = e2e['seeds']
+    figures['env_steps_per_s_counts_first_iteration'] = e2e['counts_first_iteration']
+    figures['sm_activity_pct'] = _mean([r['gpm'].get('sm_activity_pct') for r in seeds if 'summary' in r])
+    pace = run_figures.steady(done)
+    figures['steady_env_steps_per_s'] = pace['mean']
+    figures['steady_env_steps_per_s_sd'] = pace['sd']
     # Rollout throughput (env steps/s while collecting; the process schedules report it) and the cost of an SM
     # quota change (the swaps of --quota_schedule / --replan), where the runs have them.
     figures['rollout_env_steps_per_s'] = _mean([run_figures.rollout_env_steps_per_s(s) for s in done])
