@@ -18,6 +18,12 @@
 #         sync, N=2: async.
 # w2s_fused | w2s_sync | w2s_async   the same seeds on a 1-GPU machine (16 cores): one schedule per call, seeds 1
 #         and 2 one after the other on GPU 0, cores 0-15 (the kept seed 0 ran on one GPU and 16 cores too).
+# On a 1-GPU machine, what issues 4 and 5 still lack, one call each (~9 min):
+# w3a     W3 sync and async (no quotas), 2 M env steps, MPS, after deferred pinning (3c5130b); sync first, on a
+#         cold compilation cache, which is where it stalled before.
+# w3b     W3 async planned (--plan, calibrated at 100 %) and async with equal quotas (generation 50 / trainer 50).
+# w2x     W2 fused seed 1 again (cut by its limit at 11.5 M in the w2s_fused call), then the quota-change run
+#         (rollout 20 -> 25 % at iteration 10 of 48, 3 M steps) whose whole output is kept.
 # Results (JSON, telemetry) are copied to OUT_DIR; every MPS daemon a run started is stopped by the run itself,
 # and any left behind (a killed run) is stopped here.
 set -u
@@ -104,6 +110,17 @@ case $PART in
     sched=${PART#w2s_}
     mps=$([ $sched = fused ] || echo --only=$sched:--use_mps)
     bench w2_bench_${sched}_seeds12 0-15 $W2SEEDS --gpus=0 --seeds=1,2 --schedules=$sched --timeout_s=285 $mps ;;
+  w3a|w3b)
+    if [ $PART = w3a ]; then sched="--schedules=sync,async"; else
+      sched="--schedules=async_plan=async,async_eq=async --only=async_plan:--plan
+        --only=async_plan:--calibration_quotas=100 --only=async_eq:--sm_quotas=generation=50,trainer=50"; fi
+    bench w3_resources_1gpu_$PART 0-15 $W3 --gpus=0 --stage_profile_from=experiments/results/w3_resources_oom.json \
+      --timeout_s=270 $sched --extra=--use_mps --extra=--num_timesteps=2000000 --extra=--num_evals=3 ;;
+  w2x)
+    bench w2_bench_fused_seed1 0-15 $W2SEEDS --gpus=0 --seeds=1 --schedules=fused --timeout_s=300
+    bench w2_quota_change_1gpu 0-15 $W2 --gpus=0 --timeout_s=270 --schedules=async_swap=async \
+      --extra=--use_mps --extra=--num_groups=2 --extra=--num_timesteps=3000000 --extra=--num_evals=3 \
+      --only=async_swap:--sm_quotas=trainer=50,rollout=20 --only=async_swap:--quota_schedule=10:rollout=25 ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
 for c in $(find /tmp $ROOT runs -name control -type p 2>/dev/null); do
@@ -115,9 +132,9 @@ for f in $ROOT/*_runs/telemetry_gpu*.jsonl; do
   [ -f "$f" ] && gzip -c "$f" > "$OUT_DIR/$(basename $(dirname $f) _runs)_$(basename $f).gz"
 done
 for f in $ROOT/*.log; do tail -c 3000 "$f" > "$OUT_DIR/$(basename $f).tail"; done
-# the whole output of every run that left no summary (a failed or stopped run), workers' lines included
+# the whole output of every run (the controller's and its workers' lines), compressed
 for f in $(find $ROOT -name output.log 2>/dev/null); do
   d=$(dirname "$f")
-  [ -f "$d/summary.json" ] || gzip -c "$f" > "$OUT_DIR/$(echo "${d#$ROOT/}" | tr / _)_output.log.gz"
+  gzip -c "$f" > "$OUT_DIR/$(echo "${d#$ROOT/}" | tr / _)_output.log.gz"
 done
 ls -la "$OUT_DIR"
