@@ -100,6 +100,16 @@ def _gpu_roles(cfg: config_lib.Config, roles):
   return [r for r in roles if _on_gpu(cfg, r)]
 
 
+def _planned_roles(cfg: config_lib.Config):
+  """The processes the memory plan budgets: every GPU role, and with live quota changes a warm standby per group
+  (it runs beside the worker it replaces; resources/memory.py)."""
+  cpu_roles, feeders = _roles(cfg)
+  roles = _gpu_roles(cfg, feeders + cpu_roles)
+  if (cfg.resources.quota_schedule or cfg.resources.replan) and _on_gpu(cfg, 'rollout/0'):
+    roles += [f'standby/{g}' for g in range(cfg.schedule.num_groups)]
+  return roles
+
+
 def _roles(cfg: config_lib.Config):
   """(CPU-simulating roles, GPU-feeder roles) of the topology."""
   rollouts = [f'rollout/{g}' for g in range(cfg.schedule.num_groups)]
@@ -184,7 +194,7 @@ class _Workers:
       env = self._placement.env(role)
       if quota is not None and self._placement.mps is not None:
         env.update(self._placement.mps.worker_env(quota))
-      if standby:  # it runs beside the worker it replaces: its memory share is a cap, grown into, not taken
+      if standby:  # beside the worker it replaces (planned as 'standby/<g>'): it grows into its cap, not takes it
         env['XLA_PYTHON_CLIENT_PREALLOCATE'] = 'false'
     incarnation = self._incarnations.get(role, -1) + 1
     self._incarnations[role] = incarnation
@@ -346,8 +356,7 @@ def run(cfg: config_lib.Config) -> fused.RunSummary:
   for path in _generation_stats_files(cfg):  # a reused run directory: count this run's batches only
     os.remove(path)
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
-  cpu_roles, feeders = _roles(cfg)
-  memory_plan = memory.plan_for_run(cfg, spec, _gpu_roles(cfg, feeders + cpu_roles))  # no fit: stops here
+  memory_plan = memory.plan_for_run(cfg, spec, _planned_roles(cfg))  # no fit: stops here
   memory_plan.log()
   use_processes = cfg.schedule.transport == 'shm'
   registry: Optional[transport.ShmRegistry] = transport.ShmRegistry() if use_processes else None
@@ -359,8 +368,8 @@ def run(cfg: config_lib.Config) -> fused.RunSummary:
     if cfg.resources.plan:  # groups and quotas from stage profiles (calibrated first if there are none)
       cfg, plan_record = autoplan.plan_run(cfg, mps_daemon is not None,
                                            functools.partial(_calibration_env, mps_daemon))
-      cpu_roles, feeders = _roles(cfg)  # the chosen number of groups: budgets again, still before any worker
-      memory_plan = memory.plan_for_run(cfg, spec, _gpu_roles(cfg, feeders + cpu_roles))
+      # the chosen number of groups: budgets again, still before any worker
+      memory_plan = memory.plan_for_run(cfg, spec, _planned_roles(cfg))
       memory_plan.log()
     placement = _Placement(cfg, mps_daemon, memory_plan)
     capacity = cfg.schedule.num_groups * (cfg.schedule.staleness_bound + 1)

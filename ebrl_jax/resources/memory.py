@@ -19,6 +19,10 @@ drop out): the residuals `jax.vjp` keeps, and the largest single intermediate. M
 process (see `mjx_state_bytes`). A calibration JSON (`--memory_profile`, experiments/bench/stage_profile.py)
 raises a footprint to its measured peak where that is larger.
 
+A run that can change the rollout quota live (--quota_schedule, --replan) plans one 'standby/<g>' per group
+beside its rollout workers: a quota change starts each group's warm standby while the old worker still runs
+(controller/replan.py), so for a while both hold a context and a pool; the standby's budget is the rollout's.
+
 The plan: budget = max(footprint x --memory_headroom, MIN_POOL_BYTES), or --memory_fractions x the device's
 memory for a role fixed by hand; fraction = budget / device memory (NVML's total of the GPU the workers see). It
 fits when the budgets plus CONTEXT_BYTES per process are at most PLAN_CAP of the device, else `ValueError`
@@ -279,7 +283,11 @@ def _no_fit(roles: Mapping[str, RoleBudget], device_total: Optional[int], cfg) -
   listed = '; '.join(f'{role}: footprint {b.footprint / MIB:.0f} MiB -> budget {b.budget / MIB:.0f} MiB ({b.source})'
                      for role, b in roles.items())
   used = sum(b.budget for b in roles.values()) + len(roles) * CONTEXT_BYTES
-  return (f'The GPU memory plan does not fit: {listed}; plus {len(roles)} CUDA contexts x {CONTEXT_BYTES // MIB} '
+  standbys = sum(role.startswith('standby/') for role in roles)
+  why_standby = (f' (the {standbys} standby roles are the warm standbys that --quota_schedule / --replan start '
+                 f'beside the rollout workers: without live quota changes they are not planned)') if standbys else ''
+  return (f'The GPU memory plan does not fit{why_standby}: {listed}; plus {len(roles)} CUDA contexts x '
+          f'{CONTEXT_BYTES // MIB} '
           f'MiB: {used / MIB:.0f} MiB in all, more than {PLAN_CAP:.0%} of the device\'s {device_total / MIB:.0f} '
           f'MiB ({PLAN_CAP * device_total / MIB:.0f} MiB). Shrink the largest: the rollouts with --num_envs (now '
           f'{s.num_envs}) or fewer --num_groups (now {cfg.schedule.num_groups}), the trainer with --batch_size '
@@ -296,6 +304,7 @@ def make_plan(cfg, processes: Sequence[str], device_total: Optional[int],
   roles: Dict[str, RoleBudget] = {}
   for role in processes:
     kind = role.split('/')[0]
+    kind = 'rollout' if kind == 'standby' else kind  # a warm standby is its group's next rollout worker
     if device_total is None:
       roles[role] = RoleBudget(None, None, fixed.get(kind, EQUAL_SHARE / len(processes)),
                                '--memory_fractions' if kind in fixed else 'equal share')

@@ -242,3 +242,23 @@ def test_host_only_rollouts_run_jax_on_cpu_without_quota_or_budget():
     _config(colocate_generation=False, use_mps=True, sm_quotas='rollout=30,trainer=50')
   with pytest.raises(ValueError, match='--quota_schedule / --replan'):
     _config(colocate_generation=False, use_mps=True, quota_schedule='5:rollout=30')
+
+
+def test_live_quota_changes_plan_a_warm_standby_per_group():
+  # A quota change starts each group's standby while its old worker still runs: the plan budgets both.
+  cfg = _config(use_mps=True, quota_schedule='5:rollout=30')
+  roles = pipeline._planned_roles(cfg)  # pylint: disable=protected-access
+  assert roles == ['trainer', 'rollout/0', 'rollout/1', 'standby/0', 'standby/1']
+  assert pipeline._planned_roles(_config()) == ROLES  # pylint: disable=protected-access
+  fps = {'trainer': _fp(2048), 'rollout': _fp(1024)}
+  plan = memory.make_plan(cfg, roles, 16 * GIB, fps)
+  assert plan.roles['standby/1'] == plan.roles['rollout/1'] == memory.RoleBudget(1024 * MIB, 1536 * MIB, 0.09375,
+                                                                                 'estimate')
+  # On 10 GiB (cap 9728 MiB): without standbys 3072 + 2 x 1536 + 3 x 500 = 7644 MiB fits; with them
+  # 3072 + 4 x 1536 + 5 x 500 = 11716 MiB does not, and the message says what the standbys are.
+  memory.make_plan(_config(), ROLES, 10 * GIB, fps)
+  with pytest.raises(ValueError) as e:
+    memory.make_plan(cfg, roles, 10 * GIB, fps)
+  for part in ('the 2 standby roles are the warm standbys that --quota_schedule / --replan start',
+               'standby/0: footprint 1024 MiB -> budget 1536 MiB', '5 CUDA contexts', '11716 MiB in all'):
+    assert part in str(e.value), (part, str(e.value))
