@@ -18,6 +18,7 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import signal
 import threading
 import time
@@ -31,6 +32,7 @@ from ebrl_jax import sim
 from ebrl_jax import transport
 from ebrl_jax import types
 from ebrl_jax.transport import feedback
+from ebrl_jax.transport import lifecycle
 from ebrl_jax.controller import fused
 from ebrl_jax.controller import replan
 from ebrl_jax.controller import runner
@@ -46,6 +48,7 @@ from ebrl_jax.trainer import worker as trainer_worker
 
 _JOIN_S = 10.0
 _MPS_CHECK_S = 1.0  # the watch loop asks the MPS daemon whether it is alive at most this often
+_STARTUP_LOG_S = 30.0  # until the first train step, the watch loop says what each worker is doing this often
 
 
 class WorkerFailure(runner.RunError):
@@ -167,6 +170,10 @@ class _Workers:
     self._role_restarts: Dict[str, int] = {}
     self._next_mps_check = 0.0
     self.rollout_quota: Dict[str, int] = {}  # role -> quota set by a live change (else the config's)
+    self.started_t: Optional[float] = None  # when start_all ran
+    self.first_step_seen = False  # the trainer's first train step is done: start-up is over
+    self.startup_log_s = _STARTUP_LOG_S
+    self._next_startup_log = 0.0
 
   def _start(self, role: str, target, args, env: Optional[Dict[str, str]] = None, register: bool = True,
              **kwargs):
@@ -220,6 +227,8 @@ class _Workers:
       json.dump({'controller': os.getpid(), 'workers': pids, 'restarts': self.restarts}, f)
 
   def start_all(self) -> None:
+    self.started_t = time.monotonic()
+    self._next_startup_log = self.started_t + self.startup_log_s
     self._start('trainer', trainer_worker.trainer_main, (self._cfg, self._trainer_ch))
     if self._rollout_ch.mailbox is not None:
       self._start('generation', generation_worker.generation_main, self._gen_args)
@@ -248,6 +257,26 @@ class _Workers:
           self._on_rollout_death(role, w)
       if self.tick is not None and not self.stop.is_set():
         self.tick()
+      self._log_startup()
+
+  def startup_phases(self) -> Optional[str]:
+    """Until the trainer's first train step: one line of what each worker is doing (their phase reports) and
+    for how long; None once start-up is over."""
+    if self.first_step_seen or self.started_t is None:
+      return None
+    if self.trainer_feedback[feedback.ITERATIONS] >= 1:
+      self.first_step_seen = True
+      return None
+    return (f'start-up {time.monotonic() - self.started_t:.0f} s, no train step yet: '
+            + lifecycle.describe_phases(self._cfg.schedule.run_dir))
+
+  def _log_startup(self) -> None:
+    if self.first_step_seen or time.monotonic() < self._next_startup_log:
+      return
+    self._next_startup_log = time.monotonic() + self.startup_log_s
+    line = self.startup_phases()
+    if line is not None:
+      logging.info('%s', line)
 
   def _check_mps(self, force: bool) -> None:
     """Raises MpsDaemonDied when the run's MPS daemon no longer answers (asked at most once a second unless
@@ -355,6 +384,7 @@ def run(cfg: config_lib.Config) -> fused.RunSummary:
     os.remove(summary_path)
   for path in _generation_stats_files(cfg):  # a reused run directory: count this run's batches only
     os.remove(path)
+  shutil.rmtree(os.path.join(cfg.schedule.run_dir, lifecycle.PHASES_DIR), ignore_errors=True)  # and its phases
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
   memory_plan = memory.plan_for_run(cfg, spec, _planned_roles(cfg))  # no fit: stops here
   memory_plan.log()
@@ -389,6 +419,9 @@ def run(cfg: config_lib.Config) -> fused.RunSummary:
       workers.watch()
   finally:
     if workers is not None:
+      line = workers.startup_phases()  # a run stopped or failed before its first train step: where it waited
+      if line is not None:
+        logging.warning('stopped during %s', line)
       workers.stop_all()
     if changer is not None:
       changer.close()

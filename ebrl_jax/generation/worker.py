@@ -123,6 +123,8 @@ def generation_main(cfg: config_lib.Config, mailbox: Any, store: Any, stop: Any,
   from ebrl_jax.transport import ChannelClosed  # pylint: disable=g-import-not-at-top
   runner.configure_jax(cfg)
   stop = lifecycle.ParentWatch(stop)
+  phase = lifecycle.Phase(cfg.schedule.run_dir, 'generation')
+  phase('building the policy')
   tracer = tracing.Tracer(cfg.schedule.trace_dir, 'generation')
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
   network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
@@ -134,6 +136,7 @@ def generation_main(cfg: config_lib.Config, mailbox: Any, store: Any, stop: Any,
   key = jax.random.PRNGKey(cfg.schedule.seed + 2)
   version, params, calls = -1, None, 0
   stats_path = os.path.join(cfg.schedule.run_dir, f'{STATS_PREFIX}{os.getpid()}_{time.time_ns()}.json')
+  phase(f'waiting for the first act requests of {num_requesters} env slices')
   try:
     while not stop.is_set():
       try:
@@ -143,14 +146,18 @@ def generation_main(cfg: config_lib.Config, mailbox: Any, store: Any, stop: Any,
       need = max(int(r.min_version) for _, r in requests)
       if store.version() > version or need > version:
         with tracer.span('gen/refresh_params'):
+          if calls == 0:
+            phase(f'waiting for policy version {need}')
           if not lifecycle.wait_for_version(store, need, stop):
             break
           version, host = store.latest()
           params = jax.device_put(host)
         if calls == 0:
+          phase(f'compiling {len(server.buckets)} act programs')
           logging.info('generation worker: compiled %d act programs in %.2f s.', len(server.buckets),
                        server.compile(params, key))
           resources.pin_after_startup()
+          phase.done('serving')
       server.serve(requests, params, version, key, calls)
       calls += 1
   except ChannelClosed:

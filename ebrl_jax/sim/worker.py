@@ -116,7 +116,7 @@ class _EitherSet:
     return self._first.is_set() or (self._second is not None and self._second.is_set())
 
 
-def _stand_by(worker, store, control, stop, key) -> bool:
+def _stand_by(worker, store, control, stop, key, phase) -> bool:
   """A warm standby: builds and compiles with one throw-away collect (the old worker still owns the group),
   says it is ready, then waits for 'go'. False if the run stopped meanwhile.
 
@@ -131,6 +131,7 @@ def _stand_by(worker, store, control, stop, key) -> bool:
   control.feedback[feedback_lib.QUOTA] = float(quota or 0)
   control.feedback[feedback_lib.READY_T] = time.time()
   control.ready.set()
+  phase('warm standby: ready, waiting for the worker it replaces to retire')
   while not stop.is_set():
     if control.go.wait(timeout=0.2):
       return True
@@ -151,6 +152,9 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
   from ebrl_jax import tracing  # pylint: disable=g-import-not-at-top
   runner.configure_jax(cfg)
   stop = lifecycle.ParentWatch(channels.stop)
+  standby = control is not None and control.go is not None
+  phase = lifecycle.Phase(cfg.schedule.run_dir, f'rollout/{group}' + (f'#{incarnation}' if incarnation else ''))
+  phase('building its envs')
   tracer = tracing.Tracer(cfg.schedule.trace_dir, f'rollout/{group}')
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
   network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
@@ -165,12 +169,17 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
   params_version, params = -1, None
   running = _EitherSet(stop, control.retire if control is not None else None)
   try:
+    phase('waiting for policy version 0 (the trainer publishes it once initialised)')
     if not lifecycle.wait_for_version(store, 0, stop):  # the trainer publishes version 0 once it has initialised
       return
     if control is not None:
       control.feedback[feedback_lib.QUOTA] = float(os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE') or 0)
-      if control.go is not None and not _stand_by(worker, store, control, stop, base_key):
-        return
+      if standby:
+        phase('warming up: a throw-away collect (compiling)')
+        if not _stand_by(worker, store, control, stop, base_key, phase):
+          return
+    phase('first collect' + (' (acts come from the generation worker)' if getattr(worker, 'remote_acts', None)
+                             else ' (compiling it)'))
     iteration = store.version()  # a restarted worker resumes at the trainer's version
     if control is not None:  # a standby goes on after the iteration its predecessor delivered last
       iteration = max(iteration, int(control.feedback[feedback_lib.START_ITERATION]))
@@ -202,6 +211,7 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
             if control is not None:
               control.feedback.delivered(t_collect, iteration)
             resources.pin_after_startup()  # MJX groups: the first collect compiled (native ones were pinned at start)
+            phase.done('collecting')
             break
           except TimeoutError:
             continue

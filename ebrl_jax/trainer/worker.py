@@ -39,6 +39,9 @@ class PipelineLoop:
 
   def __init__(self, cfg: config_lib.Config, spec: types.EnvSpec, network, optimizer, channels: TrainerChannels):
     from ebrl_jax.controller import fused_cpu  # pylint: disable=g-import-not-at-top
+    from ebrl_jax.transport import lifecycle  # pylint: disable=g-import-not-at-top
+    self._phase = lifecycle.Phase(cfg.schedule.run_dir, 'trainer')  # start-up steps, for the controller's log
+    self._phase('building the train step and the evaluator')
     self._cfg, self._spec, self._ch = cfg, spec, channels
     self._num_groups = cfg.schedule.num_groups
     self._bound = cfg.schedule.staleness_bound
@@ -57,6 +60,7 @@ class PipelineLoop:
   def compile(self, train_state, num_iterations: int) -> float:
     del num_iterations
     t0 = time.monotonic()
+    self._phase('publishing policy version 0, compiling the evaluation')
     self._ch.params.publish(int(train_state.policy_version), _host_params(train_state.params))
     self._evaluator.lower_and_compile(train_state.params)
     return time.monotonic() - t0
@@ -75,6 +79,8 @@ class PipelineLoop:
     """Blocks until `num_groups` usable records are in; drops stale ones. Raises ChannelClosed on stop."""
     records = []
     while len(records) < self._num_groups:
+      if self._startup_s is None:
+        self._phase(f'waiting for the first segments ({len(records)} of {self._num_groups} groups in)')
       if self._ch.stop.is_set():
         raise InterruptedError('stop requested')
       try:
@@ -108,6 +114,8 @@ class PipelineLoop:
       batch = types.Transition(*[np.concatenate([getattr(r, f) for r in records], axis=1)
                                  for f in types.Transition._fields])
       _, train_key = fused_cpu.iteration_keys(self._base_key, version)
+      if self._startup_s is None:
+        self._phase('first train step (compiling it)')
       with self.tracer.span('train/train_step', version=version):
         train_state, metrics = self._train(train_state, batch, train_key)
         metrics = jax.device_get(metrics)
@@ -118,6 +126,7 @@ class PipelineLoop:
         self._ch.params.publish(int(train_state.policy_version), _host_params(train_state.params))
       if self._startup_s is None:
         self._startup_s = time.monotonic() - t0
+        self._phase.done('training')
       self.counts['wait_s'] += t1 - t0
       self.counts['train_s'] += time.monotonic() - t1
       if self._ch.feedback is not None:
@@ -141,6 +150,7 @@ class PipelineLoop:
                   {k: float(v) for k, v in metrics.items()}, path)
 
   def evaluate(self, params, key) -> Dict[str, float]:
+    self._phase('the first evaluation')  # no-op once training has started
     with self.tracer.span('train/evaluate'):
       return self._evaluator.evaluate(params, key)
 
@@ -158,6 +168,7 @@ def trainer_main(cfg: config_lib.Config, channels: TrainerChannels, env: Optiona
   from ebrl_jax.controller import fused, runner  # pylint: disable=g-import-not-at-top
   from ebrl_jax.transport import lifecycle  # pylint: disable=g-import-not-at-top
   runner.configure_jax(cfg)
+  lifecycle.Phase(cfg.schedule.run_dir, 'trainer')('initialising the network and the train state')
   channels = channels._replace(stop=lifecycle.ParentWatch(channels.stop))
   try:
     fused.run_training(cfg, lambda c, s, n, o: PipelineLoop(c, s, n, o, channels))

@@ -1,9 +1,12 @@
 """What every worker process needs from its controller, whatever its role: a stop signal that also fires when
-the controller has gone, and a wait for the parameter store to reach a version."""
+the controller has gone, a wait for the parameter store to reach a version, and a start-up phase report."""
 from __future__ import annotations
 
+import glob
+import json
 import os
 import time
+from typing import Dict, Optional
 
 
 class ParentWatch:
@@ -26,3 +29,56 @@ def wait_for_version(store, min_version: int, stop) -> bool:
       return True
     time.sleep(0.0005)
   return False
+
+
+PHASES_DIR = 'phases'
+
+
+class Phase:
+  """What one worker is doing during start-up (importing, building envs, compiling, waiting for a version or
+  for segments), written to <run_dir>/phases/<name>.json so the controller can say where a slow start waits
+  (`read_phases`). Best effort: a write that fails (a full disk) is skipped, never raised. Writes only on a
+  change, and stops after `done()` (steady running is the metrics' business)."""
+
+  def __init__(self, run_dir: str, name: str):
+    self._path = os.path.join(run_dir, PHASES_DIR, name.replace('/', '_') + '.json')
+    self._name, self._phase, self._done = name, None, False
+
+  def __call__(self, phase: str) -> None:
+    if self._done or phase == self._phase:
+      return
+    self._phase = phase
+    try:
+      os.makedirs(os.path.dirname(self._path), exist_ok=True)
+      tmp = f'{self._path}.{os.getpid()}.tmp'
+      with open(tmp, 'w') as f:
+        json.dump({'name': self._name, 'phase': phase, 'since': time.time(), 'pid': os.getpid()}, f)
+      os.replace(tmp, self._path)
+    except OSError:
+      pass
+
+  def done(self, phase: str = 'running') -> None:
+    self(phase)
+    self._done = True
+
+
+def read_phases(run_dir: str) -> Dict[str, dict]:
+  """name -> {'phase', 'since', 'pid'} of every worker that reported one (unreadable files are left out)."""
+  out = {}
+  for path in sorted(glob.glob(os.path.join(run_dir, PHASES_DIR, '*.json'))):
+    try:
+      with open(path) as f:
+        record = json.load(f)
+      out[record['name']] = record
+    except (OSError, ValueError, KeyError):
+      continue
+  return out
+
+
+def describe_phases(run_dir: str, now: Optional[float] = None) -> str:
+  """One line: each worker's phase and for how long, e.g. 'trainer: compiling the train step (41 s); ...'."""
+  now = time.time() if now is None else now
+  phases = read_phases(run_dir)
+  if not phases:
+    return 'no worker has reported a phase yet (still importing or starting)'
+  return '; '.join(f'{name}: {r["phase"]} ({max(0.0, now - r["since"]):.0f} s)' for name, r in phases.items())

@@ -1,6 +1,7 @@
 """The process schedules: sync equals fused, async learns, worker faults, Ctrl-C and resume."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,6 +46,10 @@ def test_async_processes_learn_with_bounded_staleness(tmp_path):
   assert extra['segments_duplicated'] == 0
   assert extra['max_staleness_seen'] <= 1
   assert summary.best_eval_return > 2 * summary.eval_curve[0]['return']
+  # Each process reported its start-up steps, and its last one is its steady work.
+  from ebrl_jax.transport import lifecycle  # pylint: disable=g-import-not-at-top
+  phases = {name: r['phase'] for name, r in lifecycle.read_phases(cfg.schedule.run_dir).items()}
+  assert phases == {'trainer': 'training', 'rollout/0': 'collecting', 'rollout/1': 'collecting'}
 
 
 def _launch(run_dir, *flags, env=None):
@@ -215,6 +220,53 @@ def test_a_worker_that_keeps_dying_stops_the_run_after_max_restarts(tmp_path, mo
   with pytest.raises(controller.RunError, match=r'rollout/0 died 3 times .* more than --max_restarts=2; stopping'):
     controller.run(cfg)
   assert starts == [0, 0, 0]  # the first start and two restarts
+
+
+def test_a_stalled_start_up_is_reported_worker_by_worker(tmp_path, monkeypatch, caplog):
+  """Until the first train step the controller says what each worker is doing; a run that fails before it says
+  where each one was."""
+  import logging as py_logging  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.controller import pipeline  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.sim import worker as sim_worker  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.transport import lifecycle  # pylint: disable=g-import-not-at-top
+
+  def stall(cfg, group, channels, incarnation=0, env=None, control=None):
+    del channels, incarnation, env, control
+    lifecycle.Phase(cfg.schedule.run_dir, f'rollout/{group}')('compiling a very slow program')
+    time.sleep(1.5)
+    raise RuntimeError('gave up')
+
+  monkeypatch.setattr(sim_worker, 'rollout_main', stall)
+  monkeypatch.setattr(pipeline, '_STARTUP_LOG_S', 0.5)
+  cfg = _config(tmp_path / 'stall', schedule='async', transport='thread', num_groups=1, worker_fault='stop')
+  with caplog.at_level(py_logging.INFO), pytest.raises(controller.RunError, match='rollout/0'):
+    controller.run(cfg)
+  lines = [r.getMessage() for r in caplog.records]
+  periodic = [m for m in lines if m.startswith('start-up ') and 'no train step yet' in m]
+  assert periodic and 'rollout/0: compiling a very slow program' in periodic[-1]
+  final = [m for m in lines if m.startswith('stopped during start-up')]
+  assert len(final) == 1
+  assert 'rollout/0: compiling a very slow program' in final[0]
+  # The trainer is somewhere in its own start-up, by then most likely waiting for the group's first segment.
+  assert re.search(r'trainer: (initialising|building|publishing|the first evaluation|waiting for the first '
+                   r'segments \(0 of 1 groups in\))', final[0]), final[0]
+
+
+def test_phase_reports_write_on_change_stop_after_done_and_never_raise(tmp_path):
+  from ebrl_jax.transport import lifecycle  # pylint: disable=g-import-not-at-top
+  phase = lifecycle.Phase(str(tmp_path), 'rollout/3#1')
+  phase('building its envs')
+  first = lifecycle.read_phases(str(tmp_path))['rollout/3#1']
+  phase('building its envs')  # unchanged: not rewritten
+  assert lifecycle.read_phases(str(tmp_path))['rollout/3#1']['since'] == first['since']
+  phase.done('collecting')
+  phase('something after done')  # ignored
+  assert lifecycle.read_phases(str(tmp_path))['rollout/3#1']['phase'] == 'collecting'
+  line = lifecycle.describe_phases(str(tmp_path), now=first['since'] + 12.4)
+  assert line == 'rollout/3#1: collecting (12 s)'
+  assert 'no worker has reported' in lifecycle.describe_phases(str(tmp_path / 'elsewhere'))
+  (tmp_path / 'file').write_text('')
+  lifecycle.Phase(str(tmp_path / 'file'), 'trainer')('cannot write here')  # a run dir that is a file: no raise
 
 
 def test_mps_daemon_death_stops_the_run_and_resume_continues(tmp_path, monkeypatch):

@@ -22,16 +22,24 @@ def test_cpu_seconds_grow_with_work_and_vanish_with_the_process():
 def test_samples_a_busy_and_an_idle_process(tmp_path):
   busy = subprocess.Popen([sys.executable, '-c', 'import time\nt = time.time()\nwhile time.time() - t < 3: pass'])
   idle = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(3)'])
+  def cpu_s(pid):  # the process's user + system CPU seconds, from the kernel
+    fields = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
+
   try:
     tel = telemetry.Telemetry(str(tmp_path), lambda: {'busy': busy.pid, 'idle': idle.pid}, period=0.1,
                               trace_dir=str(tmp_path / 'trace')).start()
+    c0, t0 = cpu_s(busy.pid), time.monotonic()
     time.sleep(1.5)
+    truth = 100 * (cpu_s(busy.pid) - c0) / (time.monotonic() - t0)
     means = tel.stop()
   finally:
     busy.kill()
     idle.kill()
-  # One core's worth is 100 %; a spinning process gets most of one even on a loaded 2-core machine.
-  assert means['cpu_pct/busy'] > 40, means
+  # One core's worth is 100 %. How much the spinner gets depends on the machine's load (2 cores shared with
+  # other tests): the sampled mean must agree with the kernel's count over the same window.
+  assert truth > 10, truth
+  assert abs(means['cpu_pct/busy'] - truth) < 20, (means, truth)
   assert means['cpu_pct/idle'] < 10, means
   assert means['samples'] >= 8
   assert 'sm_activity_pct' not in means and means['gpu_reason']  # no NVML device here
