@@ -175,7 +175,8 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
     if control is not None:
       control.feedback[feedback_lib.QUOTA] = float(os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE') or 0)
       if standby:
-        phase('warming up: a throw-away collect (compiling)')
+        phase('warm standby: ' + ('built, acts come from the generation worker' if getattr(worker, 'remote_acts', None)
+                                  else 'a throw-away collect (compiling it)'))
         if not _stand_by(worker, store, control, stop, base_key, phase):
           return
     phase('first collect' + (' (acts come from the generation worker)' if getattr(worker, 'remote_acts', None)

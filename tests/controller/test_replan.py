@@ -59,6 +59,11 @@ def test_quota_schedule_swaps_each_group_through_a_warm_standby(tmp_path, monkey
     assert s['period_before_s'] == pytest.approx(640 / s['env_steps_per_s_before'])  # 1,280 steps / 2 groups
   assert summary.extra['worker_restarts'] == 0  # a swap is not a restart
   assert record['pending'] == []  # both swaps finished before the run did
+  # The standbys reported their own start-up under their incarnation, and went on to collect.
+  from ebrl_jax.transport import lifecycle  # pylint: disable=g-import-not-at-top
+  phases = {name: r['phase'] for name, r in lifecycle.read_phases(cfg.schedule.run_dir).items()}
+  assert phases == {'trainer': 'training', 'rollout/0': 'collecting', 'rollout/1': 'collecting',
+                    'rollout/0#1': 'collecting', 'rollout/1#1': 'collecting'}
 
 
 def test_a_swap_cut_short_by_the_runs_end_is_recorded_as_pending(tmp_path):
