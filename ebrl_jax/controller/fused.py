@@ -18,7 +18,9 @@ import jax
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import sim
+from ebrl_jax import storage
 from ebrl_jax.controller import metrics as metrics_lib
+from ebrl_jax.controller import runner
 from ebrl_jax.generation import policies
 from ebrl_jax.trainer import checkpoint as checkpoint_lib
 from ebrl_jax.trainer import stages as trainer_stages
@@ -80,6 +82,20 @@ def run(cfg: config_lib.Config) -> RunSummary:
 
 
 def run_training(cfg: config_lib.Config, make_loop) -> RunSummary:
+  """`train` (below), with a full disk turned into `runner.DiskFull`: which file found it full, and which
+  checkpoint stays loadable for --resume (orbax commits a step only once it is whole)."""
+  try:
+    return train(cfg, make_loop)
+  except Exception as e:  # pylint: disable=broad-except  (orbax and tensorstore wrap the OS error)
+    reason = storage.disk_full(e)
+    if reason is None:
+      raise
+    run_dir = os.path.abspath(cfg.schedule.run_dir)
+    raise runner.DiskFull(f'the disk holding {run_dir} is full ({reason}); the run stopped. '
+                          + storage.resume_advice(run_dir)) from e
+
+
+def train(cfg: config_lib.Config, make_loop) -> RunSummary:
   """The training driver shared by every schedule: evaluation cadence, checkpoints, target, metrics, summary.
 
   `make_loop(cfg, spec, network, optimizer)` returns the object that produces training iterations:
@@ -166,10 +182,14 @@ def run_training(cfg: config_lib.Config, make_loop) -> RunSummary:
     loop_extra = loop.summary_extra() if hasattr(loop, 'summary_extra') else {}
     if startup_s is not None:  # kept so a rate with the first iteration counted in can be recomputed
       loop_extra['startup_s'] = startup_s
-    logger.close()
-    loop.close()
-    if checkpointer is not None:
-      checkpointer.close()
+    try:
+      logger.close()  # its last flush fails on a full disk: the loop and the checkpointer still close
+    finally:
+      try:
+        loop.close()
+      finally:
+        if checkpointer is not None:
+          checkpointer.close()
 
   summary = RunSummary(
       env_steps=env_steps, iterations=iterations, wall_s=time.monotonic() - start, compile_s=compile_s,

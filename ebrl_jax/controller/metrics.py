@@ -91,7 +91,10 @@ class MetricsLogger:
       if not math.isfinite(value) and any(word in name for word in self._check_finite):
         raise NonFiniteMetricError(f'metric {name} is {value} at env step {env_steps}; stopping the run.')
     record = {'env_steps': int(env_steps), 'wall_s': round(self.wall_seconds(), 3), **values}
-    self._jsonl.write(json.dumps(record) + '\n')
+    try:
+      self._jsonl.write(json.dumps(record) + '\n')
+    except OSError as e:  # name the file (a full disk's error from write() carries none)
+      raise OSError(e.errno, e.strerror, self._jsonl.name) from e
     self.history.append(record)
     if self._tb is not None:
       for name, value in values.items():

@@ -29,6 +29,7 @@ import jax
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import sim
+from ebrl_jax import storage
 from ebrl_jax import transport
 from ebrl_jax import types
 from ebrl_jax.transport import feedback
@@ -223,8 +224,13 @@ class _Workers:
     if not self._use_processes:
       return
     pids = {role: w.pid for role, w in self.workers.items()}
-    with open(os.path.join(self._cfg.schedule.run_dir, 'workers.json'), 'w') as f:
-      json.dump({'controller': os.getpid(), 'workers': pids, 'restarts': self.restarts}, f)
+    path = os.path.join(self._cfg.schedule.run_dir, 'workers.json')
+    try:  # for telemetry and for the user; a full disk must not stop the controller here (the trainer says it)
+      with open(path + '.tmp', 'w') as f:
+        json.dump({'controller': os.getpid(), 'workers': pids, 'restarts': self.restarts}, f)
+      os.replace(path + '.tmp', path)
+    except OSError as e:
+      logging.warning('could not write %s: %s', path, e)
 
   def start_all(self) -> None:
     self.started_t = time.monotonic()
@@ -247,6 +253,10 @@ class _Workers:
       self._check_mps(force=not all(w.is_alive() for w in self.workers.values()))
       if not trainer.is_alive():
         code = getattr(trainer, 'exitcode', 0)
+        if code == runner.DISK_FULL_EXIT:
+          run_dir = os.path.abspath(self._cfg.schedule.run_dir)
+          raise runner.DiskFull(f'the trainer worker (pid {trainer.pid}) stopped: the disk holding {run_dir} is '
+                                'full (its error above says which write failed). ' + storage.resume_advice(run_dir))
         if code not in (0, None):
           raise WorkerFailure(f'the trainer worker (pid {trainer.pid}) died with exit code {code}; the run '
                               f'stopped. Its last checkpoint in {self._cfg.schedule.run_dir}/checkpoints stays '

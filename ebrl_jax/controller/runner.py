@@ -14,6 +14,16 @@ class RunError(RuntimeError):
   """The run stopped for a reason the user must act on (a dead trainer, say); the message says what to do."""
 
 
+class DiskFull(RunError):
+  """A write of the run (metrics, a checkpoint, the summary) found the disk full; the message names the file and
+  the checkpoint that stays loadable."""
+
+
+# A process schedule's trainer worker exits with this code when it stopped on a full disk (ENOSPC's number), so
+# the controller can say why without reading anything the worker would have had to write.
+DISK_FULL_EXIT = 28
+
+
 def _run_fused(cfg: config_lib.Config):
   from ebrl_jax.controller import fused  # pylint: disable=g-import-not-at-top
   return fused.run(cfg)
@@ -74,8 +84,17 @@ def _finish(cfg: config_lib.Config, summary, telemetry_means: Optional[dict]):
     with open(path) as f:
       data = json.load(f)
     data['extra'] = extra
-    with open(path, 'w') as f:
-      json.dump(data, f, indent=2)
+    try:
+      with open(path + '.tmp', 'w') as f:
+        json.dump(data, f, indent=2)
+      os.replace(path + '.tmp', path)  # the trainer's summary stays whole if this fails
+    except OSError as e:
+      from ebrl_jax import storage  # pylint: disable=g-import-not-at-top
+      if storage.disk_full(e) is None:
+        raise
+      raise DiskFull(f'the run finished, but the disk holding {os.path.abspath(cfg.schedule.run_dir)} is full '
+                     f'({storage.disk_full(e)}): {path} keeps the trainer\'s summary without the telemetry '
+                     'means.') from e
   return summary
 
 

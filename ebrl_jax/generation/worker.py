@@ -164,5 +164,8 @@ def generation_main(cfg: config_lib.Config, mailbox: Any, store: Any, stop: Any,
     pass
   finally:
     tracer.close()
-    with open(stats_path, 'w') as f:
-      json.dump(server.stats(), f)
+    try:
+      with open(stats_path, 'w') as f:
+        json.dump(server.stats(), f)
+    except OSError as e:  # a full disk: the summary goes without the batching statistics
+      logging.warning('generation worker: could not write %s: %s', stats_path, e)

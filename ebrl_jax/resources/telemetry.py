@@ -13,6 +13,8 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional
 
+from absl import logging
+
 _CLOCK_TICKS = os.sysconf('SC_CLK_TCK') if hasattr(os, 'sysconf') else 100
 
 
@@ -117,12 +119,28 @@ class Telemetry:
   def _loop(self) -> None:
     last_cpu: Dict[int, float] = {}
     last_t = time.time()
-    with open(self._path, 'a', buffering=1) as f:
+    f = None
+    try:
+      f = open(self._path, 'a', buffering=1)
+    except OSError as e:
+      logging.warning('telemetry: cannot write %s (%s); sampling on, in memory only.', self._path, e)
+    try:
       while not self._stop.wait(self._period):
         record = self._sample(last_cpu, last_t)
         last_t = record['t']
         self.records.append(record)
-        f.write(json.dumps(record) + '\n')
+        if f is not None:
+          try:
+            f.write(json.dumps(record) + '\n')
+          except OSError as e:  # e.g. a full disk: the run's own writers report it; the samples stay in memory
+            logging.warning('telemetry: writing %s failed (%s); sampling on, in memory only.', self._path, e)
+            f = None
+    finally:
+      if f is not None:
+        try:
+          f.close()
+        except OSError:
+          pass
 
   def start(self) -> 'Telemetry':
     self._thread = threading.Thread(target=self._loop, name='telemetry', daemon=True)
@@ -135,7 +153,10 @@ class Telemetry:
     if self._thread is not None:
       self._thread.join(timeout=5)
     if self._trace_dir and self.records:
-      self._write_trace()
+      try:
+        self._write_trace()
+      except OSError as e:  # best effort, like the samples file
+        logging.warning('telemetry: could not write the counter tracks to %s: %s', self._trace_dir, e)
     return self.means()
 
   def means(self) -> Dict[str, float]:

@@ -9,6 +9,7 @@ is `v - b` versions stale when trained on; segments staler than the bound are dr
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Any, Dict, NamedTuple, Optional
 
@@ -174,5 +175,8 @@ def trainer_main(cfg: config_lib.Config, channels: TrainerChannels, env: Optiona
     fused.run_training(cfg, lambda c, s, n, o: PipelineLoop(c, s, n, o, channels))
   except InterruptedError:
     logging.warning('trainer: stopped before the run finished; the last checkpoint stays loadable.')
+  except runner.DiskFull as e:  # the controller says so from the exit code: nothing more needs writing
+    logging.error('trainer: %s', e)
+    sys.exit(runner.DISK_FULL_EXIT)
   finally:
     channels.stop.set()

@@ -1,0 +1,53 @@
+"""A full disk among the errors of the run's writers and of the libraries under them.
+
+Our own writes fail with `OSError(ENOSPC)`; orbax-checkpoint and tensorstore wrap the OS error in their own
+exception types where only its text survives, so both the error codes and the texts are recognised, along the
+exception's cause/context chain.
+"""
+from __future__ import annotations
+
+import errno
+from typing import Optional
+
+_CODES = {errno.ENOSPC: 'No space left on device', errno.EDQUOT: 'Disk quota exceeded'}
+_TEXTS = tuple(_CODES.values())
+
+
+def disk_full(exc: Optional[BaseException]) -> Optional[str]:
+  """What is full when `exc`, or an exception it came from, is a full disk or an exceeded quota (the OS text and,
+  where known, the file); None for any other error."""
+  seen = set()
+  while exc is not None and id(exc) not in seen:
+    seen.add(id(exc))
+    if isinstance(exc, OSError) and exc.errno in _CODES:
+      return (exc.strerror or _CODES[exc.errno]) + (f': {exc.filename}' if exc.filename else '')
+    text = str(exc)
+    for marker in _TEXTS:
+      if marker in text:
+        line = next((l for l in text.splitlines() if marker in l), marker).strip()
+        return line if len(line) <= 300 else line[:297] + '...'
+    exc = exc.__cause__ or exc.__context__
+  return None
+
+
+def latest_checkpoint_step(checkpoint_dir: str) -> Optional[int]:
+  """The newest committed step directory in `checkpoint_dir` (orbax names them by step; temporary ones are not
+  digits), without opening orbax: usable from a controller whose worker wrote them. None when there is none."""
+  import os  # pylint: disable=g-import-not-at-top
+  try:
+    steps = [int(d) for d in os.listdir(checkpoint_dir) if d.isdigit()]
+  except OSError:
+    return None
+  return max(steps) if steps else None
+
+
+def resume_advice(run_dir: str) -> str:
+  """What the user can do after the disk filled: which checkpoint stays loadable, and how to continue."""
+  import os  # pylint: disable=g-import-not-at-top
+  checkpoints = os.path.join(run_dir, 'checkpoints')
+  step = latest_checkpoint_step(checkpoints)
+  if step is None:
+    return (f'no checkpoint had been written in {checkpoints} (see --checkpoint_every), so there is nothing to '
+            'resume: free space and start again.')
+  return (f'checkpoint {step} in {checkpoints} is intact and loadable (saves are atomic): free space, then '
+          'continue with --resume.')
