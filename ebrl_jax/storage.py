@@ -7,6 +7,7 @@ exception's cause/context chain.
 from __future__ import annotations
 
 import errno
+import os
 from typing import Optional
 
 _CODES = {errno.ENOSPC: 'No space left on device', errno.EDQUOT: 'Disk quota exceeded'}
@@ -33,7 +34,6 @@ def disk_full(exc: Optional[BaseException]) -> Optional[str]:
 def latest_checkpoint_step(checkpoint_dir: str) -> Optional[int]:
   """The newest committed step directory in `checkpoint_dir` (orbax names them by step; temporary ones are not
   digits), without opening orbax: usable from a controller whose worker wrote them. None when there is none."""
-  import os  # pylint: disable=g-import-not-at-top
   try:
     steps = [int(d) for d in os.listdir(checkpoint_dir) if d.isdigit()]
   except OSError:
@@ -43,7 +43,6 @@ def latest_checkpoint_step(checkpoint_dir: str) -> Optional[int]:
 
 def resume_advice(run_dir: str) -> str:
   """What the user can do after the disk filled: which checkpoint stays loadable, and how to continue."""
-  import os  # pylint: disable=g-import-not-at-top
   checkpoints = os.path.join(run_dir, 'checkpoints')
   step = latest_checkpoint_step(checkpoints)
   if step is None:

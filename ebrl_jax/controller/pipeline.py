@@ -173,7 +173,6 @@ class _Workers:
     self.rollout_quota: Dict[str, int] = {}  # role -> quota set by a live change (else the config's)
     self.started_t: Optional[float] = None  # when start_all ran
     self.first_step_seen = False  # the trainer's first train step is done: start-up is over
-    self.startup_log_s = _STARTUP_LOG_S
     self._next_startup_log = 0.0
 
   def _start(self, role: str, target, args, env: Optional[Dict[str, str]] = None, register: bool = True,
@@ -234,7 +233,7 @@ class _Workers:
 
   def start_all(self) -> None:
     self.started_t = time.monotonic()
-    self._next_startup_log = self.started_t + self.startup_log_s
+    self._next_startup_log = self.started_t + _STARTUP_LOG_S
     self._start('trainer', trainer_worker.trainer_main, (self._cfg, self._trainer_ch))
     if self._rollout_ch.mailbox is not None:
       self._start('generation', generation_worker.generation_main, self._gen_args)
@@ -283,7 +282,7 @@ class _Workers:
   def _log_startup(self) -> None:
     if self.first_step_seen or time.monotonic() < self._next_startup_log:
       return
-    self._next_startup_log = time.monotonic() + self.startup_log_s
+    self._next_startup_log = time.monotonic() + _STARTUP_LOG_S
     line = self.startup_phases()
     if line is not None:
       logging.info('%s', line)

@@ -8,6 +8,7 @@ from typing import Callable, Dict, Optional
 from absl import logging
 
 from ebrl_jax import config as config_lib
+from ebrl_jax import storage
 
 
 class RunError(RuntimeError):
@@ -89,11 +90,11 @@ def _finish(cfg: config_lib.Config, summary, telemetry_means: Optional[dict]):
         json.dump(data, f, indent=2)
       os.replace(path + '.tmp', path)  # the trainer's summary stays whole if this fails
     except OSError as e:
-      from ebrl_jax import storage  # pylint: disable=g-import-not-at-top
-      if storage.disk_full(e) is None:
+      reason = storage.disk_full(e)
+      if reason is None:
         raise
       raise DiskFull(f'the run finished, but the disk holding {os.path.abspath(cfg.schedule.run_dir)} is full '
-                     f'({storage.disk_full(e)}): {path} keeps the trainer\'s summary without the telemetry '
+                     f'({reason}): {path} keeps the trainer\'s summary without the telemetry '
                      'means.') from e
   return summary
 

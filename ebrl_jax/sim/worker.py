@@ -168,6 +168,7 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
   store = channels.params
   params_version, params = -1, None
   running = _EitherSet(stop, control.retire if control is not None else None)
+  remote = bool(getattr(worker, 'remote_acts', None))  # acts come from the generation worker
   try:
     phase('waiting for policy version 0 (the trainer publishes it once initialised)')
     if not lifecycle.wait_for_version(store, 0, stop):  # the trainer publishes version 0 once it has initialised
@@ -175,12 +176,11 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
     if control is not None:
       control.feedback[feedback_lib.QUOTA] = float(os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE') or 0)
       if standby:
-        phase('warm standby: ' + ('built, acts come from the generation worker' if getattr(worker, 'remote_acts', None)
+        phase('warm standby: ' + ('built, acts come from the generation worker' if remote
                                   else 'a throw-away collect (compiling it)'))
         if not _stand_by(worker, store, control, stop, base_key, phase):
           return
-    phase('first collect' + (' (acts come from the generation worker)' if getattr(worker, 'remote_acts', None)
-                             else ' (compiling it)'))
+    phase('first collect' + (' (acts come from the generation worker)' if remote else ' (compiling it)'))
     iteration = store.version()  # a restarted worker resumes at the trainer's version
     if control is not None:  # a standby goes on after the iteration its predecessor delivered last
       iteration = max(iteration, int(control.feedback[feedback_lib.START_ITERATION]))
@@ -189,7 +189,7 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
       with tracer.span('rollout/wait_params'):
         if not lifecycle.wait_for_version(store, iteration - bound, running):
           break
-        if getattr(worker, 'remote_acts', None):
+        if remote:
           params_version = max(0, iteration - bound)
           worker.set_min_version(params_version)
         elif store.version() != params_version:
