@@ -118,7 +118,7 @@ case $PART in
       --timeout_s=270 $sched --extra=--use_mps --extra=--num_timesteps=2000000 --extra=--num_evals=3 ;;
   w2x)
     bench w2_bench_fused_seed1 0-15 $W2SEEDS --gpus=0 --seeds=1 --schedules=fused --timeout_s=300
-    bench w2_quota_change_1gpu 0-15 $W2 --gpus=0 --timeout_s=270 --schedules=async_swap=async \
+    bench w2_quota_change_1gpu 0-15 $W2 --gpus=0 --timeout_s=230 --schedules=async_swap=async \
       --extra=--use_mps --extra=--num_groups=2 --extra=--num_timesteps=3000000 --extra=--num_evals=3 \
       --only=async_swap:--sm_quotas=trainer=50,rollout=20 --only=async_swap:--quota_schedule=10:rollout=25 ;;
   *) echo "unknown part $PART"; exit 2 ;;
