@@ -125,12 +125,44 @@ def test_labels_brax_and_stage_profile_in_one_quick_invocation(tmp_path):
     assert all(math.isfinite(x) and x > 0 for x in t)
     assert g['overlap_ceiling_steps_per_s'] == pytest.approx(1 / max(t))
     assert g['sequential_floor_steps_per_s'] == pytest.approx(1 / sum(t))
+  from experiments.bench import run as bench_run
   for label in ('sync', 'a2', 'brax'):
     o = result['overlap'][label]
     assert o['envs_per_call'] == 16
-    assert o['ceiling_steps_per_s'] == profile['groups']['16']['overlap_ceiling_steps_per_s']
+    assert o['ceiling_steps_per_s'] == pytest.approx(bench_run.stage_bounds(profile)['ceiling_steps_per_s'])
+    assert o['ceiling_steps_per_s'] >= profile['groups']['16']['overlap_ceiling_steps_per_s']
     assert o['overlap_efficiency'] == pytest.approx(
         result['figures'][label]['env_steps_per_s'] / o['ceiling_steps_per_s'])
+
+
+def _profile(backend, sim_us, threads):
+  """A stage profile by hand: per size, sim µs per env step and its threads; generation 2 µs, training 10 µs."""
+  return {'backend': backend, 'train': {'per_env_step_s': 10e-6},
+          'groups': {str(e): {'sim': {'per_env_step_s': sim_us[e] * 1e-6}, 'generation': {'per_env_step_s': 2e-6},
+                              'sim_threads': threads[e]} for e in sim_us}}
+
+
+def test_overlap_bounds_by_hand():
+  """Native MuJoCo: 4 groups of 128 envs on 3 threads each (36 µs per env step alone) step at once in 12 threads,
+  9 µs per env step, faster than one 512-env call on 12 threads (21 µs): ceiling 1 / max(9, 2, 10) µs, floor
+  1 / 21 µs. On MJX, or where the groups' threads do not fit in the whole batch's, the one call's 21 µs stands."""
+  from experiments.bench import run as bench_run
+  cpu = bench_run.stage_bounds(_profile('mujoco_cpu', {128: 36, 512: 21}, {128: 3, 512: 12}))
+  assert cpu['sim_groups'] == 4 and cpu['sim_per_env_step_s'] == pytest.approx(9e-6)
+  assert cpu['ceiling_steps_per_s'] == pytest.approx(1e5) and cpu['sequential_floor_steps_per_s'] == pytest.approx(1 / 21e-6)
+  for profile in (_profile('mjx', {128: 36, 512: 21}, {128: None, 512: None}),
+                  _profile('mujoco_cpu', {128: 36, 512: 21}, {128: 6, 512: 12})):  # 4 x 6 threads > 12
+    b = bench_run.stage_bounds(profile)
+    assert b['sim_groups'] == 1 and b['ceiling_steps_per_s'] == pytest.approx(1 / 21e-6)
+    assert b['sequential_floor_steps_per_s'] == pytest.approx(1 / 33e-6)
+  slow_groups = bench_run.stage_bounds(_profile('mujoco_cpu', {128: 100, 512: 21}, {128: 3, 512: 12}))
+  assert slow_groups['sim_groups'] == 1  # 100 / 4 = 25 µs: the one call is faster
+  effs = bench_run.overlap_efficiency({'async': {'env_steps_per_s': 5e4}, 'sync': {'env_steps_per_s': None}},
+                                      [('async', 'async', ()), ('sync', 'sync', ())],
+                                      _profile('mujoco_cpu', {128: 36, 512: 21}, {128: 3, 512: 12}))
+  assert effs['async']['overlap_efficiency'] == pytest.approx(0.5)
+  assert effs['async']['vs_sequential_floor'] == pytest.approx(5e4 * 21e-6)
+  assert effs['sync']['overlap_efficiency'] is None
 
 
 def test_schedule_labels_and_only_flags_are_checked():
@@ -186,6 +218,37 @@ def test_merging_seed_files_gives_the_figures_of_one_invocation(quick_result, tm
   (tmp_path / 'c.json').write_text(json.dumps(clash))
   with pytest.raises(ValueError, match=r'c.json has labels.async='):
     bench_run.merge([str(tmp_path / 'b.json'), str(tmp_path / 'c.json')])
+
+
+def test_a_rerun_replaces_its_failed_attempt_when_merged(quick_result, tmp_path):
+  """A seed stopped by its time limit and run again in a later invocation: the finished rerun takes the failed
+  attempt's place (recorded under `replaced`, carried through a second merge); the same seed finished twice is
+  refused by name; a failed rerun of a finished seed leaves it alone."""
+  from experiments.bench import run as bench_run
+  _, result = quick_result
+  label = next(iter(result['runs']))
+  good = result['runs'][label][0]
+  seed = bench_run.run_seed(good)
+  assert seed == result['seeds'][0]
+  cut = {k: v for k, v in good.items() if k != 'summary'}
+  cut.update(returncode=-15, error_tail='...\n[bench] stopped after --timeout_s=285')
+  first = dict(result, runs=dict(result['runs'], **{label: [cut] + result['runs'][label][1:]}))
+  rerun = dict(result, seeds=[seed], runs={label: [good]}, labels={label: result['labels'][label]})
+  (tmp_path / 'first.json').write_text(json.dumps(first))
+  (tmp_path / 'rerun.json').write_text(json.dumps(rerun))
+  merged = bench_run.merge([str(tmp_path / 'first.json'), str(tmp_path / 'rerun.json')])
+  assert merged['runs'][label] == result['runs'][label]  # the rerun in the failed attempt's place
+  assert merged['figures'][label]['seeds_finished'] == len(result['seeds'])
+  assert merged['replaced'] == [{'label': label, 'seed': seed, 'by_file': 'rerun.json', 'returncode': -15,
+                                 'why': '[bench] stopped after --timeout_s=285'}]
+  (tmp_path / 'merged.json').write_text(json.dumps(merged))
+  failed_again = dict(rerun, runs={label: [cut]})
+  (tmp_path / 'again.json').write_text(json.dumps(failed_again))
+  twice = bench_run.merge([str(tmp_path / 'merged.json'), str(tmp_path / 'again.json')])
+  assert twice['runs'][label] == result['runs'][label] and twice['replaced'] == merged['replaced']
+  assert [p['file'] for p in twice['merged_from']] == ['first.json', 'rerun.json', 'again.json']
+  with pytest.raises(ValueError, match=f'rerun.json has {label} seed {seed} finished, and so does an earlier'):
+    bench_run.merge([str(tmp_path / 'merged.json'), str(tmp_path / 'rerun.json')])
 
 
 def test_report_plots_sm_activity_and_a_stage_timeline(tmp_path):

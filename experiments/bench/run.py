@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -241,24 +242,41 @@ def ratios(figures: Dict[str, dict], base: str) -> Dict[str, dict]:
   return out
 
 
-def overlap_efficiency(figures: Dict[str, dict], labels, profile: dict) -> Dict[str, dict]:
-  """Per label: achieved env steps/s over the workload's perfect-overlap ceiling and over its sequential floor.
+def stage_bounds(profile: dict) -> dict:
+  """The workload's perfect-overlap ceiling 1 / max(t_sim, t_gen, t_train) and sequential floor
+  1 / (t_sim + t_gen + t_train), per env step, from its stages timed alone at full GPU.
 
-  Both come from the stages timed alone at full GPU with the whole env batch (all envs in one call; the largest
-  size profiled): ceiling 1 / max(t_sim, t_gen, t_train), floor 1 / (t_sim + t_gen + t_train). The same bounds
-  serve every schedule: G groups of num_envs / G envs stepping at once do the same work as one call on all envs,
-  and the profile's per-group entries (slower per env step, see `stage_profile.groups`) show what a group costs
-  when it runs alone.
+  Generation and training come from the whole env batch (all envs in one call; the largest size profiled). So
+  does simulation on the GPU (MJX): G groups of num_envs / G envs stepping at once share one device and do the
+  work of one call on all envs. Native MuJoCo is different: its groups step at once on disjoint cores, so where
+  the profile timed one group alone with its own threads and G such groups fit in the whole batch's threads,
+  the sim term is that group's time per env step over G, when that is faster than one call on all envs with
+  every thread (W3: 4 groups x 128 envs on 3 threads each against 512 envs on 12 threads).
   """
   size = max(int(e) for e in profile['groups'])
-  group = profile['groups'][str(size)]
-  ceiling, floor = group['overlap_ceiling_steps_per_s'], group['sequential_floor_steps_per_s']
+  whole = profile['groups'][str(size)]
+  t_sim, sim_groups = whole['sim']['per_env_step_s'], 1
+  if profile.get('backend') == 'mujoco_cpu':
+    for e, entry in profile['groups'].items():
+      groups, threads = size // int(e), entry.get('sim_threads')
+      fits = threads and whole.get('sim_threads') and groups * threads <= whole['sim_threads']
+      if groups > 1 and fits and entry['sim']['per_env_step_s'] / groups < t_sim:
+        t_sim, sim_groups = entry['sim']['per_env_step_s'] / groups, groups
+  per_step = [t_sim, whole['generation']['per_env_step_s'], profile['train']['per_env_step_s']]
+  return {'envs_per_call': size, 'sim_groups': sim_groups, 'sim_per_env_step_s': t_sim,
+          'ceiling_steps_per_s': 1.0 / max(per_step), 'sequential_floor_steps_per_s': 1.0 / sum(per_step)}
+
+
+def overlap_efficiency(figures: Dict[str, dict], labels, profile: dict) -> Dict[str, dict]:
+  """Per label: achieved env steps/s over the workload's perfect-overlap ceiling and over its sequential floor
+  (`stage_bounds`; the same bounds serve every schedule, and the profile's per-group entries show what a group
+  costs when it runs alone)."""
+  bounds = stage_bounds(profile)
   out = {}
   for label, _, _ in labels:
     achieved = figures[label]['env_steps_per_s']
-    out[label] = {'envs_per_call': size, 'ceiling_steps_per_s': ceiling, 'sequential_floor_steps_per_s': floor,
-                  'overlap_efficiency': achieved / ceiling if achieved else None,
-                  'vs_sequential_floor': achieved / floor if achieved else None}
+    out[label] = dict(bounds, overlap_efficiency=achieved / bounds['ceiling_steps_per_s'] if achieved else None,
+                      vs_sequential_floor=achieved / bounds['sequential_floor_steps_per_s'] if achieved else None)
   return out
 
 
@@ -310,10 +328,18 @@ def profile_from(path: str, flagfile: str, extra: List[str]) -> dict:
   return dict(earlier['stage_profile'], taken_from=os.path.basename(path))
 
 
+def run_seed(run: dict) -> Optional[str]:
+  """The seed a kept run was started with (its command's --seed), None where the command does not say."""
+  found = re.search(r'--seed=(\S+)', run.get('command', ''))
+  return found.group(1) if found else None
+
+
 def merge(paths: List[str]) -> dict:
   """One result from several of the same workload and flags: seeds, or labels, run in separate invocations.
   A label in several files must have the same schedule and flags in each; figures are recomputed over all their
-  seeds, and the first file's stage profile (or the first file that has one) serves every label."""
+  seeds, and the first file's stage profile (or the first file that has one) serves every label. A finished run
+  of a label and seed that an earlier file holds as failed (a rerun) replaces it, listed under `replaced`; the
+  same seed finished twice is refused."""
   results = []
   for path in paths:
     try:
@@ -333,12 +359,35 @@ def merge(paths: List[str]) -> dict:
                          f'{labels_seen[label]!r}.')
       labels_seen.setdefault(label, value)
   out = dict(first, runs={}, seeds=[], labels=labels_seen,
-             merged_from=[{'file': os.path.basename(p), 'commit': r.get('commit'), 'seeds': r.get('seeds'),
-                           'labels': list(r.get('labels', {}))} for p, r in zip(paths, results)])
-  for r in results:
+             # a file that is itself a merge lists its own parts, so the record goes back to the invocations
+             merged_from=[part for p, r in zip(paths, results) for part in r.get('merged_from') or [
+                 {'file': os.path.basename(p), 'commit': r.get('commit'), 'seeds': r.get('seeds'),
+                  'labels': list(r.get('labels', {}))}]])
+  out['replaced'] = [gone for r in results for gone in r.get('replaced', [])]
+  for path, r in zip(paths, results):
     out['seeds'] += [s for s in r.get('seeds', []) if s not in out['seeds']]
     for label, runs in r['runs'].items():
-      out['runs'].setdefault(label, []).extend(runs)
+      kept = out['runs'].setdefault(label, [])
+      for run in runs:
+        seed = run_seed(run)
+        earlier = [i for i, k in enumerate(kept) if seed is not None and run_seed(k) == seed]
+        if any('summary' in kept[i] for i in earlier):
+          if 'summary' in run:
+            raise ValueError(f'--merge: {path} has {label} seed {seed} finished, and so does an earlier file; '
+                             'leave one of the two out.')
+          continue  # a failed attempt at a seed kept finished already
+        if earlier and 'summary' not in run:
+          continue  # failed again: the earlier failed attempt stays
+        for i in reversed(earlier[1:]):
+          kept.pop(i)
+        for i in earlier[:1]:  # a rerun takes its failed attempt's place; the record says so
+          gone = kept[i]
+          tail = (gone.get('error_tail') or '').strip().splitlines()
+          out['replaced'].append({'label': label, 'seed': seed, 'by_file': os.path.basename(path),
+                                  'returncode': gone.get('returncode'), 'why': tail[-1] if tail else ''})
+          kept[i] = run
+        if not earlier:
+          kept.append(run)
     if 'stage_profile' in r and 'stage_profile' not in out:
       out['stage_profile'] = r['stage_profile']
   labels = [(label, v['schedule'], tuple(v['flags'])) for label, v in labels_seen.items()]
