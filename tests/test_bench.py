@@ -165,6 +165,30 @@ def test_overlap_bounds_by_hand():
   assert effs['sync']['overlap_efficiency'] is None
 
 
+def test_a_newer_stage_profile_replaces_a_results_and_its_overlap(quick_result, tmp_path):
+  """--merge with --stage_profile_from: a bare profile of the same env batch sizes replaces the result's and the
+  overlap figures follow it; other sizes, or a file that is neither, are refused by name."""
+  from experiments.bench import run as bench_run
+  _, result = quick_result
+  assert 'stage_profile' not in result  # run without one: any sizes are taken, later ones must match them
+  sizes = [8, 16]
+  bare = _profile('mujoco_cpu', {e: 50.0 for e in sizes}, {e: 1 for e in sizes})
+  (tmp_path / 'bare.json').write_text(json.dumps(bare))
+  out = bench_run.with_profile(result, str(tmp_path / 'bare.json'))
+  assert out['stage_profile']['taken_from'] == 'bare.json'
+  label = next(iter(result['labels']))
+  assert out['overlap'][label]['ceiling_steps_per_s'] == pytest.approx(1 / 50e-6)
+  assert out['overlap'][label]['overlap_efficiency'] == pytest.approx(
+      result['figures'][label]['env_steps_per_s'] * 50e-6)
+  other = _profile('mujoco_cpu', {e * 2: 50.0 for e in sizes}, {e * 2: 1 for e in sizes})
+  (tmp_path / 'other.json').write_text(json.dumps(other))
+  with pytest.raises(ValueError, match='other.json profiles env batches of 16, 32, the result.s runs use 8, 16'):
+    bench_run.with_profile(out, str(tmp_path / 'other.json'))
+  (tmp_path / 'neither.json').write_text('{"runs": {}}')
+  with pytest.raises(ValueError, match='neither.json is neither a result'):
+    bench_run.with_profile(result, str(tmp_path / 'neither.json'))
+
+
 def test_schedule_labels_and_only_flags_are_checked():
   from experiments.bench import run as bench_run
   assert bench_run.parse_schedules(['fused', 'q=async'], ['q:--use_mps']) == [

@@ -292,7 +292,10 @@ def make_changer(cfg: config_lib.Config, workers, plan_record: Optional[dict],
   if not cfg.resources.replan:
     return None
   if not mps_active or plan_record is None or 'rollout' not in cfg.resources.quotas:
-    logging.warning('--replan: no MPS quotas to re-plan (MPS is not running); the quotas stay as planned.')
+    why = ('MPS is not running' if not mps_active else 'no --plan record' if plan_record is None else
+           'the plan runs without quotas (SMs shared)' if plan_record.get('shared') else
+           'the rollout workers hold no quota')
+    logging.warning('--replan: no rollout quota to re-plan (%s); the quotas stay as planned.', why)
     return None
   store = profiles.ProfileStore.load(plan_record['profile_store'], autoplan.machine_key(),
                                      autoplan.workload_key(cfg))

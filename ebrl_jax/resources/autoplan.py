@@ -6,9 +6,9 @@
      MPS daemon, at every group size the planner may choose; compile is excluded from the samples, and the
      persistent compilation cache makes the second and later quotas cheap. The store is saved, so the next run
      on this machine and workload starts from it.
-  3. `planner.plan` picks the number of groups and the quotas with the least predicted iteration time; quotas
-     given with `--sm_quotas` stay pinned. Without MPS only the group count is chosen: there are no quotas to
-     share, and the prediction assumes the processes overlap, which time-slicing does not deliver.
+  3. `planner.plan` picks the number of groups and the quotas (or none: every process may use every SM) with the
+     least predicted iteration time; quotas given with `--sm_quotas` stay pinned. Without MPS only the group count
+     is chosen: there are no quotas to share, and the prediction adds up the processes' GPU work.
   4. The run goes on with the chosen `--num_groups` (and `--sm_quotas`); the decision, its reason and the
      predicted env steps/s go to the log and to the summary, where the measured figure sits beside it.
 
@@ -154,16 +154,17 @@ def plan_run(cfg: config_lib.Config, mps_active: bool, worker_env) -> Tuple[conf
   fused_like = planner.evaluate(store, space, 1, {r: 100 for r in space.roles}, 'sync') if not mps_active else None
   logging.info('--plan chose %s', chosen.reason)
   if not mps_active:
-    logging.warning('--plan without MPS: only the number of groups is chosen, and its prediction assumes the '
-                    'processes run at once, which time-slicing does not deliver.')
+    logging.warning('--plan without MPS: only the number of groups is chosen; the processes time-slice the GPU, '
+                    'and the prediction adds up their GPU work.')
   schedule_cfg = dataclasses.replace(cfg.schedule, num_groups=chosen.num_groups)
   resources_cfg = cfg.resources
-  if mps_active:
-    quota_text = ','.join(f'{role}={q}' for role, q in sorted(chosen.quotas.items()))  # GPU roles only
+  if mps_active:  # GPU roles only; a shared plan sets none: every process may use every SM
+    quota_text = '' if chosen.shared else ','.join(f'{role}={q}' for role, q in sorted(chosen.quotas.items()))
     resources_cfg = dataclasses.replace(cfg.resources, sm_quotas=quota_text)
   new_cfg = dataclasses.replace(cfg, schedule=schedule_cfg, resources=resources_cfg)
   record = {'num_groups': chosen.num_groups, 'envs_per_group': chosen.envs_per_group,
-            'quotas': chosen.quotas if mps_active else None, 'predicted_env_steps_per_s': chosen.env_steps_per_s,
+            'quotas': chosen.quotas if mps_active and not chosen.shared else None, 'shared': chosen.shared,
+            'predicted_env_steps_per_s': chosen.env_steps_per_s,
             'predicted_iteration_s': chosen.iteration_s, 'predicted_rollout_s': chosen.rollout_s,
             'predicted_train_s': chosen.train_s, 'reason': chosen.reason, 'mps': mps_active,
             'calibrated_s': calibrated_s, 'calibration_quotas': list(quotas) if calibrated_s is not None else [],

@@ -17,7 +17,13 @@ Iteration model, with S = steps_per_iteration (env steps each env takes per iter
   sync:  T = T_r + T_t + iteration_handoff_s       (barrier; both schedules hand segments and weights over once);
   env-steps/s = num_envs * S / T.
 Quotas never oversubscribe the GPU: async G * q_r + q_g + q_t <= 100; sync G * q_r + q_g <= 100 and q_t <= 100
-(the trainer runs alone). Rollout processes that only simulate on CPU cores (`rollout_on_gpu=False`) have no
+(the trainer runs alone). Beside the quota grid, each layout is also predicted with no quotas at all (`shared`: every
+process may use every SM, as in a run without --sm_quotas, and always without MPS): each stage is read at 100 %
+and the GPU work of processes that run at once is added up, as if their kernels took turns,
+  gpu_r = S * G * (t_sim(E, 100) if the rollout simulates on the GPU, + t_gen(E, 100)),
+  async: T = max(T_r, T_t, gpu_r + T_t) + iteration_handoff_s;  sync: T = max(T_r, gpu_r) + T_t + iteration_handoff_s,
+which is pessimistic where kernels of two processes do fit on the GPU at once (MPS without quotas lets them).
+On W2 and W3 (one H200) runs without quotas were faster than the quota plans this model's quota side chose. Rollout processes that only simulate on CPU cores (`rollout_on_gpu=False`) have no
 quota: G * q_r drops out and t_sim is read at 100. The search is exhaustive; ties (within 1e-9 relative) go to
 fewer groups, then to the lower total quota (G * q_r + q_g + q_t), then to the lower rollout, generation and
 trainer quotas in that order.
@@ -50,8 +56,10 @@ class PlanSpace:
   iteration_handoff_s: float = 0.0
   step_handoff_s: float = 0.0
   # False without MPS: no quotas to share out (every process at 100 %), so the sum-to-100 % limit is lifted and
-  # the model's overlap is optimistic (time-sliced processes do not truly run at once).
+  # every plan is predicted as `shared` (the processes' GPU work added up: time-slicing takes turns).
   quota_limit: bool = True
+  # With MPS: also predict each layout with no quotas (every process may use every SM; see the module docstring).
+  shared_option: bool = True
   # False when the rollout processes only simulate on CPU cores and a separate generation process acts for them
   # (native MuJoCo, --nocolocate_generation): they hold no GPU context, so they get no quota and take none of
   # the 100 %; their sim profile is read at quota 100 (a CPU stage does not depend on it).
@@ -111,14 +119,16 @@ class Plan:
   iteration_s: float
   env_steps_per_s: float
   reason: str = ''
+  shared: bool = False  # no quotas set: every process may use every SM (`quotas` then reads 100 for each role)
 
   @property
   def total_quota(self) -> int:
     return self.num_groups * self.quotas.get(ROLLOUT, 0) + sum(q for r, q in self.quotas.items() if r != ROLLOUT)
 
   def describe(self) -> str:
-    quotas = ' '.join(f'{role} {self.quotas[role]}%' for role in sorted(self.quotas))
-    return (f'{self.num_groups} group(s) x {self.envs_per_group} envs, quotas {quotas}: '
+    quotas = ('no quotas (SMs shared)' if self.shared else
+              'quotas ' + ' '.join(f'{role} {self.quotas[role]}%' for role in sorted(self.quotas)))
+    return (f'{self.num_groups} group(s) x {self.envs_per_group} envs, {quotas}: '
             f'rollout {self.rollout_s:.3f} s, train {self.train_s:.3f} s, iteration {self.iteration_s:.3f} s '
             f'({self.env_steps_per_s:,.0f} env-steps/s)')
 
@@ -130,10 +140,14 @@ def _profile(profiles: Mapping, name: str):
 
 
 def evaluate(profiles: Mapping, space: PlanSpace, num_groups: int, quotas: Mapping[str, int],
-             schedule: str = 'async') -> Plan:
-  """The model's prediction for one layout and set of quotas (see the module docstring); `reason` is empty."""
+             schedule: str = 'async', shared: bool = False) -> Plan:
+  """The model's prediction for one layout and set of quotas, or with no quotas (`shared`, and always without
+  MPS; `quotas` is then ignored), see the module docstring; `reason` is empty."""
   if schedule not in SCHEDULES:
     raise ValueError(f'schedule={schedule!r} is not plannable; allowed values: {", ".join(SCHEDULES)}.')
+  shared = shared or not space.quota_limit
+  if shared:
+    quotas = {role: 100 for role in space.roles}
   e = space.num_envs // num_groups
   sim = _profile(profiles, 'sim')
   q_r, q_t = quotas.get(ROLLOUT, 100), quotas[TRAINER]
@@ -144,10 +158,18 @@ def evaluate(profiles: Mapping, space: PlanSpace, num_groups: int, quotas: Mappi
     step = max(sim.predict(e, q_r) + gen + space.step_handoff_s, num_groups * gen)
   rollout_s = space.steps_per_iteration * step
   train_s = space.train_calls_per_iteration * _profile(profiles, 'train').predict(space.effective_train_batch, q_t)
-  combined = max(rollout_s, train_s) if schedule == 'async' else rollout_s + train_s
+  if shared:  # the GPU work of processes running at once, added up
+    gpu_step = sim.predict(e, 100) if space.rollout_on_gpu else 0.0
+    if 'generation' in profiles and (space.rollout_on_gpu or not space.colocate_generation):
+      gpu_step += profiles['generation'].predict(e, 100)
+    gpu_r = space.steps_per_iteration * num_groups * gpu_step
+    combined = (max(rollout_s, train_s, gpu_r + train_s) if schedule == 'async' else
+                max(rollout_s, gpu_r) + train_s)
+  else:
+    combined = max(rollout_s, train_s) if schedule == 'async' else rollout_s + train_s
   iteration_s = combined + space.iteration_handoff_s
   return Plan(schedule, num_groups, e, dict(quotas), space.colocate_generation, rollout_s, train_s, iteration_s,
-              space.num_envs * space.steps_per_iteration / iteration_s)
+              space.num_envs * space.steps_per_iteration / iteration_s, shared=shared)
 
 
 def _feasible(space: PlanSpace, num_groups: int, quotas: Mapping[str, int], schedule: str) -> bool:
@@ -193,6 +215,8 @@ def candidates(profiles: Mapping, space: PlanSpace, schedule: str = 'async',
     quotas = dict(zip(space.roles, values))
     if _feasible(space, g, quotas, schedule):
       plans.append(evaluate(profiles, space, g, quotas, schedule))
+  if space.quota_limit and space.shared_option and not set(fixed) & {ROLLOUT, GENERATION, TRAINER}:
+    plans += [evaluate(profiles, space, g, {}, schedule, shared=True) for g, _ in layouts]
   return plans
 
 
@@ -272,7 +296,8 @@ class Replanner:
     best = plan(profiles, self.space, self.schedule, self.fixed)
     if self.plan is None:
       return self._decide(iteration, best, best.iteration_s, best, measured_gain, f'initial plan: {best.reason}')
-    current = evaluate(profiles, self.space, self.plan.num_groups, self.plan.quotas, self.schedule)
+    current = evaluate(profiles, self.space, self.plan.num_groups, self.plan.quotas, self.schedule,
+                       shared=self.plan.shared)
     gain = current.iteration_s / best.iteration_s - 1
     horizon = min(self.horizon_iterations, remaining_iterations if remaining_iterations is not None else 1 << 62)
     payback_s = (current.iteration_s - best.iteration_s) * horizon

@@ -22,6 +22,7 @@
 # w3a     W3 sync and async (no quotas), 2 M env steps, MPS, after deferred pinning (3c5130b); sync first, on a
 #         cold compilation cache, which is where it stalled before.
 # w3b     W3 async planned (--plan, calibrated at 100 %) and async with equal quotas (generation 50 / trainer 50).
+# w3p     W3 async planned once more, after the planner's no-quota candidate (the same flags as w3b's async_plan).
 # w2x     W2 fused seed 1 again (cut by its limit at 11.5 M in the w2s_fused call), then the quota-change run
 #         (rollout 20 -> 25 % at iteration 10 of 48, 3 M steps) whose whole output is kept.
 # Results (JSON, telemetry) are copied to OUT_DIR; every MPS daemon a run started is stopped by the run itself,
@@ -116,6 +117,11 @@ case $PART in
         --only=async_plan:--calibration_quotas=100 --only=async_eq:--sm_quotas=generation=50,trainer=50"; fi
     bench w3_resources_1gpu_$PART 0-15 $W3 --gpus=0 --stage_profile_from=experiments/results/w3_resources_oom.json \
       --timeout_s=270 $sched --extra=--use_mps --extra=--num_timesteps=2000000 --extra=--num_evals=3 ;;
+  w3p)  # W3 planned again after the planner learned to predict runs without quotas (it chose quotas before)
+    bench w3_resources_1gpu_w3p 0-15 $W3 --gpus=0 --stage_profile_from=experiments/results/w3_resources_oom.json \
+      --timeout_s=280 --schedules=async_plan_shared=async --only=async_plan_shared:--plan \
+      --only=async_plan_shared:--calibration_quotas=100 --extra=--use_mps --extra=--num_timesteps=2000000 \
+      --extra=--num_evals=3 ;;
   w2x)
     bench w2_bench_fused_seed1 0-15 $W2SEEDS --gpus=0 --seeds=1 --schedules=fused --timeout_s=300
     bench w2_quota_change_1gpu 0-15 $W2 --gpus=0 --timeout_s=230 --schedules=async_swap=async \

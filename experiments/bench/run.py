@@ -52,7 +52,8 @@ _STAGE_PROFILE = flags.DEFINE_bool(
     'every label\'s overlap efficiency: env steps/s over the perfect-overlap ceiling.')
 _PROFILE_FROM = flags.DEFINE_string(
     'stage_profile_from', None, 'Instead of --stage_profile: take the stage profile of this earlier result of the same '
-    'flagfile (its stage sizes follow --num_envs and --num_groups, which must match; run length need not).')
+    'flagfile (its stage sizes follow --num_envs and --num_groups, which must match; run length need not). With '
+    '--merge: give the merged result this profile (a result, or a bare stage_profile.py --profile_out file).')
 _MERGE = flags.DEFINE_list('merge', [], 'Instead of running: merge these result files of one workload (same '
                            'flagfile and flags; seeds or labels run in separate invocations) into --out.')
 _QUICK = flags.DEFINE_bool('quick', False, 'Tiny CPU workload (native MuJoCo pendulum) that exercises the harness.')
@@ -328,6 +329,30 @@ def profile_from(path: str, flagfile: str, extra: List[str]) -> dict:
   return dict(earlier['stage_profile'], taken_from=os.path.basename(path))
 
 
+def with_profile(result: dict, path: str) -> dict:
+  """`result` with the stage profile of `path` (an earlier result of the same workload, or a bare profile written
+  by experiments.bench.stage_profile --profile_out, whose env batch sizes must be the ones the result's runs
+  use) and its overlap figures recomputed from it."""
+  try:
+    with open(path) as f:
+      data = json.load(f)
+  except (OSError, json.JSONDecodeError) as e:
+    raise ValueError(f'--stage_profile_from: cannot read {path}: {e}') from None
+  if 'stage_profile' in data:
+    profile = profile_from(path, result['flagfile'], result.get('extra_flags', []))
+  elif 'groups' in data and 'train' in data:
+    sizes, old = sorted(data['groups'], key=int), result.get('stage_profile')
+    if old is not None and sorted(old['groups'], key=int) != sizes:
+      raise ValueError(f'--stage_profile_from: {path} profiles env batches of {", ".join(sizes)}, the result\'s '
+                       f'runs use {", ".join(sorted(old["groups"], key=int))}.')
+    profile = dict(data, taken_from=os.path.basename(path))
+  else:
+    raise ValueError(f'--stage_profile_from: {path} is neither a result (no field "stage_profile") nor a stage '
+                     'profile (no fields "groups" and "train").')
+  labels = [(label, v['schedule'], tuple(v['flags'])) for label, v in result['labels'].items()]
+  return dict(result, stage_profile=profile, overlap=overlap_efficiency(result['figures'], labels, profile))
+
+
 def run_seed(run: dict) -> Optional[str]:
   """The seed a kept run was started with (its command's --seed), None where the command does not say."""
   found = re.search(r'--seed=(\S+)', run.get('command', ''))
@@ -407,6 +432,8 @@ def main(argv):
   if _MERGE.value:
     try:
       merged = merge(_MERGE.value)
+      if _PROFILE_FROM.value:  # a newer stage profile of the same workload for the merged result
+        merged = with_profile(merged, _PROFILE_FROM.value)
     except ValueError as e:
       raise app.UsageError(str(e)) from None
     with open(_OUT.value, 'w') as f:

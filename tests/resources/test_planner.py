@@ -181,3 +181,47 @@ def test_rollouts_on_cpu_take_no_quota():
     planner.plan(profiles, host, 'async', fixed={'rollout': 10})
   with pytest.raises(ValueError, match='needs a separate generation process'):
     planner.PlanSpace(num_envs=2048, rollout_on_gpu=False)
+
+
+def test_no_quotas_is_a_candidate_and_wins_where_quotas_starve_the_trainer():
+  # W3's shape: simulation on CPU cores (no quota), one generation process, the trainer; 10 steps an iteration.
+  # sim 10 ms a step at any quota; generation 1 ms * max(1, 50 / q_g); train 0.1 s * 100 / q_t.
+  # Quotas (q_g + q_t <= 100): q_g=10 -> gen 5 ms, T_r = 10 * 15 ms = 0.15 s, q_t=90 -> 0.111: T = 0.15;
+  #   q_g=20 -> 2.5 ms, T_r = 0.125, q_t=80 -> 0.125: T = 0.125 (the best with quotas);
+  #   q_g=30 -> 1.667 ms, T_r = 0.1167, q_t=70 -> 0.1429.
+  # No quotas: gen 1 ms, T_r = 10 * 11 ms = 0.11 s, T_t = 0.1, the GPU's work added up gpu_r + T_t =
+  #   10 * 1 * 1 ms + 0.1 = 0.11: T = max(0.11, 0.1, 0.11) = 0.11 s, which beats 0.125.
+  profiles = {'sim': _profile('sim', 0.01, 0.0, 1.0, (512, 1024)),
+              'generation': _profile('generation', 0.001, 0.0, 50.0, (512, 1024)),
+              'train': _profile('train', 0.1, 0.0, 100.0, (10240,))}
+  space = planner.PlanSpace(num_envs=1024, steps_per_iteration=10, num_groups=(1,), colocate_generation=False,
+                            rollout_on_gpu=False)
+  best = planner.plan(profiles, space, 'async')
+  assert best.shared and best.quotas == {'generation': 100, 'trainer': 100}
+  assert best.iteration_s == pytest.approx(0.11)
+  assert 'no quotas (SMs shared)' in best.reason
+  assert 'runner-up 1 group(s) x 1024 envs, quotas generation 20% trainer 80%' in best.reason
+  assert '+13.6%' in best.reason  # 0.125 / 0.11 - 1
+  # Without the option, or with a quota pinned by hand, the quota plan stands.
+  no_option = planner.plan(profiles, planner.PlanSpace(**{**space.__dict__, 'shared_option': False}), 'async')
+  assert not no_option.shared and no_option.quotas == {'generation': 20, 'trainer': 80}
+  assert no_option.iteration_s == pytest.approx(0.125)
+  assert not planner.plan(profiles, space, 'async', fixed={'generation': 20}).shared
+  # Without MPS every plan is shared: the same prediction.
+  no_mps = planner.PlanSpace(**{**space.__dict__, 'quotas': (100,), 'quota_limit': False})
+  alone = planner.plan(profiles, no_mps, 'async')
+  assert alone.shared and alone.iteration_s == pytest.approx(0.11)
+  # sync, no quotas: T = max(T_r, gpu_r) + T_t = max(0.11, 0.01) + 0.1.
+  assert planner.evaluate(profiles, space, 1, {}, 'sync', shared=True).iteration_s == pytest.approx(0.21)
+  # A Replanner holding a shared plan predicts it as shared.
+  replanner = planner.Replanner(space, 'async', plan=best)
+  assert replanner.update(profiles, iteration=100) is None
+  assert replanner.decisions[-1].current_s == pytest.approx(0.11)
+
+
+def test_shared_plans_add_up_gpu_work_of_groups_that_simulate_on_the_gpu():
+  # PROFILES (MJX-like, sim on the GPU, co-located): no quotas, G groups' steps take turns on the GPU:
+  #   async G=1: max(1.8, 1.0, 1 * 1.8 + 1.0) = 2.8 s; G=2: 2 * 1.0 + 1.0 = 3.0; G=4: 4 * 0.6 + 1.0 = 3.4.
+  for g, expected in ((1, 2.8), (2, 3.0), (4, 3.4)):
+    assert planner.evaluate(PROFILES, SPACE, g, {}, 'async', shared=True).iteration_s == pytest.approx(expected)
+  assert not planner.plan(PROFILES, SPACE, 'async').shared  # 1.667 s with quotas (see the first test)
