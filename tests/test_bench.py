@@ -347,6 +347,45 @@ def test_end_to_end_is_not_averaged_across_its_two_definitions():
   assert pace == {'mean': 100.0, 'sd': None, 'seeds': 1}
 
 
+def test_steady_sm_activity_over_the_steady_window(tmp_path):
+  """SM activity over the second-to-last-evaluation window: exact where the evaluations carry Unix times,
+  placed from the process's end time where a kept run's do not; kept runs get it from the telemetry log of
+  their GPU when merged, and the report shows it."""
+  from experiments.bench import figures
+  from experiments.bench import report
+  from experiments.bench import run as bench_run
+  curve = [{'env_steps': 0, 'wall_s': 5.0, 'return': 1.0}, {'env_steps': 100, 'wall_s': 10.0, 'return': 2.0},
+           {'env_steps': 300, 'wall_s': 20.0, 'return': 3.0}]
+  kept = {'gpu': '0', 'start_unix': 990.0, 'end_unix': 1022.0, 'gpm': {'sm_activity_pct': 10.0},
+          'summary': {'env_steps': 300, 'env_steps_per_s': 30.0, 'wall_s': 21.0, 'eval_curve': curve}}
+  # its clock started 21 s before the end, at 1001: the window is 1011 .. 1021
+  assert figures.steady_window(kept) == (1011.0, 1021.0, 'end-anchored')
+  exact = [dict(p, unix=2000.0 + p['wall_s']) for p in curve]
+  assert figures.steady_window({'summary': {'eval_curve': exact}}) == (2010.0, 2020.0, 'exact')
+  assert figures.steady_window({'summary': {'eval_curve': curve[:2]}}) is None
+  # GPU 0's log: 0 % before the window, 80 % inside it (1011..1021, 11 samples), 0 % after; GPU 1's log says 50 %.
+  tel0 = [{'t': 1000.0 + i, 'sm_activity_pct': 80.0 if 11 <= i <= 21 else 0.0} for i in range(30)]
+  tel1 = [{'t': 1000.0 + i, 'sm_activity_pct': 50.0} for i in range(30)]
+  for name, records in (('telemetry_gpu0.jsonl', tel0), ('telemetry_gpu1.jsonl', tel1)):
+    (tmp_path / name).write_text(''.join(json.dumps(r) + '\n' for r in records))
+  assert figures.window_mean(tel0, 1011.0, 1021.0) == (80.0, 11)
+  runs = {'async': [dict(kept)]}
+  logs = [str(tmp_path / 'telemetry_gpu1.jsonl'), str(tmp_path / 'telemetry_gpu0.jsonl')]
+  assert bench_run.backfill_steady_gpm(runs, logs) == 1
+  assert runs['async'][0]['gpm_steady'] == {'sm_activity_pct': 80.0, 'samples': 11, 'window_s': 10.0,
+                                            'window': 'end-anchored'}
+  assert bench_run.backfill_steady_gpm(runs, logs) == 0  # kept as it is
+  assert bench_run.aggregate(runs)['async']['steady_sm_activity_pct'] == 80.0
+  (tmp_path / 'r.json').write_text(json.dumps({'runs': runs}))
+  md = report.table({'r.json': {'async': [runs['async'][0]['summary']]}}, {'r.json': report.run_extras(
+      str(tmp_path / 'r.json'))})
+  row = next(line.split(' | ') for line in md.splitlines() if line.startswith('| r.json'))
+  assert row[11:13] == ['10.0', '80.0']  # SM activity over the whole run, then over the steady window
+  (tmp_path / 'bad.jsonl').write_text('{not json')
+  with pytest.raises(ValueError, match='bad.jsonl as JSON lines'):
+    bench_run.backfill_steady_gpm(runs, [str(tmp_path / 'bad.jsonl')])
+
+
 def test_report_table_marks_seed_counts_and_the_older_definition():
   from experiments.bench import report
   curve = [{'env_steps': 0, 'wall_s': 5.0, 'return': 1.0}, {'env_steps': 100, 'wall_s': 10.0, 'return': 2.0},

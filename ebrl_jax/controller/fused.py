@@ -145,7 +145,7 @@ def train(cfg: config_lib.Config, make_loop) -> RunSummary:
       eval_metrics = loop.evaluate(train_state.params, eval_key)
       eval_return = eval_metrics['eval/episode_return']
       eval_curve.append({'env_steps': env_steps, 'wall_s': round(time.monotonic() - start, 3),
-                         'train_s': round(train_wall, 3), 'return': eval_return})
+                         'train_s': round(train_wall, 3), 'return': eval_return, 'unix': round(time.time(), 3)})
       logger.log(env_steps, eval_metrics)
       if (cfg.schedule.target_return is not None and target_hit is None
           and eval_return >= cfg.schedule.target_return):

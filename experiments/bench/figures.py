@@ -51,6 +51,31 @@ def end_to_end(summaries: list) -> dict:
   return {'mean': mean, 'sd': sd, 'seeds': n, 'counts_first_iteration': bool(chosen) and not current}
 
 
+def steady_window(run: dict):
+  """(start, end, how) in Unix seconds: the window of `steady_env_steps_per_s` (second to last evaluation) of a
+  finished harness run, for the device's SM activity over the same stretch. `how` is 'exact' where the
+  evaluations carry their Unix time (`unix`, since this commit), else 'end-anchored': the run's clock is taken to
+  have started `wall_s` before its process ended, which places the window late by the process's exit time
+  (stopping workers, about a second). None without three evaluations."""
+  summary = run.get('summary') or {}
+  curve = summary.get('eval_curve') or []
+  if len(curve) < 3:
+    return None
+  a, b = curve[1], curve[-1]
+  if 'unix' in a and 'unix' in b:
+    return a['unix'], b['unix'], 'exact'
+  if 'end_unix' not in run or 'wall_s' not in summary:
+    return None
+  t0 = run['end_unix'] - summary['wall_s']
+  return t0 + a['wall_s'], t0 + b['wall_s'], 'end-anchored'
+
+
+def window_mean(records: list, start: float, end: float, key: str = 'sm_activity_pct'):
+  """(mean of `key` over the telemetry records with start <= t <= end, their count); (None, 0) if none."""
+  values = [r[key] for r in records if start <= r.get('t', -1.0) <= end and r.get(key) is not None]
+  return (sum(values) / len(values) if values else None), len(values)
+
+
 def steady(summaries: list) -> dict:
   """`steady_env_steps_per_s` over seeds (comparable across both definitions): mean, sample sd, count."""
   mean, sd, n = _spread([steady_env_steps_per_s(s) for s in summaries])

@@ -89,16 +89,18 @@ def _fmt(value, digits=0, scale=1.0, suffix=''):
 
 
 def run_extras(path: str) -> Dict[str, dict]:
-  """Per label of a bench result: mean SM activity of its finished runs and its overlap efficiency, where
-  recorded."""
+  """Per label of a bench result: mean SM activity of its finished runs (whole runs, and over their steady
+  windows) and its overlap efficiency, where recorded."""
   with open(path) as f:
     data = json.load(f)
   out = {}
   for label, runs in data.get('runs', {}).items():
     runs = runs if isinstance(runs, list) else [runs]
-    sm = _mean([(r.get('gpm') or {}).get('sm_activity_pct') for r in runs if isinstance(r, dict) and 'summary' in r])
+    done = [r for r in runs if isinstance(r, dict) and 'summary' in r]
+    sm = _mean([(r.get('gpm') or {}).get('sm_activity_pct') for r in done])
+    steady_sm = _mean([(r.get('gpm_steady') or {}).get('sm_activity_pct') for r in done])
     overlap = (data.get('overlap') or {}).get(label, {}).get('overlap_efficiency')
-    out[label] = {'sm_activity_pct': sm, 'overlap_efficiency': overlap}
+    out[label] = {'sm_activity_pct': sm, 'steady_sm_activity_pct': steady_sm, 'overlap_efficiency': overlap}
   return out
 
 
@@ -121,15 +123,15 @@ def table(results: Dict[str, Dict[str, List[dict]]], extras: Dict[str, Dict[str,
   """One row per (file, label): means over seeds; time to target over the seeds that reached it (count shown)."""
   extras = extras or {}
   lines = ['| result | run | seeds | env steps/s | steady env steps/s | rollout env steps/s | compile s | '
-           'reached target | wall s to target | env steps to target | best return | SM activity % | overlap eff. | '
-           'env steps lost per quota change |',
-           '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |']
+           'reached target | wall s to target | env steps to target | best return | SM activity % | '
+           'steady SM activity % | overlap eff. | env steps lost per quota change |',
+           '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |']
   for path, runs in results.items():
     for label, seeds in runs.items():
       x = extras.get(path, {}).get(label, {})
       reached = sum(s.get('env_steps_to_target') is not None for s in seeds)
       lost = _mean([w.get('env_steps_lost') for s in seeds for w in figures.quota_swaps(s)])
-      lines.append('| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |'.format(
+      lines.append('| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |'.format(
           os.path.basename(path), label, len(seeds), _rate_cell(figures.end_to_end(seeds), len(seeds)),
           _rate_cell(figures.steady(seeds), len(seeds)),
           _fmt(_mean([figures.rollout_env_steps_per_s(s) for s in seeds])),
@@ -137,7 +139,8 @@ def table(results: Dict[str, Dict[str, List[dict]]], extras: Dict[str, Dict[str,
           _fmt(_mean([s.get('wall_s_to_target') for s in seeds]), 1),
           _fmt(_mean([s.get('env_steps_to_target') for s in seeds]), 2, 1e-6, ' M'),
           _fmt(_mean([s.get('best_eval_return', s.get('best_return')) for s in seeds]), 1),
-          _fmt(x.get('sm_activity_pct'), 1), _fmt(x.get('overlap_efficiency'), 2), _fmt(lost)))
+          _fmt(x.get('sm_activity_pct'), 1), _fmt(x.get('steady_sm_activity_pct'), 1),
+          _fmt(x.get('overlap_efficiency'), 2), _fmt(lost)))
   return '\n'.join(lines + ['', FOOTNOTE])
 
 

@@ -20,6 +20,7 @@ Per label the JSON holds every seed's figures and their mean; ratios are against
 """
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import platform
@@ -56,6 +57,9 @@ _PROFILE_FROM = flags.DEFINE_string(
     '--merge: give the merged result this profile (a result, or a bare stage_profile.py --profile_out file).')
 _MERGE = flags.DEFINE_list('merge', [], 'Instead of running: merge these result files of one workload (same '
                            'flagfile and flags; seeds or labels run in separate invocations) into --out.')
+_TELEMETRY = flags.DEFINE_list('telemetry', [], 'With --merge: telemetry logs (telemetry_gpu<N>.jsonl[.gz]) of the '
+                               'merged runs, for the SM activity over each run\'s steady window where a kept run '
+                               'lacks it.')
 _QUICK = flags.DEFINE_bool('quick', False, 'Tiny CPU workload (native MuJoCo pendulum) that exercises the harness.')
 
 SCHEDULES = ('fused', 'sync', 'async', 'brax')
@@ -190,7 +194,44 @@ def _run_one(cmd: List[str], run_dir: str, env: dict, tel: Optional[telemetry.Te
     return result
   with open(summary_path) as f:
     result['summary'] = json.load(f)
+  window = run_figures.steady_window(result)
+  if window is not None and tel is not None:
+    result['gpm_steady'] = steady_gpm(tel.records, window)
   return result
+
+
+def steady_gpm(records: List[dict], window) -> dict:
+  """The device's mean SM activity over a run's steady window (`figures.steady_window`)."""
+  start, end, how = window
+  sm, n = run_figures.window_mean(records, start, end)
+  return {'sm_activity_pct': sm, 'samples': n, 'window_s': round(end - start, 1), 'window': how}
+
+
+def backfill_steady_gpm(runs: Dict[str, List[dict]], telemetry_paths: List[str]) -> int:
+  """Gives finished runs kept without `gpm_steady` theirs from telemetry logs (the bench's telemetry_gpu<N>
+  JSONL, gzipped or not): the log of the run's GPU with the most samples in its steady window. Returns how many
+  runs got one; a log that cannot be read is an error naming it."""
+  logs = []
+  for path in telemetry_paths:
+    opener = gzip.open if path.endswith('.gz') else open
+    try:
+      with opener(path, 'rt') as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError) as e:
+      raise ValueError(f'--telemetry: cannot read {path} as JSON lines: {e}') from None
+    gpu = re.search(r'gpu(\d+)', os.path.basename(path))
+    logs.append((gpu.group(1) if gpu else None, records))
+  filled = 0
+  for run in (r for seeds in runs.values() for r in seeds):
+    window = run_figures.steady_window(run)
+    if 'gpm_steady' in run or window is None:
+      continue
+    best = max((steady_gpm(records, window) for gpu, records in logs if gpu in (None, str(run.get('gpu')))),
+               key=lambda g: g['samples'], default=None)
+    if best is not None and best['samples']:
+      run['gpm_steady'] = best
+      filled += 1
+  return filled
 
 
 def _mean(values):
@@ -213,6 +254,9 @@ def aggregate(runs: Dict[str, List[dict]]) -> Dict[str, dict]:
     figures['env_steps_per_s_seeds'] = e2e['seeds']
     figures['env_steps_per_s_counts_first_iteration'] = e2e['counts_first_iteration']
     figures['sm_activity_pct'] = _mean([r['gpm'].get('sm_activity_pct') for r in seeds if 'summary' in r])
+    # The same over the steady window (second to last evaluation), where start-up does not dilute it.
+    figures['steady_sm_activity_pct'] = _mean([(r.get('gpm_steady') or {}).get('sm_activity_pct')
+                                               for r in seeds if 'summary' in r])
     pace = run_figures.steady(done)
     figures['steady_env_steps_per_s'] = pace['mean']
     figures['steady_env_steps_per_s_sd'] = pace['sd']
@@ -359,7 +403,7 @@ def run_seed(run: dict) -> Optional[str]:
   return found.group(1) if found else None
 
 
-def merge(paths: List[str]) -> dict:
+def merge(paths: List[str], telemetry: List[str] = ()) -> dict:
   """One result from several of the same workload and flags: seeds, or labels, run in separate invocations.
   A label in several files must have the same schedule and flags in each; figures are recomputed over all their
   seeds, and the first file's stage profile (or the first file that has one) serves every label. A finished run
@@ -415,6 +459,8 @@ def merge(paths: List[str]) -> dict:
           kept.append(run)
     if 'stage_profile' in r and 'stage_profile' not in out:
       out['stage_profile'] = r['stage_profile']
+  if telemetry:
+    backfill_steady_gpm(out['runs'], list(telemetry))
   labels = [(label, v['schedule'], tuple(v['flags'])) for label, v in labels_seen.items()]
   out['commit'] = ','.join(sorted({r.get('commit', 'unknown') for r in results}))
   out['figures'] = aggregate(out['runs'])
@@ -431,7 +477,7 @@ def main(argv):
   del argv
   if _MERGE.value:
     try:
-      merged = merge(_MERGE.value)
+      merged = merge(_MERGE.value, _TELEMETRY.value)
       if _PROFILE_FROM.value:  # a newer stage profile of the same workload for the merged result
         merged = with_profile(merged, _PROFILE_FROM.value)
     except ValueError as e:
