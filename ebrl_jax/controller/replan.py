@@ -139,8 +139,12 @@ class QuotaChanger:
               'period_before_s': swap.period_before_s,
               'quota_seen_by_worker': int(quota_seen), 'failed': failed}
     self.swaps.append(record)
-    logging.info('rollout/%d swapped to quota %d %%: standby ready in %.2f s, gap %.2f s, %.0f env steps lost.',
-                 swap.group, swap.new_quota, record['standby_ready_s'], gap, lost)
+    if failed:
+      logging.warning('rollout/%d: the swap to quota %d %% failed in its %s phase.', swap.group, swap.new_quota,
+                      swap.phase)
+    else:
+      logging.info('rollout/%d swapped to quota %d %%: standby ready in %.2f s, gap %.2f s, %.0f env steps lost.',
+                   swap.group, swap.new_quota, record['standby_ready_s'], gap, lost)
     if not self.active:
       self._trigger.swapped(self.swaps[-self._cfg.schedule.num_groups:])
 

@@ -82,6 +82,38 @@ def test_a_swap_cut_short_by_the_runs_end_is_recorded_as_pending(tmp_path):
   assert not multiprocessing.active_children()
 
 
+def test_a_standby_that_dies_before_it_is_ready_keeps_the_old_worker(tmp_path, caplog):
+  """A worker failing to start at its new quota (on the GPU: a CUDA context refused at that quota): the old worker
+  is neither retired nor replaced, the group keeps its old quota, and the swap is recorded as failed."""
+  cfg = _config(tmp_path, use_mps=True, sm_quotas='rollout=30,trainer=40', quota_schedule='3:rollout=40')
+
+  class _Workers:
+    rollout_quota = {'rollout/1': 40}
+    use_processes = False
+    swapped_in = []
+
+    def swap_in(self, *args):
+      self.swapped_in.append(args)
+
+  class _Dead:
+    def is_alive(self):
+      return False
+
+  workers = _Workers()
+  changer = replan.QuotaChanger(cfg, workers, replan.ScheduleTrigger(cfg.resources.quota_changes, None))
+  old_control, new_control = feedback.make_control(False, True), feedback.make_control(False, True)
+  swap = replan._Swap(1, object(), old_control, _Dead(), new_control, 30, 40, 100.0, 20_000.0, 1.0)  # pylint: disable=protected-access
+  changer.active.append(swap)
+  with caplog.at_level('WARNING'):
+    changer._advance(swap)  # pylint: disable=protected-access  (what poll does for each swap on)
+  assert not changer.active and not workers.swapped_in and not old_control.retire.is_set()
+  assert workers.rollout_quota['rollout/1'] == 30
+  record = changer.swaps[-1]
+  assert record['failed'] and record['group'] == 1 and record['new_quota'] == 40
+  assert 'the warm standby at quota 40 % died before it was ready; keeping the old worker' in caplog.text
+  assert 'the swap to quota 40 % failed' in caplog.text
+
+
 def _store(cfg):
   """Sim saturates at 80 % of the SMs, training at 50 %; generation is cheap (hand-made samples)."""
   store = profiles.ProfileStore(autoplan.machine_key(), autoplan.workload_key(cfg))
