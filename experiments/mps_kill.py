@@ -7,7 +7,8 @@ every evaluation), waits until a checkpoint is committed and training goes on, t
 daemon and server that this run started (found by their CUDA_MPS_PIPE_DIRECTORY, nothing else is touched).
 Records how long the run took to stop, its exit code and error lines, whether any worker process, GPU context
 (nvidia-smi) or shared-memory segment was left, and then resumes the run from its checkpoint without MPS for
-two more iterations, recording whether that finished. Both runs' output goes beside --out. Needs a GPU, `nvidia-cuda-mps-control` and root.
+two more iterations, recording whether that finished. Both runs' output goes beside --out. Needs a GPU,
+`nvidia-cuda-mps-control` and root (on the H200: `experiments/results/mps_kill_h200.json`).
 """
 from __future__ import annotations
 

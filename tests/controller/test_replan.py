@@ -102,7 +102,8 @@ def test_a_standby_that_dies_before_it_is_ready_keeps_the_old_worker(tmp_path, c
   workers = _Workers()
   changer = replan.QuotaChanger(cfg, workers, replan.ScheduleTrigger(cfg.resources.quota_changes, None))
   old_control, new_control = feedback.make_control(False, True), feedback.make_control(False, True)
-  swap = replan._Swap(1, object(), old_control, _Dead(), new_control, 30, 40, 100.0, 20_000.0, 1.0)  # pylint: disable=protected-access
+  swap = replan._Swap(  # pylint: disable=protected-access
+      1, object(), old_control, _Dead(), new_control, 30, 40, 100.0, 20_000.0, 1.0)
   changer.active.append(swap)
   with caplog.at_level('WARNING'):
     changer._advance(swap)  # pylint: disable=protected-access  (what poll does for each swap on)
