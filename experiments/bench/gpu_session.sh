@@ -25,6 +25,8 @@
 # w3p     W3 async planned once more, after the planner's no-quota candidate (the same flags as w3b's async_plan).
 # w2x     W2 fused seed 1 again (cut by its limit at 11.5 M in the w2s_fused call), then the quota-change run
 #         (rollout 20 -> 25 % at iteration 10 of 48, 3 M steps) whose whole output is kept.
+# The device tool brings back a limited number of files: write OUT_DIR outside $OUT and tar it into $OUT
+# (e.g. `bash experiments/bench/gpu_session.sh w3b /tmp/w3b; tar czf $OUT/w3b.tgz -C /tmp w3b`).
 # Results (JSON, telemetry) are copied to OUT_DIR; every MPS daemon a run started is stopped by the run itself,
 # and any left behind (a killed run) is stopped here.
 set -u
