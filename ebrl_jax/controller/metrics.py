@@ -2,10 +2,14 @@
 and drives a progress bar. Metric names follow `role/stage/quantity` (e.g. `train/ppo/policy_loss`)."""
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
+import sys
+import threading
 import time
+import traceback
 from typing import Dict, Mapping, Optional
 
 from absl import logging
@@ -23,6 +27,47 @@ def quiet_library_logs() -> None:
   handler = logging.get_absl_handler()
   if not any(isinstance(f, _DropChattyInfo) for f in handler.filters):
     handler.addFilter(_DropChattyInfo())
+
+
+_TENSORBOARD_DISK_FULL = []  # set once tensorboardX has met a full disk in this process
+
+
+def _tensorboard_disk_full(exc, tb) -> bool:
+  """An error of tensorboardX's writing on a full disk, or one that follows it (its writer thread finds its queue
+  closed under it when the close that the full disk interrupted tore the writer down)."""
+  if not isinstance(exc, OSError) or not any('tensorboardX' in f.filename for f in traceback.extract_tb(tb)):
+    return False
+  if exc.errno == errno.ENOSPC:
+    _TENSORBOARD_DISK_FULL.append(True)
+  return bool(_TENSORBOARD_DISK_FULL)
+
+
+def _say_tensorboard_disk_full() -> None:
+  if len(_TENSORBOARD_DISK_FULL) < 2:  # the first report only (the list holds one entry per error seen)
+    print('TensorBoard events: the disk is full; the last events were not written.', file=sys.stderr, flush=True)
+  _TENSORBOARD_DISK_FULL.append(True)
+
+
+def quiet_tensorboard_on_a_full_disk() -> None:
+  """tensorboardX writes from its own thread and flushes again at interpreter exit; on a full disk both raise
+  after the run has already stopped with its own message naming the disk. Those tracebacks become one line
+  (process-wide hooks; anything else still reaches the previous hooks)."""
+  if getattr(threading.excepthook, 'ebrl_quiet_tensorboard', False):
+    return
+  previous_thread_hook, previous_unraisable_hook = threading.excepthook, sys.unraisablehook
+
+  def thread_hook(args):
+    if _tensorboard_disk_full(args.exc_value, args.exc_traceback):
+      return _say_tensorboard_disk_full()
+    return previous_thread_hook(args)
+
+  def unraisable_hook(unraisable):  # what reports an exception in an atexit callback
+    if _tensorboard_disk_full(unraisable.exc_value, unraisable.exc_traceback):
+      return _say_tensorboard_disk_full()
+    return previous_unraisable_hook(unraisable)
+
+  thread_hook.ebrl_quiet_tensorboard = True
+  threading.excepthook, sys.unraisablehook = thread_hook, unraisable_hook
 
 
 class NonFiniteMetricError(FloatingPointError):
@@ -69,6 +114,7 @@ class MetricsLogger:
     try:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
       self._tb = SummaryWriter(os.path.join(run_dir, 'tb'), flush_secs=10)
+      quiet_tensorboard_on_a_full_disk()
     except ImportError:  # optional: a notebook without tensorboardX still logs JSONL
       logging.warning('tensorboardX is not installed; TensorBoard events are not written.')
       self._tb = None
@@ -121,8 +167,13 @@ class MetricsLogger:
       self._bar.close()
       self._bar = None
     if self._tb is not None:
-      self._tb.close()
-      self._tb = None
+      tb, self._tb = self._tb, None
+      try:
+        tb.close()
+      except OSError as e:  # its last flush; the run's own writes say what happened to the disk
+        if not _tensorboard_disk_full(e, e.__traceback__):
+          raise
+        _say_tensorboard_disk_full()
     if not self._jsonl.closed:
       self._jsonl.close()
 

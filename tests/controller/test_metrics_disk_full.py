@@ -1,0 +1,44 @@
+"""tensorboardX on a full disk: its writer thread's and exit hook's errors become one line; others pass through."""
+import errno
+import sys
+import threading
+
+from ebrl_jax.controller import metrics
+
+
+def _raised_in(filename, exc):
+  """An exception whose traceback has a frame from `filename` (as if tensorboardX's code raised it)."""
+  namespace = {'exc': exc}
+  exec(compile('def writer():\n  raise exc\n', filename, 'exec'), namespace)  # pylint: disable=exec-used
+  try:
+    namespace['writer']()
+  except OSError as e:
+    return e
+
+
+def test_tensorboard_disk_full_errors_become_one_line(monkeypatch, capsys):
+  seen = []
+  monkeypatch.setattr(threading, 'excepthook', lambda args: seen.append(('thread', args.exc_value)))
+  monkeypatch.setattr(sys, 'unraisablehook', lambda u: seen.append(('unraisable', u.exc_value)))
+  monkeypatch.setattr(metrics, '_TENSORBOARD_DISK_FULL', [])
+  metrics.quiet_tensorboard_on_a_full_disk()
+  metrics.quiet_tensorboard_on_a_full_disk()  # installed once
+  tb_file = '/site-packages/tensorboardX/record_writer.py'
+  ours = _raised_in('/work/ebrl_jax/x.py', OSError(errno.ENOSPC, 'No space left on device'))
+  before = _raised_in(tb_file, OSError('handle is closed'))  # not after a full disk: not ours to hide
+
+  def thread_args(e):
+    return threading.ExceptHookArgs((type(e), e, e.__traceback__, None))
+
+  threading.excepthook(thread_args(before))
+  threading.excepthook(thread_args(ours))
+  full = _raised_in(tb_file, OSError(errno.ENOSPC, 'No space left on device'))
+  threading.excepthook(thread_args(full))
+  threading.excepthook(thread_args(_raised_in(tb_file, OSError('handle is closed'))))  # what follows it
+
+  class _Unraisable:
+    exc_value = full
+    exc_traceback = full.__traceback__
+  sys.unraisablehook(_Unraisable())
+  assert seen == [('thread', before), ('thread', ours)]
+  assert capsys.readouterr().err.count('TensorBoard events: the disk is full') == 1
