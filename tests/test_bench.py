@@ -272,7 +272,7 @@ def test_a_rerun_replaces_its_failed_attempt_when_merged(quick_result, tmp_path)
   twice = bench_run.merge([str(tmp_path / 'merged.json'), str(tmp_path / 'again.json')])
   assert twice['runs'][label] == result['runs'][label] and twice['replaced'] == merged['replaced']
   assert [p['file'] for p in twice['merged_from']] == ['first.json', 'rerun.json', 'again.json']
-  with pytest.raises(ValueError, match=f'rerun.json has {label} seed {seed} finished, and so does an earlier'):
+  with pytest.raises(ValueError, match=f'rerun.json has {label} seed {seed} finished, and so does a run merged before'):
     bench_run.merge([str(tmp_path / 'merged.json'), str(tmp_path / 'rerun.json')])
 
 

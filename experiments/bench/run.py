@@ -397,6 +397,13 @@ def with_profile(result: dict, path: str) -> dict:
   return dict(result, stage_profile=profile, overlap=overlap_efficiency(result['figures'], labels, profile))
 
 
+def _why_failed(run: dict) -> str:
+  """The telling line of a failed run's output tail: the harness's own note or an error, else the last line."""
+  lines = [line.strip() for line in (run.get('error_tail') or '').splitlines() if line.strip()]
+  telling = [line for line in lines if line.startswith(('[bench]', 'FATAL')) or 'Error' in line]
+  return (telling or lines or [''])[-1]
+
+
 def run_seed(run: dict) -> Optional[str]:
   """The seed a kept run was started with (its command's --seed), None where the command does not say."""
   found = re.search(r'--seed=(\S+)', run.get('command', ''))
@@ -442,21 +449,17 @@ def merge(paths: List[str], telemetry: List[str] = ()) -> dict:
         earlier = [i for i, k in enumerate(kept) if seed is not None and run_seed(k) == seed]
         if any('summary' in kept[i] for i in earlier):
           if 'summary' in run:
-            raise ValueError(f'--merge: {path} has {label} seed {seed} finished, and so does an earlier file; '
+            raise ValueError(f'--merge: {path} has {label} seed {seed} finished, and so does a run merged before it; '
                              'leave one of the two out.')
           continue  # a failed attempt at a seed kept finished already
-        if earlier and 'summary' not in run:
-          continue  # failed again: the earlier failed attempt stays
-        for i in reversed(earlier[1:]):
-          kept.pop(i)
-        for i in earlier[:1]:  # a rerun takes its failed attempt's place; the record says so
-          gone = kept[i]
-          tail = (gone.get('error_tail') or '').strip().splitlines()
-          out['replaced'].append({'label': label, 'seed': seed, 'by_file': os.path.basename(path),
-                                  'returncode': gone.get('returncode'), 'why': tail[-1] if tail else ''})
-          kept[i] = run
         if not earlier:
           kept.append(run)
+        elif 'summary' in run:  # a rerun takes its failed attempt's place; the record says so
+          gone = kept[earlier[0]]
+          out['replaced'].append({'label': label, 'seed': seed, 'by_file': os.path.basename(path),
+                                  'returncode': gone.get('returncode'), 'why': _why_failed(gone)})
+          kept[earlier[0]] = run
+        # else failed again: the earlier failed attempt stays
     if 'stage_profile' in r and 'stage_profile' not in out:
       out['stage_profile'] = r['stage_profile']
   if telemetry:
