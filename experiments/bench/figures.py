@@ -1,4 +1,13 @@
 """Figures derived from a run's summary, shared by the harness (run.py) and the report (no plotting here)."""
+import gzip
+import json
+
+
+def read_jsonl(path: str) -> list:
+  """The records of a JSON-lines file, gzipped (.gz) or not; OSError or ValueError where it cannot be read."""
+  opener = gzip.open if path.endswith('.gz') else open
+  with opener(path, 'rt') as f:
+    return [json.loads(line) for line in f if line.strip()]
 
 
 def steady_env_steps_per_s(summary: dict):

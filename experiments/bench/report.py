@@ -11,7 +11,6 @@ run missing a field, is an error that names the file and the field.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 import os
@@ -145,11 +144,9 @@ def table(results: Dict[str, Dict[str, List[dict]]], extras: Dict[str, Dict[str,
 
 
 def _read_jsonl(path: str) -> List[dict]:
-  opener = gzip.open if path.endswith('.gz') else open
   try:
-    with opener(path, 'rt') as f:
-      return [json.loads(line) for line in f if line.strip()]
-  except (OSError, json.JSONDecodeError) as e:
+    return figures.read_jsonl(path)
+  except (OSError, ValueError) as e:
     raise ResultError(f'{path}: cannot read it as JSON lines ({e})') from None
 
 

@@ -20,7 +20,6 @@ Per label the JSON holds every seed's figures and their mean; ratios are against
 """
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import platform
@@ -104,11 +103,11 @@ def _gpm_window(tel: Optional[telemetry.Telemetry], start: float, end: float) ->
   """Mean device-wide SM activity and occupancy between two Unix times (None, with the reason, without a GPU)."""
   if tel is None:
     return {'sm_activity_pct': None, 'sm_occupancy_pct': None, 'reason': 'no telemetry for this GPU'}
-  window = [r for r in tel.records if start <= r['t'] <= end and 'sm_activity_pct' in r]
-  if not window:
+  sm, samples = run_figures.window_mean(tel.records, start, end)
+  if not samples:
     return {'sm_activity_pct': None, 'sm_occupancy_pct': None, 'reason': tel.gpu_reason or 'no samples'}
-  return {'sm_activity_pct': sum(r['sm_activity_pct'] for r in window) / len(window),
-          'sm_occupancy_pct': sum(r['sm_occupancy_pct'] for r in window) / len(window), 'samples': len(window)}
+  occupancy, _ = run_figures.window_mean(tel.records, start, end, 'sm_occupancy_pct')
+  return {'sm_activity_pct': sm, 'sm_occupancy_pct': occupancy, 'samples': samples}
 
 
 def _nvidia_smi(query: str) -> List[str]:
@@ -213,10 +212,8 @@ def backfill_steady_gpm(runs: Dict[str, List[dict]], telemetry_paths: List[str])
   runs got one; a log that cannot be read is an error naming it."""
   logs = []
   for path in telemetry_paths:
-    opener = gzip.open if path.endswith('.gz') else open
     try:
-      with opener(path, 'rt') as f:
-        records = [json.loads(line) for line in f if line.strip()]
+      records = run_figures.read_jsonl(path)
     except (OSError, ValueError) as e:
       raise ValueError(f'--telemetry: cannot read {path} as JSON lines: {e}') from None
     gpu = re.search(r'gpu(\d+)', os.path.basename(path))
