@@ -1,4 +1,4 @@
-"""A full disk among the errors of the run's writers and of the libraries under them.
+"""A full disk among the errors of the run's writers and of the libraries under them, and the atomic JSON write.
 
 Our own writes fail with `OSError(ENOSPC)`; orbax-checkpoint and tensorstore wrap the OS error in their own
 exception types where only its text survives, so both the error codes and the texts are recognised, along the
@@ -7,8 +7,9 @@ exception's cause/context chain.
 from __future__ import annotations
 
 import errno
+import json
 import os
-from typing import Optional
+from typing import Any, Optional
 
 _CODES = {errno.ENOSPC: 'No space left on device', errno.EDQUOT: 'Disk quota exceeded'}
 _TEXTS = tuple(_CODES.values())
@@ -29,6 +30,20 @@ def disk_full(exc: Optional[BaseException]) -> Optional[str]:
         return line if len(line) <= 300 else line[:297] + '...'
     exc = exc.__cause__ or exc.__context__
   return None
+
+
+def write_json(path: str, data: Any, **dump_kwargs) -> None:
+  """Writes `data` as JSON so that a reader sees the old file or the new one, never half of one: a temporary file
+  beside it (named by this process), then os.replace. The OSError of a failed write (a full disk) is raised, and
+  the temporary file does not stay behind."""
+  tmp = f'{path}.{os.getpid()}.tmp'
+  try:
+    with open(tmp, 'w') as f:
+      json.dump(data, f, **dump_kwargs)
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
 
 
 def latest_checkpoint_step(checkpoint_dir: str) -> Optional[int]:

@@ -14,6 +14,8 @@ import threading
 import time
 from typing import Dict, List, Optional
 
+from ebrl_jax import storage
+
 
 class Tracer:
   """Records spans `with tracer.span('sim/step'):` for one process (thread-safe)."""
@@ -56,10 +58,7 @@ class Tracer:
     path = os.path.join(self._dir, self._role.replace('/', '_') + '.trace.json')
     with self._lock:
       events = [meta] + self._events
-    tmp = path + '.tmp'
-    with open(tmp, 'w') as f:
-      json.dump({'traceEvents': events}, f)
-    os.replace(tmp, path)  # a reader never sees half a file
+    storage.write_json(path, {'traceEvents': events})  # a reader never sees half a file
     return path
 
 

@@ -225,9 +225,7 @@ class _Workers:
     pids = {role: w.pid for role, w in self.workers.items()}
     path = os.path.join(self._cfg.schedule.run_dir, 'workers.json')
     try:  # for telemetry and for the user; a full disk must not stop the controller here (the trainer says it)
-      with open(path + '.tmp', 'w') as f:
-        json.dump({'controller': os.getpid(), 'workers': pids, 'restarts': self.restarts}, f)
-      os.replace(path + '.tmp', path)
+      storage.write_json(path, {'controller': os.getpid(), 'workers': pids, 'restarts': self.restarts})
     except OSError as e:
       logging.warning('could not write %s: %s', path, e)
 

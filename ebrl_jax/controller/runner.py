@@ -86,9 +86,7 @@ def _finish(cfg: config_lib.Config, summary, telemetry_means: Optional[dict]):
       data = json.load(f)
     data['extra'] = extra
     try:
-      with open(path + '.tmp', 'w') as f:
-        json.dump(data, f, indent=2)
-      os.replace(path + '.tmp', path)  # the trainer's summary stays whole if this fails
+      storage.write_json(path, data, indent=2)  # the trainer's summary stays whole if this fails
     except OSError as e:
       reason = storage.disk_full(e)
       if reason is None:

@@ -231,12 +231,10 @@ def add_to_store(store, profile: dict) -> None:
 def calibrate_main(cfg, envs_per_group: Sequence[int], repeats: int, out_path: str, env=None,
                    all_groups_threads: bool = False) -> None:
   """Process entry point: applies the worker environment (SM quota, memory share), profiles, writes JSON."""
-  import json  # pylint: disable=g-import-not-at-top
   from ebrl_jax import resources  # pylint: disable=g-import-not-at-top
   resources.apply_worker_env(env)
   from ebrl_jax.controller import runner  # pylint: disable=g-import-not-at-top
   runner.configure_jax(cfg)
   profile = profile_stages(cfg, envs_per_group, repeats, all_groups_threads)
-  with open(out_path + '.tmp', 'w') as f:
-    json.dump(profile, f, indent=2, allow_nan=False)
-  os.replace(out_path + '.tmp', out_path)
+  from ebrl_jax import storage  # pylint: disable=g-import-not-at-top
+  storage.write_json(out_path, profile, indent=2, allow_nan=False)

@@ -15,6 +15,8 @@ from typing import Callable, Dict, List, Optional
 
 from absl import logging
 
+from ebrl_jax import storage
+
 _CLOCK_TICKS = os.sysconf('SC_CLK_TCK') if hasattr(os, 'sysconf') else 100
 
 
@@ -176,6 +178,4 @@ class Telemetry:
         if key != 't':
           events.append({'name': key, 'ph': 'C', 'ts': int(r['t'] * 1e6), 'pid': pid, 'args': {'value': value}})
     path = os.path.join(self._trace_dir, 'telemetry.trace.json')
-    with open(path + '.tmp', 'w') as f:
-      json.dump({'traceEvents': events}, f)
-    os.replace(path + '.tmp', path)
+    storage.write_json(path, {'traceEvents': events})

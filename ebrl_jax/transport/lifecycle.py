@@ -8,6 +8,8 @@ import os
 import time
 from typing import Dict, Optional
 
+from ebrl_jax import storage
+
 
 class ParentWatch:
   """A stop event that also fires when the process that started this worker has gone (orphaned worker)."""
@@ -50,10 +52,7 @@ class Phase:
     self._phase = phase
     try:
       os.makedirs(os.path.dirname(self._path), exist_ok=True)
-      tmp = f'{self._path}.{os.getpid()}.tmp'
-      with open(tmp, 'w') as f:
-        json.dump({'name': self._name, 'phase': phase, 'since': time.time(), 'pid': os.getpid()}, f)
-      os.replace(tmp, self._path)
+      storage.write_json(self._path, {'name': self._name, 'phase': phase, 'since': time.time(), 'pid': os.getpid()})
     except OSError:
       pass
 
