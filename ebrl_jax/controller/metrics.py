@@ -29,7 +29,8 @@ def quiet_library_logs() -> None:
     handler.addFilter(_DropChattyInfo())
 
 
-_TENSORBOARD_DISK_FULL = []  # set once tensorboardX has met a full disk in this process
+# Whether tensorboardX has met a full disk in this process, and whether that has been said.
+_TENSORBOARD_DISK = {'full': False, 'said': False}
 
 
 def _tensorboard_disk_full(exc, tb) -> bool:
@@ -38,14 +39,14 @@ def _tensorboard_disk_full(exc, tb) -> bool:
   if not isinstance(exc, OSError) or not any('tensorboardX' in f.filename for f in traceback.extract_tb(tb)):
     return False
   if exc.errno == errno.ENOSPC:
-    _TENSORBOARD_DISK_FULL.append(True)
-  return bool(_TENSORBOARD_DISK_FULL)
+    _TENSORBOARD_DISK['full'] = True
+  return _TENSORBOARD_DISK['full']
 
 
 def _say_tensorboard_disk_full() -> None:
-  if len(_TENSORBOARD_DISK_FULL) < 2:  # the first report only (the list holds one entry per error seen)
+  if not _TENSORBOARD_DISK['said']:
+    _TENSORBOARD_DISK['said'] = True
     print('TensorBoard events: the disk is full; the last events were not written.', file=sys.stderr, flush=True)
-  _TENSORBOARD_DISK_FULL.append(True)
 
 
 def quiet_tensorboard_on_a_full_disk() -> None:

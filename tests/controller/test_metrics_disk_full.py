@@ -20,7 +20,7 @@ def test_tensorboard_disk_full_errors_become_one_line(monkeypatch, capsys):
   seen = []
   monkeypatch.setattr(threading, 'excepthook', lambda args: seen.append(('thread', args.exc_value)))
   monkeypatch.setattr(sys, 'unraisablehook', lambda u: seen.append(('unraisable', u.exc_value)))
-  monkeypatch.setattr(metrics, '_TENSORBOARD_DISK_FULL', [])
+  monkeypatch.setattr(metrics, '_TENSORBOARD_DISK', {'full': False, 'said': False})
   metrics.quiet_tensorboard_on_a_full_disk()
   metrics.quiet_tensorboard_on_a_full_disk()  # installed once
   tb_file = '/site-packages/tensorboardX/record_writer.py'
