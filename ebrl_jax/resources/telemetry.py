@@ -74,6 +74,14 @@ class _Gpm:
     return out
 
 
+def _close_quietly(f) -> None:
+  """Closes a samples file whose last flush may fail (a full disk) without raising: the samples stay in memory."""
+  try:
+    f.close()
+  except OSError:
+    pass
+
+
 class Telemetry:
   """Samples in a daemon thread from `start()` to `stop()`; `pids()` names the processes to watch by role."""
 
@@ -121,11 +129,11 @@ class Telemetry:
   def _loop(self) -> None:
     last_cpu: Dict[int, float] = {}
     last_t = time.time()
-    f = None
     try:
       f = open(self._path, 'a', buffering=1)
     except OSError as e:
       logging.warning('telemetry: cannot write %s (%s); sampling on, in memory only.', self._path, e)
+      f = None
     try:
       while not self._stop.wait(self._period):
         record = self._sample(last_cpu, last_t)
@@ -136,13 +144,11 @@ class Telemetry:
             f.write(json.dumps(record) + '\n')
           except OSError as e:  # e.g. a full disk: the run's own writers report it; the samples stay in memory
             logging.warning('telemetry: writing %s failed (%s); sampling on, in memory only.', self._path, e)
+            _close_quietly(f)
             f = None
     finally:
       if f is not None:
-        try:
-          f.close()
-        except OSError:
-          pass
+        _close_quietly(f)
 
   def start(self) -> 'Telemetry':
     self._thread = threading.Thread(target=self._loop, name='telemetry', daemon=True)
