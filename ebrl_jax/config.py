@@ -10,7 +10,7 @@ import dataclasses
 from typing import Dict, Optional, Tuple
 
 # Names accepted by the registries; the registries themselves check membership against these same tuples.
-TASKS = ('ant', 'halfcheetah', 'hopper', 'walker2d', 'humanoid', 'pusher', 'reacher', 'inverted_pendulum')
+TASKS = ('ant', 'halfcheetah', 'hopper', 'walker2d', 'humanoid', 'pusher', 'reacher', 'inverted_pendulum', 'push_cube')
 BACKENDS = ('mujoco_cpu', 'mjx')
 POLICIES = ('mlp', 'transformer')
 ALGORITHMS = ('ppo', 'grpo')

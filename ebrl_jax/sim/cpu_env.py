@@ -34,6 +34,7 @@ import numpy as np
 
 from ebrl_jax import types
 from ebrl_jax.sim import registry
+from ebrl_jax.sim import render
 from ebrl_jax.sim import tasks
 
 
@@ -57,10 +58,15 @@ def _step_slice(model, datas, ids, ctrl, nstep, frame, fields) -> None:
 
 
 class CpuEnvPool:
-  """`num_envs` native-MuJoCo envs of one task; numpy in, numpy out (obs float32)."""
+  """`num_envs` native-MuJoCo envs of one task; numpy in, numpy out (obs float32).
+
+  With `camera`, each env also renders stacked camera frames after every reset and step: `pixels()`
+  (see `ebrl_jax.sim.render`).
+  """
 
   def __init__(self, task: str, num_envs: int, episode_length: int, action_repeat: int = 1,
-               num_threads: int = 0, seed: int = 0, group_size: int = 1, auto_reset: bool = True):
+               num_threads: int = 0, seed: int = 0, group_size: int = 1, auto_reset: bool = True,
+               camera: Optional[render.CameraObs] = None):
     for field, value in (('num_envs', num_envs), ('episode_length', episode_length),
                          ('action_repeat', action_repeat), ('group_size', group_size)):
       if value <= 0:
@@ -88,6 +94,7 @@ class CpuEnvPool:
     self.num_threads = min(num_threads or len(os.sched_getaffinity(0)), num_envs)
     self._executor = (concurrent.futures.ThreadPoolExecutor(self.num_threads, thread_name_prefix='mj_step')
                       if self.num_threads > 1 else None)
+    self._pixels = render.PixelRenderer(self.model, camera, num_envs) if camera is not None else None
     self.reset()
 
   # -------------------------------------------------------------------------------------------- properties
@@ -125,6 +132,8 @@ class CpuEnvPool:
     self._length[ids] = 0
     self._finished[ids] = False
     self._final_truncation[ids] = False
+    if self._pixels is not None:
+      self._pixels.reset(ids, self._datas)
 
   def _draw(self, ids: np.ndarray, grouped: bool) -> None:
     groups = ids // self.group_size if grouped else ids
@@ -196,6 +205,7 @@ class CpuEnvPool:
       raise ValueError(f'actions {actions.shape} must be [{ids.size}, (K,) {self._spec.action_dim}].')
     n = ids.size
     running = ~self._finished[ids]
+    stepped = running.copy()
     reward, done = np.zeros(n), self._finished[ids].copy()
     truncation = self._final_truncation[ids].copy()
     ep_return, ep_length = np.zeros(n), np.zeros(n, np.int64)
@@ -224,12 +234,23 @@ class CpuEnvPool:
     # Frozen (auto_reset=False) and still-running envs report their current totals.
     keep = ~done | self._finished[ids]
     ep_return[keep], ep_length[keep] = self._return[ids[keep]], self._length[ids[keep]]
+    if self._pixels is not None:  # a frame for each env stepped here; an auto-reset one holds its reset stack
+      self._pixels.push(ids[stepped & ~(done & self.auto_reset)], self._datas)
     return types.StepResult(obs=self._obs(ids), reward=reward.astype(np.float32), done=done.astype(np.float32),
                             truncation=truncation.astype(np.float32), episode_return=ep_return.astype(np.float32),
                             episode_length=ep_length.astype(np.int32))
 
+  def pixels(self, env_ids: Optional[Sequence[int]] = None) -> np.ndarray:
+    """Camera frames of envs `env_ids` as of their last reset or step: [n, H, W, C * frame_stack] uint8."""
+    if self._pixels is None:
+      raise ValueError('CpuEnvPool.pixels needs a pool built with camera=render.CameraObs(...).')
+    return self._pixels.frames(self._ids(env_ids))
+
   # -------------------------------------------------------------------------------------------- lifecycle
   def close(self) -> None:
+    if getattr(self, '_pixels', None) is not None:
+      self._pixels.close()
+      self._pixels = None
     if self._executor is not None:
       self._executor.shutdown(wait=True)
       self._executor = None

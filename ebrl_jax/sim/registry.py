@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import importlib.util
 import os
-from typing import Callable, Dict, Mapping, Tuple
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import types
+from ebrl_jax.sim import manipulation
 from ebrl_jax.sim import tasks
 
 # mujoco.mjtSolver.mjSOL_NEWTON and mujoco.mjtDisableBit.mjDSBL_EULERDAMP, as ints so that this module does
@@ -35,10 +37,14 @@ class TaskDef:
 
   reset_fn(rng, n, consts) -> (qpos [n, nq], qvel [n, nv]); obs_fn(frame, consts) -> [n, O];
   reward_fn(before, after, ctrl, consts) -> (reward [n], done [n] bool). See `ebrl_jax.sim.tasks`.
+
+  Brax's tasks name their MJCF by `xml_file` under brax/envs/assets. A task of this project gives `asset_path`
+  (an absolute MJCF path) instead, and `brax_module`: the module that registers its Brax env as `brax_name`
+  with `brax.envs.register_environment` (`load` imports it, so `brax.envs.get_environment(brax_name)` finds it).
   """
   name: str
   brax_name: str
-  xml_file: str  # file name under brax/envs/assets
+  xml_file: str  # file name under brax/envs/assets ('' with asset_path)
   n_frames: int  # physics steps per env step (Brax's default for backend='mjx')
   obs_dim: int
   action_dim: int
@@ -50,6 +56,8 @@ class TaskDef:
   obs_fn: Callable
   reward_fn: tasks.RewardFn
   default_episode_length: int = 1000
+  asset_path: Optional[str] = None  # absolute MJCF path; None: xml_file under brax/envs/assets
+  brax_module: str = ''  # module that registers the Brax env `brax_name` ('' for Brax's own envs)
 
   def __post_init__(self):
     if self.n_frames <= 0:
@@ -60,7 +68,9 @@ class TaskDef:
 
   @property
   def xml_path(self) -> str:
-    """The MJCF file inside the installed brax package (brax is not imported to find it)."""
+    """The MJCF file: `asset_path`, or `xml_file` inside the installed brax package (brax is not imported)."""
+    if self.asset_path is not None:
+      return self.asset_path
     spec = importlib.util.find_spec('brax')
     if spec is None or not spec.submodule_search_locations:
       raise ImportError('brax is not installed; the task models ship with it.')
@@ -81,13 +91,19 @@ def names() -> Tuple[str, ...]:
 
 
 def load(name: str) -> TaskDef:
+  """The task's definition. NOTE: for a task with `brax_module` this imports that module (and so brax and
+  jax, which `cpu_env.load_model` imports anyway) to register the task's Brax env."""
   if name not in _REGISTRY:
     raise ValueError(f'Unknown task {name!r}; valid tasks: {", ".join(names())}.')
-  return _REGISTRY[name]
+  task = _REGISTRY[name]
+  if task.brax_module:
+    importlib.import_module(task.brax_module)
+  return task
 
 
 def get_default_config(name: str) -> config_lib.SimConfig:
-  """A `SimConfig` for the task with Brax's episode length (1000 for every task here) and no action repeat."""
+  """A `SimConfig` for the task with its default episode length (Brax's 1000 for Brax's tasks) and no action
+  repeat."""
   task = load(name)
   return config_lib.SimConfig(task=name, episode_length=task.default_episode_length, action_repeat=1)
 
@@ -144,6 +160,11 @@ _TASKS = (
     TaskDef('inverted_pendulum', 'inverted_pendulum', 'inverted_pendulum.xml', 2, 4, 1, (),
             _params(max_pole_angle=0.2), ('qpos', 'qvel'), True,
             tasks.reset_inverted_pendulum, tasks.obs_inverted_pendulum, tasks.reward_inverted_pendulum),
+    # The project's own manipulation task: 4 physics steps of 5 ms per env step, 250 steps (5 s) an episode.
+    TaskDef('push_cube', 'ebrl_push_cube', '', 4, manipulation.OBS_DIM, manipulation.NU, (), manipulation.PARAMS,
+            ('qpos', 'qvel', 'site_xpos'), False, manipulation.reset_push_cube, manipulation.obs_push_cube,
+            manipulation.reward_push_cube, default_episode_length=250, asset_path=manipulation.XML_PATH,
+            brax_module='ebrl_jax.sim.manipulation_mjx'),
 )
 
 for _task in _TASKS:
