@@ -7,7 +7,12 @@ Validation errors are `ValueError`s that name the field (as its flag) and the al
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
+
+from ebrl_jax.config_checks import check_choice as _check_choice
+from ebrl_jax.config_checks import check_positive as _check_positive
+from ebrl_jax.config_checks import check_range as _check_range
+from ebrl_jax.config_resources import QUOTA_ROLES, ResourceConfig
 
 # Names accepted by the registries; the registries themselves check membership against these same tuples.
 TASKS = ('ant', 'halfcheetah', 'hopper', 'walker2d', 'humanoid', 'pusher', 'reacher', 'inverted_pendulum', 'push_cube')
@@ -17,23 +22,6 @@ ALGORITHMS = ('ppo', 'grpo')
 SCHEDULES = ('fused', 'sync', 'async')
 TRANSPORTS = ('shm', 'thread')
 FAULT_POLICIES = ('restart', 'stop')
-
-
-def _check_choice(field: str, value, allowed) -> None:
-  if value not in allowed:
-    raise ValueError(f'--{field}={value!r} is not valid; allowed values: {", ".join(map(str, allowed))}.')
-
-
-def _check_positive(field: str, value, allow_zero: bool = False) -> None:
-  ok = value >= 0 if allow_zero else value > 0
-  if not ok:
-    bound = '>= 0' if allow_zero else '> 0'
-    raise ValueError(f'--{field}={value!r} must be {bound}.')
-
-
-def _check_range(field: str, value: float, lo: float, hi: float) -> None:
-  if not lo <= value <= hi:
-    raise ValueError(f'--{field}={value!r} must lie in [{lo}, {hi}].')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +125,12 @@ class AlgoConfig:
   def segments_per_iteration(self) -> int:
     return self.batch_size * self.num_minibatches
 
+  @property
+  def episodic(self) -> bool:
+    """GRPO collects one whole episode per env after a group reset (no critic to bootstrap from); PPO collects
+    fixed-length segments from envs that reset on their own."""
+    return self.name == 'grpo'
+
 
 @dataclasses.dataclass(frozen=True)
 class ScheduleConfig:
@@ -192,129 +186,16 @@ class ScheduleConfig:
     return self.max_staleness if self.name == 'async' else 0
 
 
-QUOTA_ROLES = ('trainer', 'rollout', 'generation')
-
-
-def _role_values(flag: str, text: str, convert, example: str) -> Dict[str, object]:
-  """Parses 'role=value,role=value' (roles from QUOTA_ROLES) with `convert`; errors name the flag."""
-  out: Dict[str, object] = {}
-  for item in filter(None, (p.strip() for p in text.split(','))):
-    role, _, value = item.partition('=')
-    if role not in QUOTA_ROLES:
-      raise ValueError(f'--{flag}: role {role!r} is not valid; allowed roles: {", ".join(QUOTA_ROLES)}.')
-    try:
-      out[role] = convert(value)
-    except ValueError:
-      raise ValueError(f'--{flag}: {item!r} must read {example}.') from None
-  return out
-
-
 @dataclasses.dataclass(frozen=True)
-class ResourceConfig:
-  """Placement of the process schedules' workers on the machine."""
-  platform: str = ''  # '' lets JAX choose; else 'cpu' or 'gpu'
-  # Run the workers under an NVIDIA MPS daemon (started for the run if none serves CUDA_MPS_PIPE_DIRECTORY).
-  use_mps: bool = False
-  # SM quotas in percent per role under MPS, e.g. 'trainer=30,rollout=35' ('' = no quotas).
-  sm_quotas: str = ''
-  # GPU memory plan: each worker process gets its estimated footprint times this as its budget.
-  memory_headroom: float = 1.5
-  # GPU memory fractions per role, fixed by hand instead of planned, e.g. 'trainer=0.4,rollout=0.2' (each
-  # rollout worker gets the rollout fraction; '' = planned for every role).
-  memory_fractions: str = ''
-  # A calibration JSON (experiments/bench/stage_profile.py --profile_out) whose measured peak memory raises the
-  # plan's estimates where it is larger ('' = estimates only).
-  memory_profile: str = ''
-  # Pin native-MuJoCo rollout workers to cores of their own, and each GPU feeder process to one core.
-  pin_cpus: bool = True
-  # Telemetry (SM activity via NVML GPM, GPU memory and CPU use per process) every this many seconds; 0 = off.
-  telemetry_period_s: float = 0.1
-  # sync/async: choose the number of env groups and (under MPS) the SM quotas from stage profiles, calibrating
-  # the stages first when the profile store holds none for this machine and workload. --sm_quotas pins roles.
-  plan: bool = False
-  # Where stage profiles are kept between runs ('' = ~/.cache/ebrl_jax/profiles).
-  profile_dir: str = ''
-  # SM quotas (percent) the calibration times each stage at, one process per quota (100 only without MPS).
-  calibration_quotas: Tuple[int, ...] = (25, 50, 100)
-  # With --plan: re-plan the ROLLOUT quota during the run from measured stage times (the trainer's quota and the
-  # number of groups stay fixed); a change swaps each rollout worker for a warm standby at the new quota.
-  replan: bool = False
-  # Seconds between re-planning looks; a change must gain more than --replan_hysteresis (fraction of the
-  # iteration time), come --replan_min_interval trainer iterations after the last, and pay back
-  # --replan_change_cost_s (replaced by the measured gap of a swap once there is one) within 200 iterations.
-  replan_period_s: float = 5.0
-  replan_hysteresis: float = 0.10
-  replan_min_interval: int = 20
-  replan_change_cost_s: float = 30.0
-  # Manual rollout quota changes through the same warm-standby swaps, 'iteration:rollout=percent[,...]', e.g.
-  # '10:rollout=40' switches every rollout worker to 40 % at trainer iteration 10 (measures a change's cost).
-  quota_schedule: str = ''
-
-  def __post_init__(self):
-    _check_choice('platform', self.platform, ('', 'cpu', 'gpu', 'cuda'))
-    _check_positive('telemetry_period_s', self.telemetry_period_s, allow_zero=True)
-    quotas = self.quotas  # parses and checks
-    if not self.calibration_quotas or any(not 1 <= q <= 100 for q in self.calibration_quotas):
-      raise ValueError(f'--calibration_quotas={",".join(map(str, self.calibration_quotas))} must be non-empty, '
-                       'each in [1, 100] percent.')
-    if quotas and not self.use_mps:
-      raise ValueError(f'--sm_quotas={self.sm_quotas} needs --use_mps (quotas are an MPS setting).')
-    if not self.memory_headroom >= 1.0:
-      raise ValueError(f'--memory_headroom={self.memory_headroom} must be >= 1 (a budget is the estimated '
-                       'footprint times the headroom; to give less, set --memory_fractions).')
-    _ = self.fractions  # parses and checks (the memory plan checks that they fit the GPU)
-    if self.replan and not self.plan:
-      raise ValueError('--replan re-plans the quotas that --plan chose; it needs --plan.')
-    _check_positive('replan_period_s', self.replan_period_s)
-    _check_positive('replan_hysteresis', self.replan_hysteresis, allow_zero=True)
-    _check_positive('replan_min_interval', self.replan_min_interval, allow_zero=True)
-    _check_positive('replan_change_cost_s', self.replan_change_cost_s, allow_zero=True)
-    changes = self.quota_changes  # parses and checks
-    if changes and not self.use_mps:
-      raise ValueError(f'--quota_schedule={self.quota_schedule} needs --use_mps (quotas are an MPS setting).')
-    if changes and self.replan:
-      raise ValueError(f'--quota_schedule={self.quota_schedule} and --replan both change the rollout quota '
-                       'during the run; use one of them.')
-
-  @property
-  def quota_changes(self) -> Tuple[Tuple[int, int], ...]:
-    """`--quota_schedule` as ((trainer iteration, rollout percent), ...), in iteration order."""
-    out = []
-    for item in filter(None, (p.strip() for p in self.quota_schedule.split(','))):
-      when, _, change = item.partition(':')
-      role, _, value = change.partition('=')
-      try:
-        iteration, percent = int(when), int(value)
-      except ValueError:
-        raise ValueError(f'--quota_schedule: {item!r} must read iteration:rollout=percent, e.g. 10:rollout=40.'
-                         ) from None
-      if role != 'rollout':
-        raise ValueError(f'--quota_schedule: {item!r} changes role {role!r}; only the rollout quota changes '
-                         'during a run (the trainer holds the training state and is never swapped).')
-      if iteration < 1 or not 1 <= percent <= 100:
-        raise ValueError(f'--quota_schedule: {item!r}: the iteration must be >= 1 (got {iteration}) and the '
-                         f'quota in [1, 100] percent (got {percent}).')
-      out.append((iteration, percent))
-    if len({i for i, _ in out}) != len(out):
-      raise ValueError(f'--quota_schedule={self.quota_schedule} names an iteration twice.')
-    return tuple(sorted(out))
-
-  @property
-  def quotas(self) -> Dict[str, int]:
-    out = _role_values('sm_quotas', self.sm_quotas, int, 'role=percent, e.g. trainer=30')
-    for role, percent in out.items():
-      if not 1 <= percent <= 100:
-        raise ValueError(f'--sm_quotas: {role}={percent} must lie in [1, 100] percent.')
-    return out
-
-  @property
-  def fractions(self) -> Dict[str, float]:
-    """--memory_fractions by role: the GPU memory share of each process of that role."""
-    out = _role_values('memory_fractions', self.memory_fractions, float, 'role=fraction, e.g. trainer=0.4')
-    for role, fraction in out.items():
-      if not 0.0 < fraction <= 1.0:
-        raise ValueError(f'--memory_fractions: {role}={fraction} must lie in (0, 1] (a share of the GPU memory).')
-    return out
+class CollectSpec:
+  """How one iteration's data comes from each env, derived from a `Config` (`Config.collect_spec`): what the
+  rollout stages take instead of the whole config. Hashable, so jitted code can take it as a static argument."""
+  episodic: bool  # one whole episode per env after a group reset (GRPO), else `unrolls` segments per env
+  unrolls: int  # segments per env per iteration
+  steps: int  # policy steps (action chunks) per segment
+  action_chunk: int  # env steps per policy step
+  group_size: int  # envs that reset to one initial state (GRPO)
+  min_std: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,7 +234,7 @@ class Config:
     if self.algo.unroll_length % self.policy.action_chunk:
       raise ValueError(f'--unroll_length={self.algo.unroll_length} must be a multiple of '
                        f'--action_chunk={self.policy.action_chunk}.')
-    if self.algo.name == 'grpo':
+    if self.algo.episodic:
       # GRPO rolls out whole episodes (no critic to bootstrap from): minibatches split the envs.
       if self.sim.group_size < 2:
         raise ValueError(f'--algo=grpo needs --group_size >= 2 (got {self.sim.group_size}): advantages are '
@@ -388,6 +269,13 @@ class Config:
                        f'(--num_envs={self.sim.num_envs} / --num_groups={self.schedule.num_groups}).')
 
   @property
+  def collect_spec(self) -> CollectSpec:
+    unrolls, steps = self.segment_shape
+    return CollectSpec(episodic=self.algo.episodic, unrolls=unrolls, steps=steps,
+                       action_chunk=self.policy.action_chunk, group_size=self.sim.group_size,
+                       min_std=self.policy.min_std)
+
+  @property
   def rollout_on_host(self) -> bool:
     """The process schedules' rollout workers simulate on CPU cores and a separate generation worker acts for
     them: they run JAX on the CPU, hold no GPU context and get no SM quota or GPU memory budget."""
@@ -406,7 +294,7 @@ class Config:
 
   @property
   def env_steps_per_iteration(self) -> int:
-    if self.algo.name == 'grpo':
+    if self.algo.episodic:
       return self.sim.num_envs * self.sim.episode_length * self.sim.action_repeat
     return self.algo.segments_per_iteration * self.algo.unroll_length * self.sim.action_repeat
 
@@ -419,6 +307,6 @@ class Config:
     """(unrolls per env, policy steps per segment) of one iteration: PPO collects `unrolls_per_env` segments of
     unroll_length / action_chunk steps from every env, GRPO one whole episode per env."""
     k = self.policy.action_chunk
-    if self.algo.name == 'grpo':
+    if self.algo.episodic:
       return 1, self.sim.episode_length // k
     return self.unrolls_per_env, self.algo.unroll_length // k

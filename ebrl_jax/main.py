@@ -92,7 +92,7 @@ def main(argv):
     cfg = config_from_flags()
   except ValueError as e:
     raise app.UsageError(str(e)) from None
-  from ebrl_jax import controller  # pylint: disable=g-import-not-at-top
+  from ebrl_jax import controller  # lazy: a flag error is reported before JAX and the simulators load
   try:
     controller.run(cfg)
   except ValueError as e:  # e.g. --resume without a checkpoint: a usage problem found before training

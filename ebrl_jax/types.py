@@ -73,6 +73,14 @@ class StepResult(NamedTuple):
   episode_length: Any
 
 
+class EpisodeStats(NamedTuple):
+  """Sums over the episodes that ended during a collection: return_sum / count is the mean training return.
+  Scalars (jax arrays inside jitted code, floats on the host)."""
+  return_sum: Any
+  length_sum: Any
+  count: Any
+
+
 class SegmentRecord(NamedTuple):
   """One env group's share of an iteration, as it crosses from a rollout worker to the trainer.
 

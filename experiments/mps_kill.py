@@ -25,7 +25,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from ebrl_jax import storage  # pylint: disable=wrong-import-position
+from ebrl_jax.runtime import storage  # pylint: disable=wrong-import-position
 
 DEFAULT_FLAGS = ['--flagfile=experiments/w1_ant.flags', '--schedule=async', '--num_groups=2',
                  '--num_timesteps=200000000', '--num_evals=200', '--noprogress_bar']

@@ -30,7 +30,8 @@ MAX_WORKER_MAIN_LINES = 120
 #   2 services: runtime, transport, resources.         3 roles: the workers and drivers of one package each.
 #   4 controller.                                       5 entry: main.
 LAYERS = (
-    ('ebrl_jax', 0), ('ebrl_jax.config', 0), ('ebrl_jax.types', 0),
+    ('ebrl_jax', 0), ('ebrl_jax.config', 0), ('ebrl_jax.config_checks', 0), ('ebrl_jax.config_resources', 0),
+    ('ebrl_jax.types', 0),
     ('ebrl_jax.generation.worker', 3), ('ebrl_jax.rollout.groups', 3), ('ebrl_jax.rollout.worker', 3),
     ('ebrl_jax.trainer.driver', 3), ('ebrl_jax.trainer.worker', 3),
     ('ebrl_jax.sim.*', 1), ('ebrl_jax.generation.*', 1), ('ebrl_jax.rollout.*', 1), ('ebrl_jax.trainer.*', 1),

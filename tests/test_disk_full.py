@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from ebrl_jax import storage
+from ebrl_jax.runtime import storage
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

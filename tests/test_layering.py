@@ -1,54 +1,57 @@
-"""Dependencies point inward: stage modules import only jax/flax/optax/chex/numpy (and the simulators for sim)
-plus ebrl_jax.types/config and their own package; importing them defines no absl flag and pulls in no worker,
-transport, controller or main module."""
-import ast
+"""Dependencies point inward, by the layering in experiments/structure.py (LAYERS): no import cycle, no import
+against the layering, no function-level import of a package module without a `# lazy:` reason, no file over 400
+lines, no worker main over 120 lines; stage modules import only jax/flax/optax/chex/numpy (and the simulators for
+sim, orbax for the trainer); importing the stages defines no absl flag and pulls in no worker, runtime, transport,
+controller or main module. The checker's own tests are in tests/test_structure_tool.py."""
 import os
 import subprocess
 import sys
 
 import pytest
 
+from experiments import structure
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STAGE_PACKAGES = ('sim', 'generation', 'trainer', 'rollout')
-# Third-party roots a stage may import. brax and mujoco only in sim; orbax only in the trainer's checkpoint module.
-COMMON = {'jax', 'flax', 'optax', 'chex', 'numpy', 'typing', 'functools', 'dataclasses', '__future__', 'math',
-          'collections', 'os', 'concurrent', 'threading', 'enum', 'abc', 'itertools', 'time', 'json', 'shutil',
-          'contextlib', 'logging', 'etils', 'importlib', 'pathlib', 'warnings'}
-EXTRA = {'sim': {'brax', 'mujoco'}, 'generation': set(), 'trainer': {'orbax'}, 'rollout': set()}
-FORBIDDEN_INTERNAL = ('ebrl_jax.main', 'ebrl_jax.controller', 'ebrl_jax.transport', 'ebrl_jax.resources')
+FORBIDDEN_INTERNAL = ('ebrl_jax.main', 'ebrl_jax.controller', 'ebrl_jax.runtime', 'ebrl_jax.transport',
+                      'ebrl_jax.resources')
+RESULT = structure.analyze(ROOT)
+STAGES = [m for m, info in RESULT['modules'].items() if info['layer'] == 1]
 
 
-def _stage_modules():
-  for package in STAGE_PACKAGES:
-    folder = os.path.join(ROOT, 'ebrl_jax', package)
-    for name in sorted(os.listdir(folder)):
-      if name.endswith('.py') and name != 'worker.py':
-        yield package, os.path.join(folder, name)
+def _lines(key):
+  return '\n'.join(structure.details(RESULT, key))
 
 
-def _imports(path):
-  tree = ast.parse(open(path).read())
-  for node in ast.walk(tree):
-    if isinstance(node, ast.Import):
-      for alias in node.names:
-        yield alias.name
-    elif isinstance(node, ast.ImportFrom) and node.level == 0:
-      yield node.module
+def test_no_import_cycle():
+  assert not RESULT['cycles'], _lines('cycles')
 
 
-@pytest.mark.parametrize('package,path', list(_stage_modules()), ids=lambda v: os.path.basename(str(v)))
-def test_stage_module_imports_only_allowed_roots(package, path):
-  allowed = COMMON | EXTRA[package]
-  for module in _imports(path):
-    root = module.split('.')[0]
-    if root == 'ebrl_jax':
-      assert not module.startswith(FORBIDDEN_INTERNAL), f'{path} imports {module}'
-      # Stages may build on other stage packages (the trainer's losses evaluate the policy), never on workers.
-      assert module in ('ebrl_jax', 'ebrl_jax.types', 'ebrl_jax.config') or module.startswith(
-          tuple(f'ebrl_jax.{p}' for p in STAGE_PACKAGES)), f'{path} imports {module}'
-      assert not module.endswith('.worker'), f'{path} imports the worker module {module}'
-    else:
-      assert root in allowed, f'{path} imports {module}; allowed roots for {package}: {sorted(allowed)}'
+def test_every_module_has_a_layer():
+  assert not RESULT['unplaced'], _lines('unplaced')
+
+
+def test_no_import_against_the_layering():
+  assert not RESULT['layering'], _lines('layering')
+
+
+def test_no_unexplained_function_level_import():
+  assert not RESULT['unexplained_lazy'], _lines('unexplained_lazy')
+
+
+def test_no_file_over_400_lines():
+  assert not RESULT['long_files'], _lines('long_files')
+
+
+def test_worker_mains_at_most_120_lines():
+  assert RESULT['worker_mains'], 'no worker main found: the checker is looking at the wrong tree'
+  assert not RESULT['long_worker_mains'], _lines('long_worker_mains')
+
+
+@pytest.mark.parametrize('module', STAGES)
+def test_stage_module_imports_only_allowed_roots(module):
+  bad = [x for x in RESULT['stage_external'] if x['module'] == module]
+  assert not bad, f'{RESULT["modules"][module]["path"]} imports {[x["name"] for x in bad]}; allowed roots: ' + str(
+      sorted(structure.STAGE_COMMON | structure.STAGE_EXTRA[module.split('.')[1]]))
 
 
 def test_importing_stages_defines_no_flags_and_no_runtime():

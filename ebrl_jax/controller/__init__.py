@@ -1,4 +1,4 @@
 """The controller: builds the run from a `Config` and drives the chosen schedule."""
-from ebrl_jax.controller.runner import SCHEDULES, RunError, configure_jax, run
+from ebrl_jax.controller.runner import SCHEDULES, RunError, run
 
-__all__ = ['SCHEDULES', 'RunError', 'configure_jax', 'run']
+__all__ = ['SCHEDULES', 'RunError', 'run']

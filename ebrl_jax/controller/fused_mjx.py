@@ -11,30 +11,32 @@ import jax
 from ebrl_jax import config as config_lib
 from ebrl_jax import types
 from ebrl_jax.rollout import evaluation
+from ebrl_jax.rollout import keys
 from ebrl_jax.rollout import mjx as rollout
 from ebrl_jax.sim import stages as sim_stages
 from ebrl_jax.trainer import stages as trainer_stages
 
 
-def _iteration(cfg: config_lib.Config, env, network, optimizer, carry, key):
-  """One iteration: collect (`rollout.collect_iteration`) for every env, then train."""
+def _iteration(cfg: config_lib.Config, env, network, optimizer, root_key, carry, _):
+  """One iteration: collect (`rollout.collect_iteration`) for every env as env group 0, then train; the keys come
+  from the iteration index (`train_state.policy_version`), as in every other schedule."""
   train_state, env_state = carry
-  roll_key, train_key = jax.random.split(key)
-  env_state, batch, stats = rollout.collect_iteration(cfg, env, network, cfg.sim.num_envs, train_state.params,
-                                                      train_state.policy_version, env_state, roll_key)
+  iteration = train_state.policy_version
+  env_state, batch, stats = rollout.collect_iteration(env, network, cfg.collect_spec, cfg.sim.num_envs,
+                                                      train_state.params, iteration, env_state,
+                                                      keys.rollout_key(root_key, iteration, 0))
   train_state, metrics = trainer_stages.train_step(network, optimizer, cfg.algo, cfg.policy.min_std, train_state,
-                                                   batch, train_key, group_size=cfg.sim.group_size,
-                                                   recompute_proximal=False)
+                                                   batch, keys.train_key(root_key, iteration),
+                                                   group_size=cfg.sim.group_size, recompute_proximal=False)
   metrics = dict(metrics)
   metrics['episodes'] = stats.count
   metrics['episode_return_sum'] = stats.return_sum
   return (train_state, env_state), metrics
 
 
-def _run_chunk(cfg, env, network, optimizer, num_iterations, train_state, env_state, key):
-  step = functools.partial(_iteration, cfg, env, network, optimizer)
-  (train_state, env_state), metrics = jax.lax.scan(step, (train_state, env_state),
-                                                   jax.random.split(key, num_iterations))
+def _run_chunk(cfg, env, network, optimizer, num_iterations, train_state, env_state, root_key):
+  step = functools.partial(_iteration, cfg, env, network, optimizer, root_key)
+  (train_state, env_state), metrics = jax.lax.scan(step, (train_state, env_state), None, length=num_iterations)
   return train_state, env_state, metrics
 
 
@@ -44,17 +46,18 @@ class MjxFusedLoop:
   def __init__(self, cfg: config_lib.Config, spec: types.EnvSpec, network, optimizer):
     self._cfg = cfg
     self._env = sim_stages.make_mjx_env(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat,
-                                        auto_reset=cfg.algo.name != 'grpo')
+                                        auto_reset=not cfg.algo.episodic)
     self._network, self._optimizer = network, optimizer
-    key = jax.random.PRNGKey(cfg.schedule.seed + 1)
+    self._root_key = keys.root(cfg.schedule.seed)
     self._env_state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(
-        self._env, key, cfg.sim.num_envs, cfg.sim.group_size)
+        self._env, keys.env_reset_key(self._root_key, 0), cfg.sim.num_envs, cfg.sim.group_size)
     self._programs: Dict[int, object] = {}
-    self._evaluator = evaluation.MjxEvaluator(cfg, network)
+    self._evaluator = evaluation.make_evaluator(cfg.sim, cfg.policy, cfg.schedule.seed,
+                                                cfg.schedule.deterministic_eval, network)
 
   def _lower(self, train_state, num_iterations: int):
     fn = functools.partial(_run_chunk, self._cfg, self._env, self._network, self._optimizer, num_iterations)
-    return jax.jit(fn, donate_argnums=(0, 1)).lower(train_state, self._env_state, jax.random.PRNGKey(0))
+    return jax.jit(fn, donate_argnums=(0, 1)).lower(train_state, self._env_state, self._root_key)
 
   def _program(self, train_state, num_iterations: int):
     if num_iterations not in self._programs:
@@ -73,9 +76,9 @@ class MjxFusedLoop:
       eval_future.result()
     return time.monotonic() - t0
 
-  def run_iterations(self, train_state, num_iterations: int, key) -> Tuple[object, Dict[str, float]]:
+  def run_iterations(self, train_state, num_iterations: int) -> Tuple[object, Dict[str, float]]:
     program = self._program(train_state, num_iterations)
-    train_state, self._env_state, metrics = program(train_state, self._env_state, key)
+    train_state, self._env_state, metrics = program(train_state, self._env_state, self._root_key)
     metrics = jax.device_get(metrics)
     out = {f'train/{self._cfg.algo.name}/{k}': float(v.mean()) for k, v in metrics.items()
            if k not in ('episodes', 'episode_return_sum')}

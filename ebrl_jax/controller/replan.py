@@ -32,7 +32,7 @@ from ebrl_jax import config as config_lib
 from ebrl_jax.resources import autoplan
 from ebrl_jax.resources import planner
 from ebrl_jax.resources import profiles
-from ebrl_jax.transport import feedback as fb
+from ebrl_jax.runtime import feedback as fb
 
 _JOIN_S = 10.0
 _POLL_S, _SWAP_POLL_S = 0.5, 0.02

@@ -1,76 +1,40 @@
-"""Entry point of the controller: `run(config)` configures JAX and dispatches to the schedule by name."""
+"""Entry point of the controller: `run(config)` configures JAX, runs the schedule by name with telemetry
+alongside, and writes `<run_dir>/summary.json` — the one writer of the summary."""
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 from typing import Callable, Dict, Optional
 
 from absl import logging
 
 from ebrl_jax import config as config_lib
-from ebrl_jax import storage
+from ebrl_jax.controller import fused
+from ebrl_jax.controller import pipeline
+from ebrl_jax.resources import telemetry as telemetry_lib
+from ebrl_jax.runtime import errors
+from ebrl_jax.runtime import metrics
+from ebrl_jax.runtime import startup
+from ebrl_jax.runtime import storage
+from ebrl_jax.runtime import tracing
+from ebrl_jax.trainer import driver
+
+RunError = errors.RunError
 
 
-class RunError(RuntimeError):
-  """The run stopped for a reason the user must act on (a dead trainer, say); the message says what to do."""
-
-
-class DiskFull(RunError):
-  """A write of the run (metrics, a checkpoint, the summary) found the disk full; the message names the file and
-  the checkpoint that stays loadable."""
-
-
-# A process schedule's trainer worker exits with this code when it stopped on a full disk (ENOSPC's number), so
-# the controller can say why without reading anything the worker would have had to write.
-DISK_FULL_EXIT = 28
-
-
-def _run_fused(cfg: config_lib.Config):
-  from ebrl_jax.controller import fused  # pylint: disable=g-import-not-at-top
+def _run_fused(cfg: config_lib.Config, pids: Dict[str, int]) -> driver.RunSummary:
+  del pids  # one process: the controller itself
   return fused.run(cfg)
 
 
-def _run_pipeline(cfg: config_lib.Config):
-  from ebrl_jax.controller import pipeline  # pylint: disable=g-import-not-at-top
-  return pipeline.run(cfg)
+# Schedule registry: every name in config.SCHEDULES. A schedule gets the config and the role -> pid map that
+# telemetry watches (it adds its workers as it starts them).
+SCHEDULES: Dict[str, Callable[[config_lib.Config, Dict[str, int]], driver.RunSummary]] = {
+    'fused': _run_fused, 'sync': pipeline.run, 'async': pipeline.run}
 
 
-# Schedule registry: every name in config.SCHEDULES.
-SCHEDULES: Dict[str, Callable[[config_lib.Config], object]] = {
-    'fused': _run_fused, 'sync': _run_pipeline, 'async': _run_pipeline}
-
-
-def configure_jax(cfg: config_lib.Config) -> None:
-  """Platform choice and JAX's persistent compilation cache (on by default; '' disables it)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  if cfg.resources.platform:
-    jax.config.update('jax_platforms', cfg.resources.platform)
-  cache_dir = cfg.schedule.compilation_cache_dir
-  if cache_dir:
-    cache_dir = os.path.abspath(os.path.expanduser(cache_dir))
-    try:
-      os.makedirs(cache_dir, exist_ok=True)
-    except OSError as e:
-      raise ValueError(f'--compilation_cache_dir={cfg.schedule.compilation_cache_dir!r} cannot be created: {e}') from e
-    jax.config.update('jax_compilation_cache_dir', cache_dir)
-    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
-    logging.info('Persistent compilation cache: %s', cache_dir)
-
-
-def _watched_pids(run_dir: str) -> Dict[str, int]:
-  """This process, and the workers the process schedules list in `<run_dir>/workers.json`."""
-  pids = {'controller': os.getpid()}
-  try:
-    with open(os.path.join(run_dir, 'workers.json')) as f:
-      pids.update(json.load(f)['workers'])
-  except (OSError, ValueError, KeyError):
-    pass
-  return pids
-
-
-def _finish(cfg: config_lib.Config, summary, telemetry_means: Optional[dict]):
-  """Adds telemetry means and the timeline's per-stage totals to the summary (object and summary.json)."""
-  from ebrl_jax import tracing  # pylint: disable=g-import-not-at-top
+def _add_telemetry_and_trace(cfg: config_lib.Config, summary: driver.RunSummary,
+                             telemetry_means: Optional[dict]) -> None:
   extra = summary.extra
   if telemetry_means is not None:
     extra['telemetry'] = telemetry_means
@@ -80,38 +44,41 @@ def _finish(cfg: config_lib.Config, summary, telemetry_means: Optional[dict]):
     extra['stage_ms'] = tracing.summarize(cfg.schedule.trace_dir)
     for name, s in sorted(extra['stage_ms'].items()):
       logging.info('%s: %d spans, %.1f ms total, %.3f ms mean', name, s['count'], s['total_ms'], s['mean_ms'])
+
+
+def write_summary(cfg: config_lib.Config, summary: driver.RunSummary) -> str:
+  """Writes the summary atomically; a full disk is a `DiskFull` naming the file (the checkpoints stay whole)."""
   path = os.path.join(cfg.schedule.run_dir, 'summary.json')
-  if os.path.exists(path):
-    with open(path) as f:
-      data = json.load(f)
-    data['extra'] = extra
-    try:
-      storage.write_json(path, data, indent=2)  # the trainer's summary stays whole if this fails
-    except OSError as e:
-      reason = storage.disk_full(e)
-      if reason is None:
-        raise
-      raise DiskFull(f'the run finished, but the disk holding {os.path.abspath(cfg.schedule.run_dir)} is full '
-                     f'({reason}): {path} keeps the trainer\'s summary without the telemetry '
-                     'means.') from e
-  return summary
+  try:
+    storage.write_json(path, dataclasses.asdict(summary), indent=2)
+  except OSError as e:
+    reason = storage.disk_full(e)
+    if reason is None:
+      raise
+    run_dir = os.path.abspath(cfg.schedule.run_dir)
+    raise errors.DiskFull(f'the run finished, but the disk holding {run_dir} is full ({reason}): {path} was not '
+                          'written. ' + storage.resume_advice(run_dir)) from e
+  return path
 
 
-def run(cfg: config_lib.Config):
-  """Runs `cfg` with its schedule, with telemetry alongside; returns the schedule's summary."""
+def run(cfg: config_lib.Config) -> driver.RunSummary:
+  """Runs `cfg` with its schedule, with telemetry alongside; writes and returns the summary."""
   if cfg.schedule.name not in SCHEDULES:
     raise ValueError(f'--schedule={cfg.schedule.name!r} is not valid; allowed values: {", ".join(SCHEDULES)}.')
-  configure_jax(cfg)
-  from ebrl_jax.controller import metrics  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.resources import telemetry as telemetry_lib  # pylint: disable=g-import-not-at-top
+  startup.configure_jax(cfg.resources.platform, cfg.schedule.compilation_cache_dir)
   metrics.quiet_library_logs()
+  pids: Dict[str, int] = {}
   telemetry = None
   if cfg.resources.telemetry_period_s > 0:
     os.makedirs(cfg.schedule.run_dir, exist_ok=True)
-    telemetry = telemetry_lib.Telemetry(cfg.schedule.run_dir, lambda: _watched_pids(cfg.schedule.run_dir),
+    telemetry = telemetry_lib.Telemetry(cfg.schedule.run_dir, lambda: {'controller': os.getpid(), **pids},
                                         cfg.resources.telemetry_period_s, cfg.schedule.trace_dir).start()
   try:
-    summary = SCHEDULES[cfg.schedule.name](cfg)
+    summary = SCHEDULES[cfg.schedule.name](cfg, pids)
   finally:
     means = telemetry.stop() if telemetry is not None else None
-  return _finish(cfg, summary, means)
+  _add_telemetry_and_trace(cfg, summary, means)
+  write_summary(cfg, summary)
+  logging.info('Finished: %d env steps, final eval return %.1f, %.0f env steps/s, compile %.1f s.',
+               summary.env_steps, summary.final_eval_return, summary.env_steps_per_s, summary.compile_s)
+  return summary

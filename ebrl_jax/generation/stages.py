@@ -10,6 +10,7 @@ Observations are normalised inside `act`/`evaluate` with `params.normalizer` (id
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Tuple
 
 import chex
@@ -94,3 +95,14 @@ def evaluate(network: nn.Module, params: PolicyParams, obs: Array, raw_actions: 
   log_probs = jnp.sum(distribution.log_prob(loc, scale, raw_actions), axis=-1)
   entropy = jnp.sum(distribution.entropy(loc, scale, key), axis=-1)
   return EvalOutput(log_probs=log_probs, entropy=entropy, values=values)
+
+
+def _act_at(network, min_std, deterministic, params, obs, key, index):
+  """`act` with the step key folded in on the device, so a host loop does no key arithmetic per step."""
+  return act(network, params, obs, jax.random.fold_in(key, index), deterministic=deterministic, min_std=min_std)
+
+
+def make_act(network: nn.Module, min_std: float, deterministic: bool = False):
+  """A jitted `act(params, obs [B, O], key, index) -> ActOutput` with the index folded into the key (what a
+  host loop around native MuJoCo and the generation worker call once per policy step)."""
+  return jax.jit(functools.partial(_act_at, network, min_std, deterministic))

@@ -19,12 +19,20 @@ import time
 from typing import Any, Callable, Dict, Optional, Sequence
 
 from absl import logging
+import jax
 import numpy as np
 
 from ebrl_jax import config as config_lib
-from ebrl_jax import resources
+from ebrl_jax import sim
 from ebrl_jax import types
 from ebrl_jax.generation import batching
+from ebrl_jax.generation import policies
+from ebrl_jax.generation import stages as gen_stages
+from ebrl_jax.rollout import keys
+from ebrl_jax.runtime import lifecycle
+from ebrl_jax.runtime import startup
+from ebrl_jax.runtime import tracing
+from ebrl_jax.transport import ChannelClosed
 
 STATS_PREFIX = 'generation_stats_'
 
@@ -113,27 +121,20 @@ def merge_stats(paths: Sequence[str]) -> Optional[Dict[str, Any]]:
 
 def generation_main(cfg: config_lib.Config, mailbox: Any, store: Any, stop: Any, env: Optional[dict] = None):
   """Process entry point. Runs until the stop event is set (or its parent has gone)."""
-  resources.apply_worker_env(env)
-  import jax  # pylint: disable=g-import-not-at-top
-  from ebrl_jax import sim, tracing  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.controller import runner  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.generation import policies  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.rollout import cpu as cpu_rollout  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.transport import lifecycle  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.transport import ChannelClosed  # pylint: disable=g-import-not-at-top
-  runner.configure_jax(cfg)
+  startup.apply_worker_env(env)
+  startup.configure_jax(cfg.resources.platform, cfg.schedule.compilation_cache_dir)
   stop = lifecycle.ParentWatch(stop)
   phase = lifecycle.Phase(cfg.schedule.run_dir, 'generation')
   phase('building the policy')
   tracer = tracing.Tracer(cfg.schedule.trace_dir, 'generation')
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
   network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
-  server = ActServer(mailbox, cpu_rollout.make_act(network, cfg.policy.min_std), cfg.slice_envs,
+  server = ActServer(mailbox, gen_stages.make_act(network, cfg.policy.min_std), cfg.slice_envs,
                      cfg.sim.num_envs, spec.obs_dim, tracer if tracer.enabled else None)
   num_requesters = cfg.schedule.num_groups * cfg.schedule.env_slices
   logging.info('generation worker: %d requesters of %d envs; act batches padded to buckets %s (%d programs).',
                num_requesters, cfg.slice_envs, server.buckets, len(server.buckets))
-  key = jax.random.PRNGKey(cfg.schedule.seed + 2)
+  key = keys.generation_key(keys.root(cfg.schedule.seed))
   version, params, calls = -1, None, 0
   stats_path = os.path.join(cfg.schedule.run_dir, f'{STATS_PREFIX}{os.getpid()}_{time.time_ns()}.json')
   phase(f'waiting for the first act requests of {num_requesters} env slices')
@@ -156,7 +157,7 @@ def generation_main(cfg: config_lib.Config, mailbox: Any, store: Any, stop: Any,
           phase(f'compiling {len(server.buckets)} act programs')
           logging.info('generation worker: compiled %d act programs in %.2f s.', len(server.buckets),
                        server.compile(params, key))
-          resources.pin_after_startup()
+          startup.pin_after_startup()
           phase.done('serving')
       server.serve(requests, params, version, key, calls)
       calls += 1

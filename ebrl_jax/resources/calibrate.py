@@ -4,11 +4,11 @@ What is timed (one "call" of each stage, the unit the pipeline hands around):
   sim         one unroll (unroll_length env steps) of a group of E envs with fixed random actions:
               MJX: one jitted scan of `sim.stages.step_chunk`; native MuJoCo: `CpuEnvPool.step` per policy step;
   generation  the policy for the same unroll on E observations: one jitted scan of `generation.stages.act`
-              (MJX), or `rollout.cpu.make_act` per policy step with host<->device copies (native MuJoCo);
+              (MJX), or `generation.stages.make_act` per policy step with host<->device copies (native MuJoCo);
   train       one `trainer.stages.train_step` on a whole iteration's batch, from a real collected rollout.
 
 `per_env_step` divides each by the env steps it stands for (E * unroll_length for sim and generation, the
-iteration's env steps for train): t_sim, t_gen, t_train of BENCHMARKS.md. Sequential floor 1 / (t_sim + t_gen +
+iteration's env steps for train): t_sim, t_gen, t_train of docs/benchmarks.md. Sequential floor 1 / (t_sim + t_gen +
 t_train) and perfect-overlap ceiling 1 / max(...) follow. Each call is run `repeats` times after one warm-up
 call (which compiles); the median is kept, and every sample is returned for the profile store.
 
@@ -23,13 +23,22 @@ smaller group sizes, which run first), so it is an upper bound of the stage's ow
 """
 from __future__ import annotations
 
-import functools
 import os
 import statistics
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+
+from ebrl_jax import sim
+from ebrl_jax.generation import policies
+from ebrl_jax.generation import stages as gen_stages
+from ebrl_jax.runtime import startup
+from ebrl_jax.runtime import storage
+from ebrl_jax.sim import cpu_env
+from ebrl_jax.trainer import stages as trainer_stages
 
 
 def current_quota() -> int:
@@ -43,7 +52,6 @@ def current_quota() -> int:
 
 def peak_bytes_in_use() -> Optional[int]:
   """This process's high-water mark of device memory so far; None where the device keeps no statistics."""
-  import jax  # pylint: disable=g-import-not-at-top
   value = (jax.devices()[0].memory_stats() or {}).get('peak_bytes_in_use')
   return None if value is None else int(value)
 
@@ -59,10 +67,7 @@ def _timed(fn: Callable[[], object], repeats: int) -> List[float]:
 
 
 def _mjx_sim_gen(cfg, network, params, envs: int, repeats: int, env) -> Dict[str, List[float]]:
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.generation import stages as gen_stages  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.sim import stages as sim_stages  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.sim import stages as sim_stages  # lazy: brax and MJX load only when a calibration runs
   k = cfg.policy.action_chunk
   steps = cfg.algo.unroll_length // k
   state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(env, jax.random.PRNGKey(0), envs, cfg.sim.group_size)
@@ -98,9 +103,6 @@ def _mjx_sim_gen(cfg, network, params, envs: int, repeats: int, env) -> Dict[str
 
 
 def _cpu_sim_gen(cfg, network, params, envs: int, repeats: int, threads: int = 0) -> Dict[str, List[float]]:
-  import jax  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.rollout import cpu as cpu_rollout  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.sim import cpu_env  # pylint: disable=g-import-not-at-top
   k = cfg.policy.action_chunk
   steps = cfg.algo.unroll_length // k
   rng = np.random.default_rng(0)
@@ -115,7 +117,7 @@ def _cpu_sim_gen(cfg, network, params, envs: int, repeats: int, threads: int = 0
         pool.step(actions[t])
 
     sim = _timed(run_sim, repeats)
-  act = cpu_rollout.make_act(network, cfg.policy.min_std)
+  act = gen_stages.make_act(network, cfg.policy.min_std)
   key = jax.random.PRNGKey(2)
 
   def run_gen():
@@ -129,13 +131,11 @@ def _cpu_sim_gen(cfg, network, params, envs: int, repeats: int, threads: int = 0
 def _train(cfg, env, network, optimizer, train_state, repeats: int) -> List[float]:
   """train_step on one real iteration batch (collected by the fused collection stage on MJX, or made of the
   right shapes from the native pool's observations)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.rollout import mjx as rollout  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.sim import stages as sim_stages  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.trainer import stages as trainer_stages  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.rollout import mjx as rollout  # lazy: as above
+  from ebrl_jax.sim import stages as sim_stages  # lazy: brax and MJX load only when a calibration runs
   n = cfg.sim.num_envs
   state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(env, jax.random.PRNGKey(3), n, cfg.sim.group_size)
-  collect = jax.jit(lambda p, v, s, key: rollout.collect_iteration(cfg, env, network, n, p, v, s, key))
+  collect = jax.jit(lambda p, v, s, key: rollout.collect_iteration(env, network, cfg.collect_spec, n, p, v, s, key))
   _, batch, _ = collect(train_state.params, train_state.policy_version, state, jax.random.PRNGKey(4))
   step = jax.jit(trainer_stages.train_step, static_argnums=(0, 1, 2, 3),
                  static_argnames=('group_size', 'recompute_proximal'), donate_argnums=(4,))
@@ -163,12 +163,8 @@ def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5, all_gro
   group stepping at once, the overlap ceiling's case); otherwise with --num_threads, one group's (the planner's
   case: a group's time at each group size it may choose). The count is recorded per size as 'sim_threads'.
   """
-  import jax  # pylint: disable=g-import-not-at-top
-  from ebrl_jax import sim  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.generation import policies  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.sim import stages as sim_stages  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.trainer import stages as trainer_stages  # pylint: disable=g-import-not-at-top
-  if cfg.algo.name == 'grpo':
+  from ebrl_jax.sim import stages as sim_stages  # lazy: brax and MJX load only when a calibration runs
+  if cfg.algo.episodic:
     raise ValueError('calibration times PPO unrolls; --algo=grpo is not supported by it yet.')
   for e in envs_per_group:
     if e <= 0:
@@ -190,7 +186,7 @@ def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5, all_gro
          'groups': {}}
   # One MJX env serves the MJX sim/generation timings and the training batch (collected on MJX for both backends).
   mjx_env = sim_stages.make_mjx_env(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat,
-                                    auto_reset=cfg.algo.name != 'grpo')
+                                    auto_reset=not cfg.algo.episodic)
   times, peaks, threads = {}, {}, {}
   for e in sorted({int(e) for e in envs_per_group}):  # smallest first: each peak bounds its own size's
     if cfg.sim.backend == 'mjx':
@@ -231,10 +227,7 @@ def add_to_store(store, profile: dict) -> None:
 def calibrate_main(cfg, envs_per_group: Sequence[int], repeats: int, out_path: str, env=None,
                    all_groups_threads: bool = False) -> None:
   """Process entry point: applies the worker environment (SM quota, memory share), profiles, writes JSON."""
-  from ebrl_jax import resources  # pylint: disable=g-import-not-at-top
-  resources.apply_worker_env(env)
-  from ebrl_jax.controller import runner  # pylint: disable=g-import-not-at-top
-  runner.configure_jax(cfg)
+  startup.apply_worker_env(env)
+  startup.configure_jax(cfg.resources.platform, cfg.schedule.compilation_cache_dir)
   profile = profile_stages(cfg, envs_per_group, repeats, all_groups_threads)
-  from ebrl_jax import storage  # pylint: disable=g-import-not-at-top
   storage.write_json(out_path, profile, indent=2, allow_nan=False)

@@ -1,7 +1,7 @@
 """A CPU core pool: native-MuJoCo rollout workers get cores of their own, GPU feeder processes one each.
 
 `plan_cores(cores, cpu_roles, feeder_roles)` is pure (tested by hand); a worker applies its share at start with
-`pin(cores)` (`os.sched_setaffinity`), before it builds its env pool, whose thread count follows the affinity.
+`runtime.startup.pin` (`os.sched_setaffinity`), before it builds its env pool, whose thread count follows the affinity.
 """
 from __future__ import annotations
 
@@ -42,19 +42,3 @@ def plan_cores(cores: Sequence[int], cpu_roles: Sequence[str], feeder_roles: Seq
     plan[role] = sim_cores[start:start + size]
     start += size
   return plan
-
-
-def pin(cores: Sequence[int]) -> None:
-  """Restricts this process (and the threads it starts later) to `cores`."""
-  os.sched_setaffinity(0, set(cores))
-
-
-def encode(cores: Sequence[int]) -> str:
-  return ','.join(str(c) for c in cores)
-
-
-def decode(text: str) -> List[int]:
-  try:
-    return [int(c) for c in text.split(',') if c.strip()]
-  except ValueError as e:
-    raise ValueError(f'EBRL_CPUS={text!r} must be a comma-separated list of core numbers.') from e

@@ -43,8 +43,13 @@ import sys
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from absl import logging
+import jax
+import jax.numpy as jnp
 
+from ebrl_jax.generation import policies
+from ebrl_jax.generation import stages as gen_stages
 from ebrl_jax.resources import telemetry
+from ebrl_jax.trainer import stages as trainer_stages
 
 MIB = 2**20
 # Device memory a process needs outside XLA's pool: the CUDA context, the loaded modules of its compiled programs,
@@ -122,7 +127,6 @@ class MemoryPlan(NamedTuple):
 
 def tree_bytes(tree) -> int:
   """Bytes of every array leaf of `tree` (arrays or `jax.ShapeDtypeStruct`s)."""
-  import jax  # pylint: disable=g-import-not-at-top
   return int(sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree)))
 
 
@@ -152,9 +156,6 @@ def row_bytes(network, params, obs_dim: int, k: int, action_dim: int) -> Tuple[i
   """(saved, largest): bytes per observation row that the forward pass (`generation.stages.evaluate`) keeps for
   its backward pass (the residuals `jax.vjp` holds), and of its largest single intermediate value. Each is the
   difference between traces of 8 and of 4 rows, over 4, so weight-sized values drop out."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.generation import stages as gen_stages  # pylint: disable=g-import-not-at-top
 
   def loss(network_params, p, obs, raw):
     out = gen_stages.evaluate(network, p.replace(network=network_params), obs, raw, jax.random.PRNGKey(0))
@@ -217,9 +218,6 @@ def mjx_state_bytes(task: str, episode_length: int, action_repeat: int) -> Dict[
 def footprints(cfg, spec, profile: Optional[dict] = None) -> Dict[str, Footprint]:
   """Footprint of one process of each role of `cfg`'s process schedule ('trainer', 'rollout', and 'generation'
   with a separate generation worker), from shapes; a calibration `profile`'s measured peaks raise them."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.generation import policies  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.trainer import stages as trainer_stages  # pylint: disable=g-import-not-at-top
   o, a, k = spec.obs_dim, spec.action_dim, cfg.policy.action_chunk
   network = policies.make_network(cfg.policy, o, a)
   optimizer = trainer_stages.make_optimizer(cfg.algo)
@@ -245,7 +243,7 @@ def footprints(cfg, spec, profile: Optional[dict] = None) -> Dict[str, Footprint
   if not cfg.schedule.colocate_generation:
     rollout = {}
   elif envs is not None:
-    rollout = {'params': 2 * params, 'act': act(e), 'env_state': envs(e, cfg.algo.name != 'grpo'),
+    rollout = {'params': 2 * params, 'act': act(e), 'env_state': envs(e, not cfg.algo.episodic),
                'segment': _transition_bytes(t, unrolls * e, o, k, a)}
   else:
     rollout = {'params': 2 * params, 'act': act(e)}

@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional
 
 from absl import logging
 
-from ebrl_jax import storage
+from ebrl_jax.runtime import storage
 
 _CLOCK_TICKS = os.sysconf('SC_CLK_TCK') if hasattr(os, 'sysconf') else 100
 

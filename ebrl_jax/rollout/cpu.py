@@ -6,33 +6,20 @@ NOTE: a collector's buffer is reused by the next `collect`; consumers copy it (o
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import time
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
-import jax
 import numpy as np
 
+from ebrl_jax import config as config_lib
 from ebrl_jax import types
-from ebrl_jax.generation import stages as gen_stages
+from ebrl_jax.sim import cpu_env
 
 
-class EpisodeStats(NamedTuple):
-  """Sums over episodes that ended during a collection: return_sum / count is the mean training return."""
-  return_sum: float
-  length_sum: float
-  count: float
-
-
-def _act_at(network, min_std, deterministic, params, obs, key, index):
-  """`act` with the step key folded in on the device, so the host loop does no key arithmetic per step."""
-  return gen_stages.act(network, params, obs, jax.random.fold_in(key, index), deterministic=deterministic,
-                        min_std=min_std)
-
-
-def make_act(network, min_std: float, deterministic: bool = False):
-  """A jitted `act(params, obs [B, O], key, index) -> ActOutput` with the index folded into the key."""
-  return jax.jit(functools.partial(_act_at, network, min_std, deterministic))
+def make_pool(sim: config_lib.SimConfig, num_envs: int, seed: int, auto_reset: bool) -> cpu_env.CpuEnvPool:
+  """`num_envs` native-MuJoCo envs of `sim`'s task on `sim.num_threads` threads."""
+  return cpu_env.CpuEnvPool(sim.task, num_envs, sim.episode_length, sim.action_repeat, sim.num_threads, seed=seed,
+                            group_size=sim.group_size, auto_reset=auto_reset)
 
 
 class SegmentBuffer:
@@ -89,7 +76,7 @@ class CpuCollector:
     self._pool, self._tracer = pool, tracer
     self._n = pool.num_envs
     sliced = isinstance(act_fn, (list, tuple))
-    self._act = None if sliced else act_fn  # fused_cpu swaps in its compiled act after construction
+    self._act = None if sliced else act_fn
     self._slice_acts = list(act_fn) if sliced else []
     num_slices = max(1, len(self._slice_acts))
     if self._n % num_slices:
@@ -101,11 +88,15 @@ class CpuCollector:
     self.buffer = SegmentBuffer(steps, unrolls * self._n, spec, action_chunk)
     self._obs: Optional[np.ndarray] = None if episodic else pool.reset()
 
+  def set_act(self, act_fn) -> None:
+    """Replaces the (unsliced) act, e.g. by its ahead-of-time compiled program."""
+    self._act = act_fn
+
   def reset(self) -> None:
     """Fresh episodes for every env (after a fault, say)."""
     self._obs = None if self._episodic else self._pool.reset()
 
-  def collect(self, params, version: int, key) -> Tuple[types.Transition, EpisodeStats]:
+  def collect(self, params, version: int, key) -> Tuple[types.Transition, types.EpisodeStats]:
     if self._episodic:
       self._obs = self._pool.reset()
     if self._executor is None:
@@ -115,11 +106,11 @@ class CpuCollector:
       futures = [self._executor.submit(self._collect_envs, act, i * m, (i + 1) * m, params, version, key, i)
                  for i, act in enumerate(self._slice_acts)]
       parts = [f.result() for f in futures]  # re-raises a slice's exception (InterruptedError on stop)
-      stats = EpisodeStats(*(sum(p[i] for p in parts) for i in range(3)))
+      stats = types.EpisodeStats(*(sum(p[i] for p in parts) for i in range(3)))
     return self.buffer.transition(), stats
 
   def _collect_envs(self, act_fn, lo: int, hi: int, params, version: int, key,
-                    slice_index: Optional[int] = None) -> EpisodeStats:
+                    slice_index: Optional[int] = None) -> types.EpisodeStats:
     """The policy/env loop over envs [lo, hi) (the whole pool: `slice_index` None), writing their columns."""
     buf, n, whole = self.buffer, self._n, slice_index is None
     env_ids = None if whole else np.arange(lo, hi)
@@ -154,7 +145,7 @@ class CpuCollector:
       self._obs = obs
     else:
       self._obs[lo:hi] = obs
-    return EpisodeStats(ret_sum, len_sum, count)
+    return types.EpisodeStats(ret_sum, len_sum, count)
 
   def close(self) -> None:
     if self._executor is not None:

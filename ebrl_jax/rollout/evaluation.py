@@ -1,7 +1,8 @@
-"""Policy evaluation on fresh episodes, for every schedule: `make_evaluator(cfg, network)` picks the backend.
+"""Policy evaluation on fresh episodes, for every schedule: `make_evaluator(...)` picks the backend.
 
 An evaluator has `lower_and_compile(params)` (ahead-of-time compile, callable from a worker thread),
-`evaluate(params, key) -> {'eval/episode_return', 'eval/episode_length'}` and `close()`.
+`evaluate(params, key) -> {'eval/episode_return', 'eval/episode_length'}` and `close()`. It takes the parts of the
+config it needs (the simulation and the policy), not the whole `Config`.
 """
 from __future__ import annotations
 
@@ -12,27 +13,27 @@ import jax
 import numpy as np
 
 from ebrl_jax import config as config_lib
+from ebrl_jax.generation import stages as gen_stages
 from ebrl_jax.rollout import cpu as cpu_rollout
+from ebrl_jax.rollout import keys
 
 
 class CpuEvaluator:
-  """`num_eval_envs` native-MuJoCo envs without auto-reset, one episode each per evaluation."""
+  """`sim.num_eval_envs` native-MuJoCo envs without auto-reset, one episode each per evaluation."""
 
-  def __init__(self, cfg: config_lib.Config, network):
-    from ebrl_jax.sim import cpu_env  # pylint: disable=g-import-not-at-top
-    sc = cfg.sim
-    self._cfg = cfg
-    self._pool = cpu_env.CpuEnvPool(sc.task, sc.num_eval_envs, sc.episode_length, sc.action_repeat, sc.num_threads,
-                                    seed=cfg.schedule.seed + 10_000, auto_reset=False)
-    self._act = cpu_rollout.make_act(network, cfg.policy.min_std, cfg.schedule.deterministic_eval)
+  def __init__(self, sim: config_lib.SimConfig, policy: config_lib.PolicyConfig, seed: int, deterministic: bool,
+               network):
+    self._sim, self._chunk = sim, policy.action_chunk
+    self._pool = cpu_rollout.make_pool(sim, sim.num_eval_envs, keys.env_seed(seed, keys.EVAL_ENV),
+                                       auto_reset=False)
+    self._act = gen_stages.make_act(network, policy.min_std, deterministic)
 
   def lower_and_compile(self, params) -> None:
-    obs = np.zeros((self._cfg.sim.num_eval_envs, self._pool.spec.obs_dim), np.float32)
+    obs = np.zeros((self._sim.num_eval_envs, self._pool.spec.obs_dim), np.float32)
     self._act = self._act.lower(params, obs, jax.random.PRNGKey(0), 0).compile()
 
   def evaluate(self, params, key) -> Dict[str, float]:
-    ret, length = cpu_rollout.evaluate(self._pool, self._act, params, key, self._cfg.sim.episode_length,
-                                       self._cfg.policy.action_chunk)
+    ret, length = cpu_rollout.evaluate(self._pool, self._act, params, key, self._sim.episode_length, self._chunk)
     return {'eval/episode_return': ret, 'eval/episode_length': length}
 
   def close(self) -> None:
@@ -40,16 +41,17 @@ class CpuEvaluator:
 
 
 class MjxEvaluator:
-  """`num_eval_envs` MJX envs in one jitted episode scan."""
+  """`sim.num_eval_envs` MJX envs in one jitted episode scan."""
 
-  def __init__(self, cfg: config_lib.Config, network):
-    from ebrl_jax.rollout import mjx as mjx_rollout  # pylint: disable=g-import-not-at-top
-    from ebrl_jax.sim import stages as sim_stages  # pylint: disable=g-import-not-at-top
-    env = sim_stages.make_mjx_env(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat, auto_reset=False)
+  def __init__(self, sim: config_lib.SimConfig, policy: config_lib.PolicyConfig, seed: int, deterministic: bool,
+               network):
+    del seed  # the evaluation's key carries its randomness
+    from ebrl_jax.rollout import mjx as mjx_rollout  # lazy: brax and MJX load only for an MJX run
+    from ebrl_jax.sim import stages as sim_stages  # lazy: as above
+    env = sim_stages.make_mjx_env(sim.task, sim.episode_length, sim.action_repeat, auto_reset=False)
     self._eval = jax.jit(functools.partial(
-        mjx_rollout.evaluate_policy, env, network, num_envs=cfg.sim.num_eval_envs,
-        num_steps=cfg.sim.episode_length // cfg.policy.action_chunk, min_std=cfg.policy.min_std,
-        deterministic=cfg.schedule.deterministic_eval))
+        mjx_rollout.evaluate_policy, env, network, num_envs=sim.num_eval_envs,
+        num_steps=sim.episode_length // policy.action_chunk, min_std=policy.min_std, deterministic=deterministic))
 
   def lower_and_compile(self, params) -> None:
     self._eval = self._eval.lower(params, jax.random.PRNGKey(0)).compile()
@@ -62,5 +64,7 @@ class MjxEvaluator:
     pass
 
 
-def make_evaluator(cfg: config_lib.Config, network):
-  return MjxEvaluator(cfg, network) if cfg.sim.backend == 'mjx' else CpuEvaluator(cfg, network)
+def make_evaluator(sim: config_lib.SimConfig, policy: config_lib.PolicyConfig, seed: int, deterministic: bool,
+                   network):
+  cls = CpuEvaluator if sim.backend == 'mujoco_cpu' else MjxEvaluator
+  return cls(sim, policy, seed, deterministic, network)

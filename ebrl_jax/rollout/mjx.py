@@ -17,16 +17,9 @@ from ebrl_jax.generation import stages as gen_stages
 from ebrl_jax.sim import stages as sim_stages
 
 
-class EpisodeStats(NamedTuple):
-  """Sums over the episodes that ended during a rollout: return_sum / count is the mean training return."""
-  return_sum: jax.Array
-  length_sum: jax.Array
-  count: jax.Array
-
-
 def collect_segment(env: Any, network: Any, params: gen_stages.PolicyParams, policy_version: jax.Array,
                     env_state: Any, num_steps: int, episodic: bool, key: types.PRNGKey, active: jax.Array,
-                    min_std: float = 0.001) -> Tuple[Any, jax.Array, types.Transition, EpisodeStats]:
+                    min_std: float = 0.001) -> Tuple[Any, jax.Array, types.Transition, types.EpisodeStats]:
   """Runs `num_steps` policy steps (each an action chunk of K env steps) for every env of `env_state`.
 
   Args:
@@ -50,7 +43,7 @@ def collect_segment(env: Any, network: Any, params: gen_stages.PolicyParams, pol
         behaviour_log_prob=out.log_probs, mask=mask,
         policy_version=jnp.full(done.shape, policy_version, jnp.int32))
     finished = done * mask
-    stats = EpisodeStats(jnp.sum(res.episode_return * finished), jnp.sum(res.episode_length * finished),
+    stats = types.EpisodeStats(jnp.sum(res.episode_return * finished), jnp.sum(res.episode_length * finished),
                          jnp.sum(finished))
     if episodic:
       active = active * (1.0 - done)
@@ -99,25 +92,22 @@ def merge_unrolls(segments: types.Transition) -> types.Transition:
   return jax.tree.map(merge, segments)
 
 
-def collect_iteration(cfg: config_lib.Config, env, network, num_envs: int, params, version, env_state, key):
-  """One iteration's collection for `num_envs` envs: U unrolls of T policy steps each (PPO), or one episode each
-  after a group reset (GRPO). Returns (env_state, segments [T, S, ...], summed EpisodeStats). Shared by the fused
-  MJX program and the MJX rollout workers."""
-  k = cfg.policy.action_chunk
+def collect_iteration(env, network, spec: config_lib.CollectSpec, num_envs: int, params, version, env_state, key):
+  """One iteration's collection for `num_envs` envs: `spec.unrolls` unrolls of `spec.steps` policy steps each
+  (PPO), or one episode each after a group reset (GRPO). Returns (env_state, segments [T, S, ...], summed
+  types.EpisodeStats). Shared by the fused MJX program and the MJX rollout workers."""
   active = jnp.ones((num_envs,), jnp.float32)
-  if cfg.algo.name == 'grpo':
+  if spec.episodic:
     reset_key, key = jax.random.split(key)
-    env_state = sim_stages.reset(env, reset_key, num_envs, cfg.sim.group_size)
-    env_state, _, batch, stats = collect_segment(
-        env, network, params, version, env_state, cfg.sim.episode_length // k, True, key, active,
-        cfg.policy.min_std)
+    env_state = sim_stages.reset(env, reset_key, num_envs, spec.group_size)
+    env_state, _, batch, stats = collect_segment(env, network, params, version, env_state, spec.steps, True, key,
+                                                 active, spec.min_std)
     return env_state, batch, stats
 
   def unroll(env_state, unroll_key):
-    env_state, _, segment, stats = collect_segment(
-        env, network, params, version, env_state, cfg.algo.unroll_length // k, False, unroll_key, active,
-        cfg.policy.min_std)
+    env_state, _, segment, stats = collect_segment(env, network, params, version, env_state, spec.steps, False,
+                                                   unroll_key, active, spec.min_std)
     return env_state, (segment, stats)
 
-  env_state, (segments, stats) = jax.lax.scan(unroll, env_state, jax.random.split(key, cfg.unrolls_per_env))
+  env_state, (segments, stats) = jax.lax.scan(unroll, env_state, jax.random.split(key, spec.unrolls))
   return env_state, merge_unrolls(segments), jax.tree.map(jnp.sum, stats)

@@ -10,6 +10,7 @@ Axis names: T time, S segments (PPO: batch_size * num_minibatches) or envs (GRPO
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, Tuple
 
 import chex
@@ -150,3 +151,10 @@ def train_step(network: nn.Module, optimizer: optax.GradientTransformation, algo
   new_state = state.replace(params=params, opt_state=opt_state, num_updates=state.num_updates + num_steps,
                             policy_version=state.policy_version + 1)
   return new_state, jax.tree_util.tree_map(jnp.mean, metrics)
+
+
+def make_train_fn(network: nn.Module, optimizer: optax.GradientTransformation, algo: AlgoConfig, min_std: float,
+                  group_size: int, recompute_proximal: bool):
+  """`train_step` jitted with the train state donated: `(train_state, batch, key) -> (train_state, metrics)`."""
+  return jax.jit(functools.partial(train_step, network, optimizer, algo, min_std, group_size=group_size,
+                                   recompute_proximal=recompute_proximal), donate_argnums=(0,))

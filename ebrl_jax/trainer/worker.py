@@ -1,15 +1,15 @@
 """Trainer worker: consumes finished env-group segments, runs `train_step`, publishes parameters.
 
-It runs the same training driver as the fused schedule (`controller.fused.run_training`: evaluation cadence,
-checkpoints, target, metrics, summary) around a `PipelineLoop` whose iterations come from the segment channel
-instead of a local rollout.
+It runs the training driver every schedule shares (`trainer.driver`: evaluation cadence, checkpoints, target,
+metrics) around a `ChannelSource` whose iterations come from the segment channel instead of a local rollout, and
+sends its summary (or the error it stopped on) to the controller on its control pipe.
 NOTE: versions. The trainer publishes version v = iterations trained so far. A segment collected with version b
 is `v - b` versions stale when trained on; segments staler than the bound are dropped (and counted).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
-import sys
 import time
 from typing import Any, Dict, NamedTuple, Optional
 
@@ -18,16 +18,26 @@ import jax
 import numpy as np
 
 from ebrl_jax import config as config_lib
-from ebrl_jax import resources
 from ebrl_jax import types
+from ebrl_jax.rollout import evaluation
+from ebrl_jax.rollout import keys
+from ebrl_jax.runtime import errors
+from ebrl_jax.runtime import lifecycle
+from ebrl_jax.runtime import metrics as metrics_lib
+from ebrl_jax.runtime import startup
+from ebrl_jax.runtime import tracing
+from ebrl_jax.trainer import driver
+from ebrl_jax.trainer import stages as trainer_stages
 
 
 class TrainerChannels(NamedTuple):
-  """What the controller hands the trainer process: the segment channel, parameter store and stop event, and
-  optionally its feedback slots (`transport.feedback.Feedback`: train_step seconds and iterations)."""
+  """What the controller hands the trainer process: the segment channel, parameter store and stop event, its
+  control pipe's `lifecycle.Outbox`, and optionally its feedback slots (`runtime.feedback.Feedback`: train_step
+  seconds and iterations)."""
   segments: Any
   params: Any
   stop: Any
+  outbox: Any = None
   feedback: Any = None
 
 
@@ -35,22 +45,20 @@ def _host_params(params) -> Any:
   return jax.tree.map(np.asarray, jax.device_get(params))
 
 
-class PipelineLoop:
-  """The `run_training` loop interface over a segment channel fed by rollout workers."""
+class ChannelSource:
+  """The driver's `BatchSource` over a segment channel fed by rollout workers."""
 
   def __init__(self, cfg: config_lib.Config, spec: types.EnvSpec, network, optimizer, channels: TrainerChannels):
-    from ebrl_jax.controller import fused_cpu  # pylint: disable=g-import-not-at-top
-    from ebrl_jax.transport import lifecycle  # pylint: disable=g-import-not-at-top
     self._phase = lifecycle.Phase(cfg.schedule.run_dir, 'trainer')  # start-up steps, for the controller's log
     self._phase('building the train step and the evaluator')
     self._cfg, self._spec, self._ch = cfg, spec, channels
     self._num_groups = cfg.schedule.num_groups
     self._bound = cfg.schedule.staleness_bound
-    self._train = fused_cpu.make_train_fn(cfg, network, optimizer, recompute_proximal=self._bound > 0)
-    self._base_key = jax.random.PRNGKey(cfg.schedule.seed + 1)
-    from ebrl_jax.rollout import evaluation  # pylint: disable=g-import-not-at-top
-    self._evaluator = evaluation.make_evaluator(cfg, network)
-    from ebrl_jax import tracing  # pylint: disable=g-import-not-at-top
+    self._train = trainer_stages.make_train_fn(network, optimizer, cfg.algo, cfg.policy.min_std, cfg.sim.group_size,
+                                               recompute_proximal=self._bound > 0)
+    self._root_key = keys.root(cfg.schedule.seed)
+    self._evaluator = evaluation.make_evaluator(cfg.sim, cfg.policy, cfg.schedule.seed,
+                                                cfg.schedule.deterministic_eval, network)
     self.tracer = tracing.Tracer(cfg.schedule.trace_dir, 'trainer')
     self._seen: Dict[tuple, int] = {}
     self.counts = {'segments_consumed': 0, 'segments_dropped_stale': 0, 'segments_duplicated': 0,
@@ -101,9 +109,7 @@ class PipelineLoop:
       records.append(record)
     return records
 
-  def run_iterations(self, train_state, num_iterations: int, key):
-    del key  # keys come from the iteration index, as in the fused schedule
-    from ebrl_jax.controller import fused_cpu, metrics as metrics_lib  # pylint: disable=g-import-not-at-top
+  def run_iterations(self, train_state, num_iterations: int):
     acc = metrics_lib.IterationMetrics(self._cfg.algo.name)
     for _ in range(num_iterations):
       version = int(train_state.policy_version)
@@ -114,7 +120,7 @@ class PipelineLoop:
       records.sort(key=lambda r: int(r.group[0]))
       batch = types.Transition(*[np.concatenate([getattr(r, f) for r in records], axis=1)
                                  for f in types.Transition._fields])
-      _, train_key = fused_cpu.iteration_keys(self._base_key, version)
+      train_key = keys.train_key(self._root_key, version)
       if self._startup_s is None:
         self._phase('first train step (compiling it)')
       with self.tracer.span('train/train_step', version=version):
@@ -132,7 +138,7 @@ class PipelineLoop:
       self.counts['train_s'] += time.monotonic() - t1
       if self._ch.feedback is not None:
         self._ch.feedback.delivered(t2 - t1, int(train_state.policy_version))
-      resources.pin_after_startup()  # the first train step (and the first evaluation) compiled
+      startup.pin_after_startup()  # the first train step (and the first evaluation) compiled
       self.counts['segments_consumed'] += len(records)
       acc.add(metrics, sum(float(r.episode_stats[0]) for r in records),
               sum(float(r.episode_stats[2]) for r in records))
@@ -164,19 +170,19 @@ class PipelineLoop:
 
 
 def trainer_main(cfg: config_lib.Config, channels: TrainerChannels, env: Optional[dict] = None) -> None:
-  """Process entry point: trains until done, writes `<run_dir>/summary.json`, then sets the stop event."""
-  resources.apply_worker_env(env)
-  from ebrl_jax.controller import fused, runner  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.transport import lifecycle  # pylint: disable=g-import-not-at-top
-  runner.configure_jax(cfg)
+  """Process entry point: trains until done and sends its summary (a dict of `driver.RunSummary`) on the control
+  pipe, or the `RunError` it stopped on as an `errors.ErrorReport`; then sets the stop event."""
+  startup.apply_worker_env(env)
+  startup.configure_jax(cfg.resources.platform, cfg.schedule.compilation_cache_dir)
   lifecycle.Phase(cfg.schedule.run_dir, 'trainer')('initialising the network and the train state')
   channels = channels._replace(stop=lifecycle.ParentWatch(channels.stop))
   try:
-    fused.run_training(cfg, lambda c, s, n, o: PipelineLoop(c, s, n, o, channels))
+    summary = driver.run_training(cfg, lambda c, s, n, o: ChannelSource(c, s, n, o, channels))
+    channels.outbox.send('result', dataclasses.asdict(summary))
   except InterruptedError:
     logging.warning('trainer: stopped before the run finished; the last checkpoint stays loadable.')
-  except runner.DiskFull as e:  # the controller says so from the exit code: nothing more needs writing
+  except errors.RunError as e:  # the controller raises it again with these words
     logging.error('trainer: %s', e)
-    sys.exit(runner.DISK_FULL_EXIT)
+    channels.outbox.send('error', errors.report(e))
   finally:
     channels.stop.set()

@@ -129,8 +129,8 @@ def main(argv):
   del argv
   try:
     cfg = ebrl_main.config_from_flags()
-    from ebrl_jax.controller import runner  # pylint: disable=g-import-not-at-top
-    runner.configure_jax(cfg)  # the same persistent compilation cache as our runs, so seeds after the first
+    from ebrl_jax.runtime import startup  # pylint: disable=g-import-not-at-top
+    startup.configure_jax(cfg.resources.platform, cfg.schedule.compilation_cache_dir)  # the same persistent compilation cache as our runs, so seeds after the first
     summary = run(cfg)
   except ValueError as e:
     raise app.UsageError(str(e)) from None

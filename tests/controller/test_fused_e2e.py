@@ -6,7 +6,7 @@ import pytest
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import controller
-from ebrl_jax.controller import metrics as metrics_lib
+from ebrl_jax.runtime import metrics as metrics_lib
 
 
 def _config(run_dir, **overrides):

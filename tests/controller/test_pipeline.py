@@ -47,7 +47,7 @@ def test_async_processes_learn_with_bounded_staleness(tmp_path):
   assert extra['max_staleness_seen'] <= 1
   assert summary.best_eval_return > 2 * summary.eval_curve[0]['return']
   # Each process reported its start-up steps, and its last one is its steady work.
-  from ebrl_jax.transport import lifecycle  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.runtime import lifecycle  # pylint: disable=g-import-not-at-top
   phases = {name: r['phase'] for name, r in lifecycle.read_phases(cfg.schedule.run_dir).items()}
   assert phases == {'trainer': 'training', 'rollout/0': 'collecting', 'rollout/1': 'collecting'}
 
@@ -207,7 +207,7 @@ def test_killed_trainer_stops_the_run_with_its_checkpoint_intact(tmp_path):
 
 
 def test_a_worker_that_keeps_dying_stops_the_run_after_max_restarts(tmp_path, monkeypatch):
-  from ebrl_jax.sim import worker as sim_worker  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.rollout import worker as rollout_worker  # pylint: disable=g-import-not-at-top
   starts = []
 
   def crash(cfg, group, channels, incarnation=0, env=None, control=None):
@@ -215,7 +215,7 @@ def test_a_worker_that_keeps_dying_stops_the_run_after_max_restarts(tmp_path, mo
     starts.append(group)
     raise RuntimeError('cannot start (e.g. at its SM quota)')
 
-  monkeypatch.setattr(sim_worker, 'rollout_main', crash)
+  monkeypatch.setattr(rollout_worker, 'rollout_main', crash)
   cfg = _config(tmp_path / 'crashy', schedule='async', transport='thread', num_groups=1, max_restarts=2)
   with pytest.raises(controller.RunError, match=r'rollout/0 died 3 times .* more than --max_restarts=2; stopping'):
     controller.run(cfg)
@@ -226,9 +226,9 @@ def test_a_stalled_start_up_is_reported_worker_by_worker(tmp_path, monkeypatch, 
   """Until the first train step the controller says what each worker is doing; a run that fails before it says
   where each one was."""
   import logging as py_logging  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.controller import pipeline  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.sim import worker as sim_worker  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.transport import lifecycle  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.controller import supervisor  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.rollout import worker as rollout_worker  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.runtime import lifecycle  # pylint: disable=g-import-not-at-top
 
   def stall(cfg, group, channels, incarnation=0, env=None, control=None):
     del channels, incarnation, env, control
@@ -236,8 +236,8 @@ def test_a_stalled_start_up_is_reported_worker_by_worker(tmp_path, monkeypatch, 
     time.sleep(1.5)
     raise RuntimeError('gave up')
 
-  monkeypatch.setattr(sim_worker, 'rollout_main', stall)
-  monkeypatch.setattr(pipeline, '_STARTUP_LOG_S', 0.5)
+  monkeypatch.setattr(rollout_worker, 'rollout_main', stall)
+  monkeypatch.setattr(supervisor, '_STARTUP_LOG_S', 0.5)
   cfg = _config(tmp_path / 'stall', schedule='async', transport='thread', num_groups=1, worker_fault='stop')
   with caplog.at_level(py_logging.INFO), pytest.raises(controller.RunError, match='rollout/0'):
     controller.run(cfg)
@@ -253,7 +253,7 @@ def test_a_stalled_start_up_is_reported_worker_by_worker(tmp_path, monkeypatch, 
 
 
 def test_phase_reports_write_on_change_stop_after_done_and_never_raise(tmp_path):
-  from ebrl_jax.transport import lifecycle  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.runtime import lifecycle  # pylint: disable=g-import-not-at-top
   phase = lifecycle.Phase(str(tmp_path), 'rollout/3#1')
   phase('building its envs')
   first = lifecycle.read_phases(str(tmp_path))['rollout/3#1']

@@ -13,7 +13,7 @@ from ebrl_jax.resources import autoplan
 from ebrl_jax.resources import mps
 from ebrl_jax.resources import planner
 from ebrl_jax.resources import profiles
-from ebrl_jax.transport import feedback
+from ebrl_jax.runtime import feedback
 
 _FAKE_CONTROL = '#!/bin/sh\n[ "$1" != "-d" ] && cat > /dev/null\nexit 0\n'  # stand-in nvidia-cuda-mps-control
 
@@ -60,7 +60,7 @@ def test_quota_schedule_swaps_each_group_through_a_warm_standby(tmp_path, monkey
   assert summary.extra['worker_restarts'] == 0  # a swap is not a restart
   assert record['pending'] == []  # both swaps finished before the run did
   # The standbys reported their own start-up under their incarnation, and went on to collect.
-  from ebrl_jax.transport import lifecycle  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.runtime import lifecycle  # pylint: disable=g-import-not-at-top
   phases = {name: r['phase'] for name, r in lifecycle.read_phases(cfg.schedule.run_dir).items()}
   assert phases == {'trainer': 'training', 'rollout/0': 'collecting', 'rollout/1': 'collecting',
                     'rollout/0#1': 'collecting', 'rollout/1#1': 'collecting'}

@@ -8,7 +8,8 @@ import pytest
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import sim
-from ebrl_jax.controller import pipeline
+from ebrl_jax.controller import supervisor
+from ebrl_jax.controller import topology
 from ebrl_jax.resources import calibrate
 from ebrl_jax.resources import memory
 
@@ -173,7 +174,9 @@ class _FakeMps:
 def test_worker_env_one_fraction_variable_and_the_mps_limit_only_under_mps():
   plan = memory.make_plan(_config(), ROLES, 16 * GIB, {'trainer': _fp(2048), 'rollout': _fp(1024)})
   cfg = _config(use_mps=True, sm_quotas='trainer=40', pin_cpus=False)
-  placement = pipeline._Placement  # pylint: disable=protected-access
+  def placement(cfg, mps_daemon, plan):
+    return supervisor.Placement(cfg, topology.make_topology(cfg), mps_daemon, plan)
+
   with_mps = placement(cfg, _FakeMps(), plan).env('trainer')
   assert with_mps == {'EBRL_ROLE': 'trainer', 'XLA_PYTHON_CLIENT_MEM_FRACTION': '0.1875',
                       'CUDA_MPS_PINNED_DEVICE_MEM_LIMIT': '0=3572M',  # budget 3072 + 500 MiB context
@@ -231,10 +234,12 @@ def test_host_only_rollouts_run_jax_on_cpu_without_quota_or_budget():
   cfg = _config(colocate_generation=False, use_mps=True, sm_quotas='generation=50,trainer=50', pin_cpus=False)
   assert cfg.rollout_on_host
   roles = ['trainer', 'generation', 'rollout/0', 'rollout/1']
-  gpu_roles = pipeline._gpu_roles(cfg, roles)  # pylint: disable=protected-access
+  top = topology.make_topology(cfg)
+  assert sorted(top.roles) == sorted(roles)
+  gpu_roles = list(top.gpu_roles)
   assert gpu_roles == ['trainer', 'generation']
   plan = memory.make_plan(cfg, gpu_roles, 16 * GIB, {'trainer': _fp(2048), 'generation': _fp(1024)})
-  placement = pipeline._Placement(cfg, _FakeMps(), plan)  # pylint: disable=protected-access
+  placement = supervisor.Placement(cfg, top, _FakeMps(), plan)
   assert placement.env('rollout/1') == {'EBRL_ROLE': 'rollout/1', 'JAX_PLATFORMS': 'cpu'}
   gen = placement.env('generation')
   assert gen['CUDA_MPS_ACTIVE_THREAD_PERCENTAGE'] == '50' and 'XLA_PYTHON_CLIENT_MEM_FRACTION' in gen
@@ -247,9 +252,9 @@ def test_host_only_rollouts_run_jax_on_cpu_without_quota_or_budget():
 def test_live_quota_changes_plan_a_warm_standby_per_group():
   # A quota change starts each group's standby while its old worker still runs: the plan budgets both.
   cfg = _config(use_mps=True, quota_schedule='5:rollout=30')
-  roles = pipeline._planned_roles(cfg)  # pylint: disable=protected-access
+  roles = list(topology.make_topology(cfg).planned_roles)
   assert roles == ['trainer', 'rollout/0', 'rollout/1', 'standby/0', 'standby/1']
-  assert pipeline._planned_roles(_config()) == ROLES  # pylint: disable=protected-access
+  assert list(topology.make_topology(_config()).planned_roles) == ROLES
   fps = {'trainer': _fp(2048), 'rollout': _fp(1024)}
   plan = memory.make_plan(cfg, roles, 16 * GIB, fps)
   assert plan.roles['standby/1'] == plan.roles['rollout/1'] == memory.RoleBudget(1024 * MIB, 1536 * MIB, 0.09375,

@@ -5,6 +5,7 @@ import stat
 import pytest
 
 from ebrl_jax.resources import cpus
+from ebrl_jax.runtime import startup
 from ebrl_jax.resources import mps
 
 FAKES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'fakes')
@@ -82,9 +83,9 @@ def test_core_plan_by_hand():
       'trainer': [0, 1], 'rollout/0': [2, 3], 'rollout/1': [4, 5]}
   with pytest.raises(ValueError, match='at least one core'):
     cpus.plan_cores([], ['rollout/0'], [])
-  assert cpus.decode(cpus.encode([3, 5])) == [3, 5]
+  assert startup.decode_cores(startup.encode_cores([3, 5])) == [3, 5]
   with pytest.raises(ValueError, match="EBRL_CPUS='a,b'"):
-    cpus.decode('a,b')
+    startup.decode_cores('a,b')
 
 
 def test_a_daemon_that_dies_is_seen_and_not_sent_quit(tmp_path, monkeypatch):
@@ -106,8 +107,8 @@ def test_feeders_take_their_core_after_startup_and_simulators_at_once(monkeypatc
   # the generation worker compile on every core and take their own core once compiled (pin_after_startup).
   import os  # pylint: disable=g-import-not-at-top
   from ebrl_jax import config as config_lib  # pylint: disable=g-import-not-at-top
-  from ebrl_jax import resources  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.controller import pipeline  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.controller import supervisor  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.controller import topology  # pylint: disable=g-import-not-at-top
   from ebrl_jax.resources import memory  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(cpus, 'available_cores', lambda: list(range(6)))
   cfg = config_lib.Config(
@@ -115,7 +116,7 @@ def test_feeders_take_their_core_after_startup_and_simulators_at_once(monkeypatc
       algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
       schedule=config_lib.ScheduleConfig(name='async', num_groups=2, colocate_generation=False))
   plan = memory.make_plan(cfg, ['trainer', 'generation'], None)
-  placement = pipeline._Placement(cfg, None, plan)  # pylint: disable=protected-access
+  placement = supervisor.Placement(cfg, topology.make_topology(cfg), None, plan)
   # 6 cores: generation and trainer one each (the last two), the two rollouts two each.
   assert placement.env('rollout/0')['EBRL_CPUS'] == '0,1' and placement.env('rollout/1')['EBRL_CPUS'] == '2,3'
   for role in ('trainer', 'generation'):
@@ -123,8 +124,8 @@ def test_feeders_take_their_core_after_startup_and_simulators_at_once(monkeypatc
     assert 'EBRL_CPUS' not in env and env['EBRL_CPUS_AFTER_STARTUP'] in ('4', '5')
   mine = sorted(os.sched_getaffinity(0))
   pinned = []
-  monkeypatch.setattr(cpus, 'pin', pinned.append)
-  monkeypatch.setenv('EBRL_CPUS_AFTER_STARTUP', cpus.encode(mine[:1]))
-  resources.pin_after_startup()
-  resources.pin_after_startup()  # once only
+  monkeypatch.setattr(startup, 'pin', pinned.append)
+  monkeypatch.setenv('EBRL_CPUS_AFTER_STARTUP', startup.encode_cores(mine[:1]))
+  startup.pin_after_startup()
+  startup.pin_after_startup()  # once only
   assert pinned == [mine[:1]] and 'EBRL_CPUS_AFTER_STARTUP' not in os.environ

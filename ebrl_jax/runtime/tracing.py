@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Dict, List, Optional
 
-from ebrl_jax import storage
+from ebrl_jax.runtime import storage
 
 
 class Tracer:

@@ -1,14 +1,17 @@
 """What every worker process needs from its controller, whatever its role: a stop signal that also fires when
-the controller has gone, a wait for the parameter store to reach a version, and a start-up phase report."""
+the controller has gone, a wait for the parameter store to reach a version, a start-up phase report, and an
+outbox for what the worker tells its controller (its result, or the error it stopped on)."""
 from __future__ import annotations
 
 import glob
 import json
+import multiprocessing
 import os
+import queue
 import time
-from typing import Dict, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
-from ebrl_jax import storage
+from ebrl_jax.runtime import storage
 
 
 class ParentWatch:
@@ -81,3 +84,57 @@ def describe_phases(run_dir: str, now: Optional[float] = None) -> str:
   if not phases:
     return 'no worker has reported a phase yet (still importing or starting)'
   return '; '.join(f'{name}: {r["phase"]} ({max(0.0, now - r["since"]):.0f} s)' for name, r in phases.items())
+
+
+class Message(NamedTuple):
+  """What a worker tells its controller: `kind` 'result' (its payload, e.g. the trainer's summary as a dict) or
+  'error' (a `runtime.errors.ErrorReport`)."""
+  kind: str
+  payload: Any
+
+
+class Outbox:
+  """The worker's end of its control pipe: `send` a `Message` (picklable; it crosses the spawn boundary)."""
+
+  def __init__(self, end):
+    self._end = end
+
+  def send(self, kind: str, payload: Any) -> None:
+    message = Message(kind, payload)
+    if isinstance(self._end, queue.Queue):
+      self._end.put(message)
+    else:
+      self._end.send(message)
+
+
+class Inbox:
+  """The controller's end: `poll()` returns every message that has arrived, without blocking. `waitable` is what
+  `multiprocessing.connection.wait` can wait on (None for threads)."""
+
+  def __init__(self, end):
+    self._end = end
+    self.waitable = None if isinstance(end, queue.Queue) else end
+
+  def poll(self) -> List[Message]:
+    out = []
+    if isinstance(self._end, queue.Queue):
+      while not self._end.empty():
+        out.append(self._end.get_nowait())
+      return out
+    try:
+      while self._end.poll():
+        out.append(self._end.recv())
+    except (EOFError, OSError):  # the worker has gone; what it sent before is in `out`
+      pass
+    return out
+
+
+def make_pipe(use_processes: bool) -> Tuple[Inbox, Outbox]:
+  """A one-way control pipe from a worker (process or thread) to its controller.
+  NOTE: the controller must keep polling while a worker runs: a message larger than the pipe's buffer blocks
+  the sender until it is read."""
+  if not use_processes:
+    q: queue.Queue = queue.Queue()
+    return Inbox(q), Outbox(q)
+  reader, writer = multiprocessing.get_context('spawn').Pipe(duplex=False)
+  return Inbox(reader), Outbox(writer)

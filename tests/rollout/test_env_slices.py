@@ -10,13 +10,13 @@ from ebrl_jax import config as config_lib
 from ebrl_jax import controller
 from ebrl_jax import transport
 from ebrl_jax import types
-from ebrl_jax.controller import pipeline
+from ebrl_jax.controller import topology
 from ebrl_jax.generation import batching
 from ebrl_jax.generation import worker as generation_worker
 from ebrl_jax.rollout import cpu as cpu_rollout
+from ebrl_jax.rollout import groups
 from ebrl_jax.sim import cpu_env
 from ebrl_jax.sim import registry
-from ebrl_jax.sim import worker as sim_worker
 
 GROUPS, SLICES, M, O, A = 2, 2, 4, 3, 2  # 2 groups of 2 slices of 4 envs; obs dim 3, action dim 2
 
@@ -63,7 +63,7 @@ def _mailbox():
       schedule=config_lib.ScheduleConfig(name='async', num_groups=GROUPS, colocate_generation=False,
                                          env_slices=SLICES))
   spec = types.EnvSpec('fake', O, A, 100, 0.01)
-  request_spec, reply_spec = pipeline._mailbox_specs(cfg, spec)  # pylint: disable=protected-access
+  request_spec, reply_spec = topology.mailbox_specs(cfg, spec)
   return transport.make_mailbox('thread', request_spec, reply_spec, GROUPS, num_slices=SLICES,
                                 slice_field='env_slice')
 
@@ -118,7 +118,7 @@ def test_reply_to_a_dead_slice_is_dropped_and_its_restarted_worker_gets_its_own(
   stop = threading.Event()
   serving = threading.Thread(target=lambda: server.serve(mailbox.gather(1, timeout=5), None, 1, None, 0))
   serving.start()
-  remote = sim_worker._RemoteAct(mailbox, 1, stop, env_slice=1)  # pylint: disable=protected-access
+  remote = groups.RemoteAct(mailbox, 1, stop, env_slice=1)
   reply = remote(None, _obs(1, 1) + 0.5, None, 0)
   serving.join(5)
   assert (int(reply.seq), int(reply.version)) == (1, 1)

@@ -5,10 +5,10 @@ import time
 import pytest
 
 from ebrl_jax import config as config_lib
-from ebrl_jax.controller import fused
+from ebrl_jax.trainer import driver
 
 
-class _FakePipelineLoop:
+class _FakeChannelSource:
   """Iterations take 50 ms each, the session's first one 300 ms more (workers starting, train step compiling)."""
 
   def __init__(self):
@@ -23,8 +23,7 @@ class _FakePipelineLoop:
     del params, key
     return {'eval/episode_return': 0.0}
 
-  def run_iterations(self, state, n, key):
-    del key
+  def run_iterations(self, state, n):
     for i in range(n):
       extra = 0.3 if self.startup is None and i == 0 else 0.0
       time.sleep(0.05 + extra)
@@ -48,7 +47,7 @@ def test_first_iteration_of_a_process_schedule_counts_as_startup(tmp_path):
       algo=config_lib.AlgoConfig(batch_size=4, num_minibatches=1, unroll_length=5),
       schedule=config_lib.ScheduleConfig(name='fused', num_timesteps=8 * 20, num_evals=2, run_dir=str(tmp_path),
                                          checkpoint_every=0, progress_bar=False))
-  summary = fused.run_training(cfg, lambda *args: _FakePipelineLoop())
+  summary = driver.run_training(cfg, lambda *args: _FakeChannelSource())
   # 8 iterations of 20 env steps in 2 chunks of 4; the first (0.35 s) is start-up: compile 1.0 + 0.35 s,
   # 7 iterations (140 steps) over ~7 x 50 ms.
   assert summary.iterations == 8 and summary.env_steps == 160

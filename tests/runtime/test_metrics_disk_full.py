@@ -3,7 +3,7 @@ import errno
 import sys
 import threading
 
-from ebrl_jax.controller import metrics
+from ebrl_jax.runtime import metrics
 
 
 def _raised_in(filename, exc):

@@ -144,6 +144,10 @@ class MetricsLogger:
       raise OSError(e.errno, e.strerror, self._jsonl.name) from e
     self.history.append(record)
     if self._tb is not None:
+      if _TENSORBOARD_DISK['full']:
+        # NOTE: tensorboardX's writer thread has died on the full disk; its bounded queue would block add_scalar
+        # for good once full, so the run stops here with the disk named instead.
+        raise OSError(errno.ENOSPC, 'No space left on device', self._tb.logdir)
       for name, value in values.items():
         self._tb.add_scalar(name, value, global_step=int(env_steps))
     if echo:
@@ -167,8 +171,11 @@ class MetricsLogger:
     if self._bar is not None:
       self._bar.close()
       self._bar = None
-    if self._tb is not None:
-      tb, self._tb = self._tb, None
+    tb, self._tb = self._tb, None
+    if tb is not None and _TENSORBOARD_DISK['full']:  # its writer thread is gone: a close would wait for good
+      _say_tensorboard_disk_full()
+      tb = None
+    if tb is not None:
       try:
         tb.close()
       except OSError as e:  # its last flush; the run's own writes say what happened to the disk

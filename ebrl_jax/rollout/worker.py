@@ -1,9 +1,9 @@
-"""Rollout worker: one env group, simulated and acted on in one process, segments sent to the trainer.
+"""Rollout worker: one env group (`rollout.groups`), simulated and acted on in one process (or acted on by the
+generation worker), segments sent to the trainer.
 
-Generation is co-located with simulation here (the policy runs in this process): for small policies a separate
-generation process would cost a hand-off every env step. Each group advances on its own: it waits only for the
-staleness bound, never for other groups (`--schedule=sync` is the bound 0: every iteration waits for the
-parameters trained on the previous one, which is the barrier).
+With generation co-located (the policy runs in this process), small policies avoid a hand-off every env step.
+Each group advances on its own: it waits only for the staleness bound, never for other groups (`--schedule=sync`
+is the bound 0: every iteration waits for the parameters trained on the previous one, which is the barrier).
 NOTE: a segment is put on the channel only once complete, so a worker killed mid-segment loses that segment's
 work but never hands the trainer a partial one; its replacement starts at the trainer's current version.
 """
@@ -14,13 +14,20 @@ import time
 from typing import Any, NamedTuple, Optional
 
 from absl import logging
+import jax
 import numpy as np
 
 from ebrl_jax import config as config_lib
-from ebrl_jax import resources
+from ebrl_jax import sim
 from ebrl_jax import types
-from ebrl_jax.transport import feedback as feedback_lib
-from ebrl_jax.transport import lifecycle
+from ebrl_jax.generation import policies
+from ebrl_jax.rollout import groups
+from ebrl_jax.rollout import keys
+from ebrl_jax.runtime import feedback as feedback_lib
+from ebrl_jax.runtime import lifecycle
+from ebrl_jax.runtime import startup
+from ebrl_jax.runtime import tracing
+from ebrl_jax.transport import ChannelClosed
 
 
 class RolloutChannels(NamedTuple):
@@ -28,82 +35,6 @@ class RolloutChannels(NamedTuple):
   params: Any
   stop: Any
   mailbox: Any = None  # set when a separate generation worker serves the actions
-
-
-class _RemoteAct:
-  """Stands in for a local `act`: sends one slice's observations (the whole group's without slices) to the
-  generation worker, waits for its reply.
-
-  NOTE: a request whose reply does not come within `resend_s` is sent again (the generation worker may have
-  died and been replaced); replies carry the request's seq, so a late duplicate is recognised and dropped.
-  """
-
-  def __init__(self, mailbox, group: int, stop, env_slice: int = 0, resend_s: float = 2.0):
-    self._mailbox, self._group, self._slice = mailbox, group, env_slice
-    self._stop, self._resend_s = stop, resend_s
-    self.min_version, self._seq = 0, 0
-
-  def _ask(self, obs) -> None:
-    request = types.ActRequest(group=np.int32(self._group), env_slice=np.int32(self._slice),
-                               seq=np.int32(self._seq), min_version=np.int32(self.min_version),
-                               obs=np.asarray(obs, np.float32))
-    while not self._stop.is_set():
-      try:
-        self._mailbox.ask(request, timeout=0.5)
-        return
-      except TimeoutError:
-        continue
-    raise InterruptedError('stop requested')
-
-  def __call__(self, params, obs, key, index):
-    del params, key, index  # the generation worker holds the parameters and its own keys
-    self._seq += 1
-    self._ask(obs)
-    while not self._stop.is_set():
-      try:
-        reply = self._mailbox.receive(self._group, timeout=self._resend_s, env_slice=self._slice)
-      except TimeoutError:
-        self._ask(obs)
-        continue
-      if int(reply.seq) == self._seq:
-        return reply
-    raise InterruptedError('stop requested')
-
-
-class _CpuGroup:
-  """A native-MuJoCo env group and its collector; with a generation worker, one remote act per env slice."""
-
-  def __init__(self, cfg: config_lib.Config, group: int, network, tracer, mailbox=None, stop=None):
-    from ebrl_jax.controller import fused_cpu  # pylint: disable=g-import-not-at-top
-    from ebrl_jax.rollout import cpu as cpu_rollout  # pylint: disable=g-import-not-at-top
-    from ebrl_jax import sim  # pylint: disable=g-import-not-at-top
-    spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
-    episodic = cfg.algo.name == 'grpo'
-    # Group 0 uses the run's seed, so one group replays the fused schedule's envs exactly.
-    self._pool = fused_cpu.make_pool(cfg, cfg.group_envs, cfg.schedule.seed + 7919 * group,
-                                     auto_reset=not episodic)
-    unrolls, steps = cfg.segment_shape
-    if mailbox is None:
-      self.remote_acts = []
-      act = cpu_rollout.make_act(network, cfg.policy.min_std)
-    else:
-      self.remote_acts = [_RemoteAct(mailbox, group, stop, s) for s in range(cfg.schedule.env_slices)]
-      act = self.remote_acts if len(self.remote_acts) > 1 else self.remote_acts[0]
-    self.collector = cpu_rollout.CpuCollector(self._pool, spec, act, unrolls, steps, cfg.policy.action_chunk,
-                                              episodic, tracer if tracer.enabled else None)
-
-  def set_min_version(self, version: int) -> None:
-    """The oldest policy version the generation worker may answer this group's requests with."""
-    for remote in self.remote_acts:
-      remote.min_version = version
-
-  def collect(self, params, version: int, key):
-    transition, stats = self.collector.collect(params, version, key)
-    return transition, (stats.return_sum, stats.length_sum, stats.count)
-
-  def close(self):
-    self.collector.close()
-    self._pool.close()
 
 
 class _EitherSet:
@@ -123,8 +54,7 @@ def _stand_by(worker, store, control, stop, key, phase) -> bool:
   NOTE: with a generation worker the standby does not collect (the group's mailbox slot belongs to the old
   worker until it has exited); it only builds its envs.
   """
-  import jax  # pylint: disable=g-import-not-at-top
-  if not getattr(worker, 'remote_acts', None):
+  if not worker.remote:
     version, host_params = store.latest()
     jax.device_get(worker.collect(jax.device_put(host_params), version, key)[0])
   quota = os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE', '0')
@@ -143,14 +73,8 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
   """Process entry point for env group `group` (`incarnation`: how many times its worker was restarted or
   swapped). `control` (optional): feedback slots written each iteration, a `retire` event that ends the worker
   after its current iteration, and for a warm standby the `go` it waits on (see controller/replan.py)."""
-  resources.apply_worker_env(env)
-  import jax  # pylint: disable=g-import-not-at-top
-  from ebrl_jax import sim  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.controller import fused_cpu, runner  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.generation import policies  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.transport import ChannelClosed  # pylint: disable=g-import-not-at-top
-  from ebrl_jax import tracing  # pylint: disable=g-import-not-at-top
-  runner.configure_jax(cfg)
+  startup.apply_worker_env(env)
+  startup.configure_jax(cfg.resources.platform, cfg.schedule.compilation_cache_dir)
   stop = lifecycle.ParentWatch(channels.stop)
   standby = control is not None and control.go is not None
   phase = lifecycle.Phase(cfg.schedule.run_dir, f'rollout/{group}' + (f'#{incarnation}' if incarnation else ''))
@@ -158,17 +82,13 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
   tracer = tracing.Tracer(cfg.schedule.trace_dir, f'rollout/{group}')
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
   network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
-  if cfg.sim.backend == 'mjx':
-    from ebrl_jax.rollout import mjx_group  # pylint: disable=g-import-not-at-top
-    worker = mjx_group.MjxGroup(cfg, group, network)
-  else:
-    worker = _CpuGroup(cfg, group, network, tracer, channels.mailbox, stop)
-  base_key = jax.random.PRNGKey(cfg.schedule.seed + 1)
+  worker = groups.make_group(cfg, group, network, tracer, channels.mailbox, stop)
+  root_key = keys.root(cfg.schedule.seed)
   bound = cfg.schedule.staleness_bound
   store = channels.params
   params_version, params = -1, None
   running = _EitherSet(stop, control.retire if control is not None else None)
-  remote = bool(getattr(worker, 'remote_acts', None))  # acts come from the generation worker
+  remote = worker.remote  # acts come from the generation worker
   try:
     phase('waiting for policy version 0 (the trainer publishes it once initialised)')
     if not lifecycle.wait_for_version(store, 0, stop):  # the trainer publishes version 0 once it has initialised
@@ -178,7 +98,7 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
       if standby:
         phase('warm standby: ' + ('built, acts come from the generation worker' if remote
                                   else 'a throw-away collect (compiling it)'))
-        if not _stand_by(worker, store, control, stop, base_key, phase):
+        if not _stand_by(worker, store, control, stop, root_key, phase):
           return
     phase('first collect' + (' (acts come from the generation worker)' if remote else ' (compiling it)'))
     iteration = store.version()  # a restarted worker resumes at the trainer's version
@@ -195,12 +115,12 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
         elif store.version() != params_version:
           params_version, host_params = store.latest()
           params = jax.device_put(host_params)
-      roll_key, _ = fused_cpu.iteration_keys(base_key, iteration, group)
+      roll_key = keys.rollout_key(root_key, iteration, group)
       t_collect = time.monotonic()
       with tracer.span('rollout/collect', iteration=iteration, version=params_version):
         transition, stats = worker.collect(params, params_version, roll_key)
       t_collect = time.monotonic() - t_collect
-      record = types.SegmentRecord(*[np.asarray(x) for x in transition], group=np.array([group], np.int32),
+      record = types.SegmentRecord(*(np.asarray(x) for x in transition), group=np.array([group], np.int32),
                                    iteration=np.array([iteration], np.int32),
                                    incarnation=np.array([incarnation], np.int32),
                                    episode_stats=np.asarray(stats, np.float32))
@@ -211,7 +131,7 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
             channels.segments.put(record, timeout=0.5)
             if control is not None:
               control.feedback.delivered(t_collect, iteration)
-            resources.pin_after_startup()  # MJX groups: the first collect compiled (native ones were pinned at start)
+            startup.pin_after_startup()  # MJX groups: the first collect compiled (native ones were pinned at start)
             phase.done('collecting')
             break
           except TimeoutError:

@@ -1,0 +1,277 @@
+"""The supervisor of a process schedule's workers: starts them (as processes, each with its own environment,
+cores, MPS quota and memory budget, or as threads), watches them, restarts a dead rollout or generation worker
+(`--worker_fault=restart`) or stops the run cleanly, and stops every one of them on the way out."""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import threading
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+from absl import logging
+
+from ebrl_jax import config as config_lib
+from ebrl_jax.controller import topology as topology_lib
+from ebrl_jax.generation import worker as generation_worker
+from ebrl_jax.resources import cpus
+from ebrl_jax.resources import memory
+from ebrl_jax.resources import mps
+from ebrl_jax.rollout import worker as rollout_worker
+from ebrl_jax.runtime import errors
+from ebrl_jax.runtime import feedback
+from ebrl_jax.runtime import lifecycle
+from ebrl_jax.runtime import startup
+from ebrl_jax.runtime import storage
+from ebrl_jax.trainer import worker as trainer_worker
+
+_JOIN_S = 10.0
+_MPS_CHECK_S = 1.0  # the watch loop asks the MPS daemon whether it is alive at most this often
+_STARTUP_LOG_S = 30.0  # until the first train step, the watch loop says what each worker is doing this often
+
+
+class Placement:
+  """Per-worker environment: memory budget, MPS pipe and SM quota, CPU cores."""
+
+  def __init__(self, cfg: config_lib.Config, topology: topology_lib.Topology, mps_daemon: Optional[mps.MpsDaemon],
+               memory_plan: memory.MemoryPlan):
+    self._cfg, self._topology, self.mps, self.memory = cfg, topology, mps_daemon, memory_plan
+    self._cpu_roles = set(topology.cpu_roles)
+    self.cores = (cpus.plan_cores(cpus.available_cores(), topology.cpu_roles, topology.feeder_roles)
+                  if cfg.resources.pin_cpus else {})
+
+  def env(self, role: str) -> Dict[str, str]:
+    if not self._topology.on_gpu(role):  # simulates on CPU cores; generation acts for it: no GPU context
+      env = {'EBRL_ROLE': role, 'JAX_PLATFORMS': 'cpu'}
+    else:
+      env = {'EBRL_ROLE': role, **self.memory.worker_env(role, mps_active=self.mps is not None)}
+      if self.mps is not None:
+        env.update(self.mps.worker_env(self._cfg.resources.quotas.get(role.split('/')[0])))
+    if role in self.cores:
+      # CPU simulators are pinned at once; GPU feeders compile on every core first (startup.pin_after_startup).
+      key = 'EBRL_CPUS' if role in self._cpu_roles else 'EBRL_CPUS_AFTER_STARTUP'
+      env[key] = startup.encode_cores(self.cores[role])
+    return env
+
+
+class Supervisor:
+  """Starts, watches and stops the workers. Their pids are in `pids` (role -> pid, read by telemetry) and, for
+  the user, in `<run_dir>/workers.json`; the trainer's summary arrives on its control pipe (`summary`)."""
+
+  def __init__(self, cfg: config_lib.Config, seg_channel, store, use_processes: bool, mailbox=None,
+               placement: Optional[Placement] = None, pids: Optional[Dict[str, int]] = None):
+    self._cfg, self._use_processes = cfg, use_processes
+    self.pids = pids if pids is not None else {}
+    self.summary: Optional[dict] = None  # the trainer's result, once it has sent it
+    self._placement = placement
+    self._ctx = multiprocessing.get_context('spawn') if use_processes else None
+    self.stop = self._ctx.Event() if use_processes else threading.Event()
+    self.use_processes = use_processes
+    self.trainer_feedback = feedback.Feedback(use_processes)  # read by controller/replan.py
+    self.controls: Dict[str, feedback.WorkerControl] = {}  # rollout role -> its feedback and events
+    self.control_history: List[Tuple[str, feedback.WorkerControl]] = []  # every rollout worker that delivered
+    self.tick = None  # called by `watch` every `poll_s` when set (the live quota changes)
+    self.poll_s = 0.5
+    self._incarnations: Dict[str, int] = {}
+    self._inbox, outbox = lifecycle.make_pipe(use_processes)
+    self._trainer_ch = trainer_worker.TrainerChannels(seg_channel, store, self.stop, outbox, self.trainer_feedback)
+    self._rollout_ch = rollout_worker.RolloutChannels(seg_channel, store, self.stop, mailbox)
+    self._gen_args = (cfg, mailbox, store, self.stop)
+    self.workers: Dict[str, Any] = {}
+    self.restarts = 0
+    self._role_restarts: Dict[str, int] = {}
+    self._next_mps_check = 0.0
+    self.rollout_quota: Dict[str, int] = {}  # role -> quota set by a live change (else the config's)
+    self.started_t: Optional[float] = None  # when start_all ran
+    self.first_step_seen = False  # the trainer's first train step is done: start-up is over
+    self._next_startup_log = 0.0
+
+  def _start(self, role: str, target, args, env: Optional[Dict[str, str]] = None, register: bool = True,
+             **kwargs):
+    # Threads share one process: only processes get their own environment and cores.
+    if env is None and self._use_processes and self._placement:
+      env = self._placement.env(role)
+    kwargs['env'] = env if self._use_processes else None
+    if self._use_processes:
+      worker = self._ctx.Process(target=target, args=args, kwargs=kwargs, name=role, daemon=True)
+    else:
+      worker = threading.Thread(target=target, args=args, kwargs=kwargs, name=role, daemon=True)
+    worker.start()
+    if register:
+      self.workers[role] = worker
+      self._write_pids()
+    return worker
+
+  def start_rollout(self, group: int, quota: Optional[int] = None, standby: bool = False):
+    """Starts group `group`'s rollout worker as the role's next incarnation, at SM quota `quota` (None: the
+    config's). A warm standby (`standby`) is not registered: it waits on its control's `go` (controller/replan.py
+    swaps it in). Returns (worker, control)."""
+    role = f'rollout/{group}'
+    env = None
+    if self._use_processes and self._placement is not None:
+      env = self._placement.env(role)
+      if quota is not None and self._placement.mps is not None:
+        env.update(self._placement.mps.worker_env(quota))
+      if standby:  # beside the worker it replaces (planned as 'standby/<g>'): it grows into its cap, not takes it
+        env['XLA_PYTHON_CLIENT_PREALLOCATE'] = 'false'
+    incarnation = self._incarnations.get(role, -1) + 1
+    self._incarnations[role] = incarnation
+    control = feedback.make_control(self._use_processes, standby)
+    worker = self._start(role, rollout_worker.rollout_main, (self._cfg, group, self._rollout_ch, incarnation),
+                         env=env, register=not standby, control=control)
+    if not standby:
+      self.controls[role] = control
+      self.control_history.append((role, control))
+    return worker, control
+
+  def swap_in(self, role: str, worker, control) -> None:
+    """Makes a started standby the role's worker (the old one, retiring, is no longer watched)."""
+    self.workers[role], self.controls[role] = worker, control
+    self.control_history.append((role, control))
+    self._write_pids()
+
+  def _write_pids(self) -> None:
+    if not self._use_processes:
+      return
+    self.pids.clear()
+    self.pids.update({role: w.pid for role, w in self.workers.items()})
+    path = os.path.join(self._cfg.schedule.run_dir, 'workers.json')
+    try:  # for the user; a full disk must not stop the controller here (the trainer says it)
+      storage.write_json(path, {'controller': os.getpid(), 'workers': dict(self.pids), 'restarts': self.restarts})
+    except OSError as e:
+      logging.warning('could not write %s: %s', path, e)
+
+  def start_all(self) -> None:
+    self.started_t = time.monotonic()
+    self._next_startup_log = self.started_t + _STARTUP_LOG_S
+    self._start('trainer', trainer_worker.trainer_main, (self._cfg, self._trainer_ch))
+    if self._rollout_ch.mailbox is not None:
+      self._start('generation', generation_worker.generation_main, self._gen_args)
+    for g in range(self._cfg.schedule.num_groups):
+      self.start_rollout(g)
+
+  def _read_inbox(self, trainer) -> None:
+    """The trainer's messages: its summary, or the `RunError` it stopped on (raised here in its words)."""
+    for message in self._inbox.poll():
+      if message.kind == 'result':
+        self.summary = message.payload
+      elif message.kind == 'error':
+        errors.raise_report(message.payload, prefix=f'the trainer worker (pid {trainer.pid}) stopped: ')
+
+  def watch(self) -> None:
+    """Returns when the trainer has finished; handles rollout-worker deaths and a dead MPS daemon on the way."""
+    while True:
+      trainer = self.workers['trainer']
+      if self._use_processes:
+        waitables = [w.sentinel for w in self.workers.values()] + [self._inbox.waitable]
+        multiprocessing.connection.wait(waitables, timeout=self.poll_s)
+      else:
+        trainer.join(timeout=self.poll_s)
+      self._read_inbox(trainer)
+      # A worker that died may have died with the daemon: ask it then too, so the error names the cause.
+      self._check_mps(force=not all(w.is_alive() for w in self.workers.values()))
+      if not trainer.is_alive():
+        self._read_inbox(trainer)
+        code = getattr(trainer, 'exitcode', 0)
+        if code not in (0, None):
+          raise errors.WorkerFailure(f'the trainer worker (pid {trainer.pid}) died with exit code {code}; the '
+                                     f'run stopped. Its last checkpoint in {self._cfg.schedule.run_dir}/checkpoints '
+                                     'stays loadable: continue with --resume.')
+        return
+      for role, w in list(self.workers.items()):
+        if role != 'trainer' and not w.is_alive() and not self.stop.is_set():
+          self._on_rollout_death(role, w)
+      if self.tick is not None and not self.stop.is_set():
+        self.tick()
+      self._log_startup()
+
+  def startup_phases(self) -> Optional[str]:
+    """Until the trainer's first train step: one line of what each worker is doing (their phase reports) and
+    for how long; None once start-up is over."""
+    if self.first_step_seen or self.started_t is None:
+      return None
+    if self.trainer_feedback[feedback.ITERATIONS] >= 1:
+      self.first_step_seen = True
+      return None
+    return (f'start-up {time.monotonic() - self.started_t:.0f} s, no train step yet: '
+            + lifecycle.describe_phases(self._cfg.schedule.run_dir))
+
+  def _log_startup(self) -> None:
+    if self.first_step_seen or time.monotonic() < self._next_startup_log:
+      return
+    self._next_startup_log = time.monotonic() + _STARTUP_LOG_S
+    line = self.startup_phases()
+    if line is not None:
+      logging.info('%s', line)
+
+  def _check_mps(self, force: bool) -> None:
+    """Raises MpsDaemonDied when the run's MPS daemon no longer answers (asked at most once a second unless
+    `force`d); the caller's `stop_all` then stops every worker, and the trainer's last checkpoint stays whole."""
+    daemon = self._placement.mps if self._placement is not None else None
+    if daemon is None or not daemon.active or (not force and time.monotonic() < self._next_mps_check):
+      return
+    self._next_mps_check = time.monotonic() + _MPS_CHECK_S
+    if daemon.alive():
+      return
+    daemon.lost()
+    logging.error('The MPS daemon serving pipe directory %s died (it no longer answers); stopping every worker.',
+                  daemon.pipe_dir)
+    raise errors.MpsDaemonDied(f'the MPS daemon (pipe directory {daemon.pipe_dir}) died mid-run; every worker was '
+                        f'stopped. The last checkpoint in {self._cfg.schedule.run_dir}/checkpoints stays loadable: '
+                        'start MPS again (or run without --use_mps) and continue with --resume.')
+
+  def _on_rollout_death(self, role: str, w) -> None:
+    code = getattr(w, 'exitcode', None)
+    if self._cfg.schedule.worker_fault != 'restart':
+      raise errors.WorkerFailure(f'{role} (pid {getattr(w, "pid", None)}) died with exit code {code}; stopping '
+                          '(--worker_fault=stop).')
+    self._role_restarts[role] = self._role_restarts.get(role, 0) + 1
+    if self._role_restarts[role] > self._cfg.schedule.max_restarts:
+      raise errors.WorkerFailure(f'{role} died {self._role_restarts[role]} times (last exit code {code}), more than '
+                          f'--max_restarts={self._cfg.schedule.max_restarts}; stopping. The last checkpoint in '
+                          f'{self._cfg.schedule.run_dir}/checkpoints stays loadable.')
+    self.restarts += 1
+    logging.warning('%s (pid %s) died with exit code %s; restarting it (restart %d).',
+                    role, getattr(w, 'pid', None), code, self.restarts)
+    if role == 'generation':  # its groups re-send their outstanding requests to the new one
+      self._start(role, generation_worker.generation_main, self._gen_args)
+      return
+    group = int(role.split('/')[1])  # the group's envs reset; its unfinished segment is lost, never half-sent
+    # A new incarnation: its iteration numbers may repeat the dead one's, its records stay distinct.
+    self.start_rollout(group, quota=self.rollout_quota.get(role))
+
+  def stop_all(self) -> None:
+    self.stop.set()
+    deadline = time.monotonic() + _JOIN_S
+    for w in self.workers.values():
+      w.join(timeout=max(0.1, deadline - time.monotonic()))
+    if self._use_processes:
+      for w in self.workers.values():
+        if w.is_alive():
+          logging.warning('%s (pid %d) did not stop in %.0f s; terminating it.', w.name, w.pid, _JOIN_S)
+          w.terminate()
+          w.join(timeout=2.0)
+        if w.is_alive():
+          w.kill()
+          w.join(timeout=2.0)
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+  """SIGTERM stops the run like Ctrl-C does (main thread only; elsewhere the handler is left alone)."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def handler(signum, frame):
+    del signum, frame
+    raise KeyboardInterrupt('SIGTERM')
+
+  previous = signal.signal(signal.SIGTERM, handler)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,118 @@
+"""The topology of a run, as a value: which worker processes there are, what crosses between them (record specs,
+the parameter template, channel capacities), and which of them hold a GPU. Built from a `Config` by
+`make_topology` before any worker starts; printed at start and kept in the summary."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Optional, Tuple
+
+import jax
+
+from ebrl_jax import config as config_lib
+from ebrl_jax import sim
+from ebrl_jax import types
+from ebrl_jax import transport
+from ebrl_jax.generation import policies
+from ebrl_jax.trainer import stages as trainer_stages
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+  """The processes of a `sync`/`async` run and what crosses between them.
+
+  cpu_roles simulate on CPU cores (native-MuJoCo rollout workers); feeder_roles drive the GPU (the trainer, a
+  generation worker, MJX rollout workers). gpu_roles hold a GPU context (an SM quota and a memory budget);
+  planned_roles are the processes the memory plan budgets (the GPU roles, plus a warm standby per group when the
+  rollout quota changes during the run).
+  """
+  env_spec: types.EnvSpec
+  num_groups: int
+  cpu_roles: Tuple[str, ...]
+  feeder_roles: Tuple[str, ...]
+  gpu_roles: Tuple[str, ...]
+  planned_roles: Tuple[str, ...]
+  segment_spec: transport.RecordSpec
+  segment_capacity: int
+  request_spec: Optional[transport.RecordSpec]  # None: generation is co-located with simulation
+  reply_spec: Optional[transport.RecordSpec]
+  param_template: Any  # the policy parameters' shapes (jax.ShapeDtypeStruct leaves)
+
+  @property
+  def roles(self) -> Tuple[str, ...]:
+    return self.feeder_roles + self.cpu_roles
+
+  def on_gpu(self, role: str) -> bool:
+    return role.split('#')[0] in self.gpu_roles or role.startswith('standby/')
+
+  def describe(self) -> Dict[str, Any]:
+    """A JSON-able description (kept in the summary)."""
+    param_bytes = sum(int(x.size) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self.param_template))
+    out = {'roles': list(self.roles), 'gpu_roles': list(self.gpu_roles), 'cpu_roles': list(self.cpu_roles),
+           'planned_roles': list(self.planned_roles), 'num_groups': self.num_groups,
+           'segment_bytes': self.segment_spec.nbytes, 'segment_capacity': self.segment_capacity,
+           'param_bytes': param_bytes}
+    if self.request_spec is not None:
+      out['request_bytes'], out['reply_bytes'] = self.request_spec.nbytes, self.reply_spec.nbytes
+    return out
+
+
+def segment_spec(cfg: config_lib.Config, spec: types.EnvSpec) -> transport.RecordSpec:
+  """The shared-memory spec of one env group's `SegmentRecord` for one iteration."""
+  unrolls, steps = cfg.segment_shape
+  s = unrolls * cfg.group_envs
+  t, k, o, a = steps, cfg.policy.action_chunk, spec.obs_dim, spec.action_dim
+  shapes = {'obs': (t, s, o), 'raw_action': (t, s, k, a), 'reward': (t, s), 'termination': (t, s),
+            'truncation': (t, s), 'next_obs': (t, s, o), 'behaviour_log_prob': (t, s), 'mask': (t, s),
+            'policy_version': (t, s), 'group': (1,), 'iteration': (1,), 'incarnation': (1,),
+            'episode_stats': (3,)}
+  return transport.record_spec(types.SegmentRecord, shapes,
+                               dtypes={'policy_version': 'int32', 'group': 'int32', 'iteration': 'int32',
+                                       'incarnation': 'int32'})
+
+
+def mailbox_specs(cfg: config_lib.Config, spec: types.EnvSpec):
+  """Request and reply specs of one env slice (the whole group without `--env_slices`)."""
+  b, k, o, a = cfg.slice_envs, cfg.policy.action_chunk, spec.obs_dim, spec.action_dim
+  ints = {'group': 'int32', 'env_slice': 'int32', 'seq': 'int32'}
+  request = transport.record_spec(types.ActRequest, {'group': (), 'env_slice': (), 'seq': (), 'min_version': (),
+                                                     'obs': (b, o)},
+                                  dtypes={**ints, 'min_version': 'int32'})
+  reply = transport.record_spec(types.ActReply, {'group': (), 'env_slice': (), 'seq': (), 'version': (),
+                                                 'actions': (b, k, a), 'raw_actions': (b, k, a), 'log_probs': (b,)},
+                                dtypes={**ints, 'version': 'int32'})
+  return request, reply
+
+
+def param_template(cfg: config_lib.Config, spec: types.EnvSpec):
+  """Shapes of the policy parameters, without computing them (the controller touches no accelerator)."""
+  network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
+  optimizer = trainer_stages.make_optimizer(cfg.algo)
+  state = jax.eval_shape(lambda: trainer_stages.init_train_state(
+      network, optimizer, jax.random.PRNGKey(0), spec.obs_dim, cfg.policy.normalize_observations))
+  return state.params
+
+
+def _roles(cfg: config_lib.Config) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+  """(CPU-simulating roles, GPU-feeder roles)."""
+  rollouts = tuple(f'rollout/{g}' for g in range(cfg.schedule.num_groups))
+  feeders = ('trainer',) + (() if cfg.schedule.colocate_generation else ('generation',))
+  if cfg.sim.backend == 'mujoco_cpu':
+    return rollouts, feeders
+  return (), feeders + rollouts
+
+
+def make_topology(cfg: config_lib.Config) -> Topology:
+  spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
+  cpu_roles, feeders = _roles(cfg)
+  # Native-MuJoCo rollout workers served by a generation worker hold no GPU context.
+  gpu_roles = tuple(r for r in feeders + cpu_roles if not (cfg.rollout_on_host and r.startswith('rollout/')))
+  planned = gpu_roles
+  if (cfg.resources.quota_schedule or cfg.resources.replan) and 'rollout/0' in gpu_roles:
+    planned += tuple(f'standby/{g}' for g in range(cfg.schedule.num_groups))
+  request = reply = None
+  if not cfg.schedule.colocate_generation:
+    request, reply = mailbox_specs(cfg, spec)
+  return Topology(env_spec=spec, num_groups=cfg.schedule.num_groups, cpu_roles=cpu_roles, feeder_roles=feeders,
+                  gpu_roles=gpu_roles, planned_roles=planned, segment_spec=segment_spec(cfg, spec),
+                  segment_capacity=cfg.schedule.num_groups * (cfg.schedule.staleness_bound + 1),
+                  request_spec=request, reply_spec=reply, param_template=param_template(cfg, spec))

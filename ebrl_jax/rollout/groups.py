@@ -1,0 +1,136 @@
+"""Env groups for a rollout worker, behind one `Group` protocol: an MJX group (one jitted program collects the
+group's share of an iteration on the device) and a native-MuJoCo group (a host loop around a jitted `act`, or
+around requests to the generation worker — one `RemoteAct` per env slice)."""
+from __future__ import annotations
+
+import functools
+from typing import List, Protocol, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ebrl_jax import config as config_lib
+from ebrl_jax import types
+from ebrl_jax.generation import stages as gen_stages
+from ebrl_jax.rollout import cpu as cpu_rollout
+from ebrl_jax.rollout import keys
+from ebrl_jax.sim import registry
+
+
+class Group(Protocol):
+  """One env group's simulation and acting. `remote` is True when a generation worker acts for it."""
+  remote: bool
+
+  def collect(self, params, version: int, key) -> Tuple[types.Transition, types.EpisodeStats]:
+    """One iteration's segments [T, S_g, ...] as numpy arrays, and the episodes that ended in them."""
+
+  def set_min_version(self, version: int) -> None:
+    """The oldest policy version a remote act may answer with (a local act is given its parameters)."""
+
+  def close(self) -> None:
+    """Frees the group's envs and threads."""
+
+
+class MjxGroup:
+  """Holds the group's env state on the device between collections."""
+  remote = False
+
+  def __init__(self, cfg: config_lib.Config, group: int, network):
+    from ebrl_jax.rollout import mjx as mjx_rollout  # lazy: brax and MJX load only in an MJX group's process
+    from ebrl_jax.sim import stages as sim_stages  # lazy: as above
+    num_envs, sim = cfg.group_envs, cfg.sim
+    env = sim_stages.make_mjx_env(sim.task, sim.episode_length, sim.action_repeat, auto_reset=not cfg.algo.episodic)
+    key = keys.env_reset_key(keys.root(cfg.schedule.seed), group)
+    self._env_state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(env, key, num_envs, sim.group_size)
+    self._program = jax.jit(functools.partial(mjx_rollout.collect_iteration, env, network, cfg.collect_spec,
+                                              num_envs), donate_argnums=(2,))
+
+  def collect(self, params, version: int, key):
+    self._env_state, batch, stats = self._program(params, jnp.int32(version), self._env_state, key)
+    batch, stats = jax.device_get((batch, stats))
+    return (types.Transition(*(np.asarray(x) for x in batch)),
+            types.EpisodeStats(float(stats.return_sum), float(stats.length_sum), float(stats.count)))
+
+  def set_min_version(self, version: int) -> None:
+    del version
+
+  def close(self) -> None:
+    pass
+
+
+class RemoteAct:
+  """Stands in for a local `act`: sends one slice's observations (the whole group's without slices) to the
+  generation worker, waits for its reply.
+
+  NOTE: a request whose reply does not come within `resend_s` is sent again (the generation worker may have
+  died and been replaced); replies carry the request's seq, so a late duplicate is recognised and dropped.
+  """
+
+  def __init__(self, mailbox, group: int, stop, env_slice: int = 0, resend_s: float = 2.0):
+    self._mailbox, self._group, self._slice = mailbox, group, env_slice
+    self._stop, self._resend_s = stop, resend_s
+    self.min_version, self._seq = 0, 0
+
+  def _ask(self, obs) -> None:
+    request = types.ActRequest(group=np.int32(self._group), env_slice=np.int32(self._slice),
+                               seq=np.int32(self._seq), min_version=np.int32(self.min_version),
+                               obs=np.asarray(obs, np.float32))
+    while not self._stop.is_set():
+      try:
+        self._mailbox.ask(request, timeout=0.5)
+        return
+      except TimeoutError:
+        continue
+    raise InterruptedError('stop requested')
+
+  def __call__(self, params, obs, key, index):
+    del params, key, index  # the generation worker holds the parameters and its own keys
+    self._seq += 1
+    self._ask(obs)
+    while not self._stop.is_set():
+      try:
+        reply = self._mailbox.receive(self._group, timeout=self._resend_s, env_slice=self._slice)
+      except TimeoutError:
+        self._ask(obs)
+        continue
+      if int(reply.seq) == self._seq:
+        return reply
+    raise InterruptedError('stop requested')
+
+
+class CpuGroup:
+  """A native-MuJoCo env group and its collector; with a generation worker, one remote act per env slice."""
+
+  def __init__(self, cfg: config_lib.Config, group: int, network, tracer, mailbox=None, stop=None):
+    spec = cfg.collect_spec
+    env_spec = registry.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
+    # Group 0's envs are the fused schedule's envs, so one group replays it exactly.
+    seed = keys.env_seed(cfg.schedule.seed, keys.ENV_RESET, group)
+    self._pool = cpu_rollout.make_pool(cfg.sim, cfg.group_envs, seed, auto_reset=not spec.episodic)
+    self.remote_acts: List[RemoteAct] = []
+    if mailbox is None:
+      act = gen_stages.make_act(network, cfg.policy.min_std)
+    else:
+      self.remote_acts = [RemoteAct(mailbox, group, stop, s) for s in range(cfg.schedule.env_slices)]
+      act = self.remote_acts if len(self.remote_acts) > 1 else self.remote_acts[0]
+    self.remote = bool(self.remote_acts)
+    self.collector = cpu_rollout.CpuCollector(self._pool, env_spec, act, spec.unrolls, spec.steps,
+                                              spec.action_chunk, spec.episodic, tracer if tracer.enabled else None)
+
+  def set_min_version(self, version: int) -> None:
+    for remote in self.remote_acts:
+      remote.min_version = version
+
+  def collect(self, params, version: int, key):
+    return self.collector.collect(params, version, key)
+
+  def close(self) -> None:
+    self.collector.close()
+    self._pool.close()
+
+
+def make_group(cfg: config_lib.Config, group: int, network, tracer, mailbox=None, stop=None) -> Group:
+  if cfg.sim.backend == 'mujoco_cpu':
+    return CpuGroup(cfg, group, network, tracer, mailbox, stop)
+  return MjxGroup(cfg, group, network)

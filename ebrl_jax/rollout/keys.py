@@ -1,0 +1,63 @@
+"""One scheme for every random number of a run: each key is the run's root key folded with a named purpose and
+then with the indices it depends on (iteration, group, ...), never with an offset added to the seed.
+
+Because a key depends only on (seed, purpose, indices), every schedule and backend draws the same numbers for the
+same iteration: `fused`, `sync` with one env group and the process schedules collect and train alike. Every
+function is jittable (indices may be traced). Native MuJoCo pools take integer seeds: `env_seed` derives one from
+the same (seed, purpose, index) triple with numpy's SeedSequence.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from ebrl_jax import types
+
+# Purposes: fixed numbers, so a key never changes when a purpose is added.
+INIT = 1  # network and train state initialisation
+ENV_RESET = 2  # an env group's first reset (per group)
+ROLLOUT = 3  # actions and episodic resets of one iteration's collection (per iteration, group)
+TRAIN = 4  # minibatch shuffles of one iteration's update (per iteration)
+EVAL = 5  # an evaluation (per trainer iteration at which it runs)
+EVAL_ENV = 6  # the evaluation envs (native MuJoCo pool seed)
+GENERATION = 7  # a generation worker's sampling
+
+
+def root(seed: int) -> types.PRNGKey:
+  return jax.random.PRNGKey(seed)
+
+
+def _fold(key: types.PRNGKey, purpose: int, *indices) -> types.PRNGKey:
+  key = jax.random.fold_in(key, purpose)
+  for index in indices:
+    key = jax.random.fold_in(key, index)
+  return key
+
+
+def init_key(root_key: types.PRNGKey) -> types.PRNGKey:
+  return _fold(root_key, INIT)
+
+
+def env_reset_key(root_key: types.PRNGKey, group) -> types.PRNGKey:
+  return _fold(root_key, ENV_RESET, group)
+
+
+def rollout_key(root_key: types.PRNGKey, iteration, group) -> types.PRNGKey:
+  return _fold(root_key, ROLLOUT, iteration, group)
+
+
+def train_key(root_key: types.PRNGKey, iteration) -> types.PRNGKey:
+  return _fold(root_key, TRAIN, iteration)
+
+
+def eval_key(root_key: types.PRNGKey, iteration) -> types.PRNGKey:
+  return _fold(root_key, EVAL, iteration)
+
+
+def generation_key(root_key: types.PRNGKey) -> types.PRNGKey:
+  return _fold(root_key, GENERATION)
+
+
+def env_seed(seed: int, purpose: int, index: int = 0) -> int:
+  """An integer seed for a native-MuJoCo env pool (`purpose` ENV_RESET with the group, or EVAL_ENV)."""
+  return int(np.random.SeedSequence((int(seed), int(purpose), int(index))).generate_state(1)[0])

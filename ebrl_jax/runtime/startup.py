@@ -1,0 +1,64 @@
+"""Process start-up: the worker environment and core pinning, and JAX's platform and persistent compilation cache.
+
+Every process of a run calls `apply_worker_env` first (before JAX starts a backend or an env pool starts its
+threads) and `configure_jax` before it compiles.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Dict, List, Optional, Sequence
+
+from absl import logging
+
+
+def pin(cores: Sequence[int]) -> None:
+  """Restricts this process (and the threads it starts later) to `cores`."""
+  os.sched_setaffinity(0, set(cores))
+
+
+def encode_cores(cores: Sequence[int]) -> str:
+  return ','.join(str(c) for c in cores)
+
+
+def decode_cores(text: str) -> List[int]:
+  try:
+    return [int(c) for c in text.split(',') if c.strip()]
+  except ValueError as e:
+    raise ValueError(f'EBRL_CPUS={text!r} must be a comma-separated list of core numbers.') from e
+
+
+def apply_worker_env(env: Optional[Dict[str, str]]) -> None:
+  """First thing a worker process does: take its environment (MPS pipe and quota, memory share, ...) and pin
+  itself to its cores (`EBRL_CPUS`), before JAX or an env pool starts."""
+  if env:
+    os.environ.update(env)
+    if env.get('JAX_PLATFORMS') and 'jax' in sys.modules:  # JAX read its platform variable at import
+      sys.modules['jax'].config.update('jax_platforms', env['JAX_PLATFORMS'])
+  if os.environ.get('EBRL_CPUS'):
+    pin(decode_cores(os.environ['EBRL_CPUS']))
+
+
+def pin_after_startup() -> None:
+  """A GPU feeder (trainer, generation, MJX rollout) calls this once its programs are compiled: it takes its own
+  core (`EBRL_CPUS_AFTER_STARTUP`) only then, because XLA compiles on many threads (pinned to one core from the
+  start, a trainer compiles for minutes while the GPU idles). Later calls do nothing."""
+  text = os.environ.pop('EBRL_CPUS_AFTER_STARTUP', '')
+  if text:
+    pin(decode_cores(text))
+
+
+def configure_jax(platform: str, compilation_cache_dir: str) -> None:
+  """Platform choice ('' lets JAX choose) and JAX's persistent compilation cache ('' disables it)."""
+  import jax  # lazy: a worker sets its environment (apply_worker_env) before JAX is imported
+  if platform:
+    jax.config.update('jax_platforms', platform)
+  if compilation_cache_dir:
+    cache_dir = os.path.abspath(os.path.expanduser(compilation_cache_dir))
+    try:
+      os.makedirs(cache_dir, exist_ok=True)
+    except OSError as e:
+      raise ValueError(f'--compilation_cache_dir={compilation_cache_dir!r} cannot be created: {e}') from e
+    jax.config.update('jax_compilation_cache_dir', cache_dir)
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
+    logging.info('Persistent compilation cache: %s', cache_dir)
