@@ -6,3 +6,170 @@ import os
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 if '--xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_backend_optimization_level=0').strip()
+
+# ---------------------------------------------------------------------------------------------------------------
+# Test tiers: `pytest -m unit` (under a minute on 2 cores), `-m contract`, `-m e2e`, `-m slow` (registered in
+# pytest.ini). Each test gets exactly one of unit / contract / e2e, and `slow` on top where it was measured over
+# ~5 s on the 2-core CPU machine (`python -m pytest -q -p no:xdist --durations=0 <files>`).
+#
+#   unit      numeric, in-process tests of stages and pure functions, hand-computed or reference cases, each
+#             under ~3 s: no MJX compile (one costs 8-30 s on the CPU), no child process.
+#   contract  the promises of an interface or of a whole model: transport (threads and processes), registry,
+#             config and flag errors, checkpoint atomicity, backend agreement, the driver's accounting, the
+#             layering rules; a numeric test of a unit file measured over ~3 s (a whole network or train step
+#             compiled: HEAVY and SLOW below) counts here, so `-m unit` stays under a minute. May start a helper
+#             child process, never a run.
+#   e2e       starts a run, a schedule's workers, the bench harness, a calibration or a notebook.
+#
+# The rules key on the test file's basename, not its directory, so a file that moves (tests/controller/ ->
+# tests/rollout/, say) keeps its marks; a file named nowhere below takes its directory's default tier.
+import re  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+TIERS = ('unit', 'contract', 'e2e')
+
+FILE_TIERS = {
+    # generation, trainer, sim: the stages
+    'test_distribution.py': 'unit', 'test_generation_stages.py': 'unit', 'test_normalization.py': 'unit',
+    'test_policies.py': 'unit', 'test_token_policy.py': 'unit', 'test_vision.py': 'unit',
+    'test_losses.py': 'unit', 'test_trainer_stages.py': 'unit',
+    'test_registry.py': 'unit', 'test_cpu_env.py': 'unit',
+    'test_mjx_stages.py': 'contract',  # the MJX env stages' reset / time-limit / auto-reset promises; compiles MJX
+    'test_agreement.py': 'contract',  # both backends agree to 5e-4; compiles MJX
+    'test_agreement_push_cube.py': 'contract',  # the same for push_cube
+    'test_push_cube.py': 'unit', 'test_render.py': 'unit',
+    'test_checkpoint.py': 'contract',
+    'test_driver_startup.py': 'contract', 'test_startup_accounting.py': 'contract',
+    # resources: plans and profiles by hand
+    'test_profiles.py': 'unit', 'test_planner.py': 'unit', 'test_memory.py': 'unit', 'test_autoplan.py': 'unit',
+    'test_mps_and_cpus.py': 'contract', 'test_telemetry.py': 'contract',
+    # transport and the runtime's error paths
+    'test_contract.py': 'contract', 'test_shm_processes.py': 'contract', 'test_metrics_disk_full.py': 'contract',
+    # the whole system
+    'test_fused_e2e.py': 'e2e', 'test_pipeline.py': 'e2e', 'test_replan.py': 'e2e', 'test_env_slices.py': 'e2e',
+    'test_bench.py': 'e2e', 'test_disk_full.py': 'e2e', 'test_mps_kill_probe.py': 'e2e', 'test_notebooks.py': 'e2e',
+    # rules of the repository
+    'test_config.py': 'contract', 'test_main_flags.py': 'contract', 'test_layering.py': 'contract',
+    'test_readme.py': 'contract', 'test_structure_tool.py': 'unit',
+}
+DIR_TIERS = {'generation': 'unit', 'trainer': 'unit', 'sim': 'unit', 'resources': 'unit', 'transport': 'contract',
+             'runtime': 'contract', 'controller': 'e2e', 'rollout': 'e2e'}
+DEFAULT_TIER = 'e2e'  # an unknown file is assumed expensive, so it stays out of the fast tier
+
+# Tests whose tier differs from their file's: (file basename, test function name) -> tier.
+TEST_TIERS = {
+    ('test_registry.py', 'test_task_matches_brax_mjx_env'): 'contract',  # builds Brax's MJX env of every task
+    ('test_memory.py', 'test_mjx_footprint_traces_envs_in_a_child_and_starts_no_accelerator_client'): 'contract',
+    ('test_autoplan.py', 'test_cpu_run_calibrates_once_then_starts_from_the_saved_profiles'): 'e2e',
+    ('test_mps_and_cpus.py', 'test_core_plan_by_hand'): 'unit',
+    ('test_replan.py', 'test_replanner_changes_the_rollout_quota_when_it_pays'): 'unit',
+    ('test_replan.py', 'test_replanner_keeps_the_quota_within_hysteresis'): 'unit',
+    ('test_replan.py', 'test_flag_errors_name_the_flag'): 'contract',
+    ('test_replan.py', 'test_a_swap_cut_short_by_the_runs_end_is_recorded_as_pending'): 'contract',
+    ('test_replan.py', 'test_a_standby_that_dies_before_it_is_ready_keeps_the_old_worker'): 'contract',
+    ('test_replan.py', 'test_feedback_slots_give_stage_seconds_and_the_recent_period'): 'contract',
+    ('test_env_slices.py', 'test_buckets_are_the_slice_size_times_powers_of_two_up_to_all_envs'): 'unit',
+    ('test_env_slices.py', 'test_sliced_collector_writes_the_unsliced_layout_with_per_slice_versions'): 'unit',
+    ('test_env_slices.py',
+     'test_server_batches_ready_slices_of_any_group_pads_to_a_bucket_and_replies_to_each_slice'): 'contract',
+    ('test_env_slices.py', 'test_reply_to_a_dead_slice_is_dropped_and_its_restarted_worker_gets_its_own'): 'contract',
+    ('test_pipeline.py', 'test_phase_reports_write_on_change_stop_after_done_and_never_raise'): 'contract',
+    ('test_bench.py', 'test_overlap_bounds_by_hand'): 'unit',
+    ('test_bench.py', 'test_steady_pace_is_taken_between_the_second_and_the_last_evaluation'): 'unit',
+    ('test_bench.py', 'test_end_to_end_is_not_averaged_across_its_two_definitions'): 'unit',
+    ('test_bench.py', 'test_steady_sm_activity_over_the_steady_window'): 'unit',
+    ('test_bench.py', 'test_report_table_marks_seed_counts_and_the_older_definition'): 'unit',
+    ('test_bench.py', 'test_schedule_labels_and_only_flags_are_checked'): 'contract',
+    ('test_bench.py', 'test_brax_refuses_what_its_trainer_cannot_run'): 'contract',
+    ('test_bench.py', 'test_report_names_the_file_and_field_of_a_bad_result'): 'contract',
+    ('test_bench.py', 'test_report_plots_sm_activity_and_a_stage_timeline'): 'contract',
+    ('test_bench.py', 'test_planner_prediction_from_the_kept_w2_results'): 'contract',
+    ('test_disk_full.py', 'test_disk_full_is_recognised_from_the_os_error_and_through_wrappers'): 'contract',
+    ('test_disk_full.py', 'test_resume_advice_names_the_newest_committed_checkpoint'): 'contract',
+    ('test_notebooks.py', 'test_notebooks_are_found_and_probed'): 'contract',
+    ('test_notebooks.py', 'test_notebook_is_stored_clean'): 'contract',
+}
+# In a unit file, a test of an error message (a refusal that names what is wrong) is a contract test.
+CONTRACT_NAME = re.compile(r'error|refuse|reject|invalid|unknown|_names?_|naming')
+# A test that uses one of these fixtures runs the bench harness (tests/test_bench.py's quick invocation, ~2.5
+# minutes once per process): e2e and slow.
+E2E_FIXTURES = frozenset({'quick_result'})
+
+# Numeric tests of unit files measured at 3-5 s on the 2-core CPU machine: contract (see above), not slow.
+HEAVY = frozenset({
+    ('test_trainer_stages.py', 'test_ppo_train_step_learns_and_keeps_bookkeeping'),
+    ('test_trainer_stages.py', 'test_grpo_train_step_leaves_the_critic_alone'),
+    ('test_trainer_stages.py', 'test_first_step_is_on_policy'),
+    ('test_losses.py', 'test_ppo_loss_equals_brax_on_policy'),
+    ('test_generation_stages.py', 'test_normalizer_is_applied_only_when_enabled'),
+    ('test_vision.py', 'test_bfloat16_compute_is_finite_and_close_to_float32'),
+    ('test_vision.py', 'test_gradients_finite_and_nonzero'),
+    ('test_vision.py', 'test_vit_actor_critic_contract_matches_gaussian_heads'),
+})
+
+# Measured over ~5 s on the 2-core CPU machine: (file basename, test function name) marks every parametrisation,
+# (file basename, test id with its parameters) one of them.
+SLOW = frozenset({
+    ('test_generation_stages.py', 'test_act_shapes_and_log_probs_match_evaluate'),
+    ('test_trainer_stages.py', 'test_one_sgd_step_matches_brax'),
+    ('test_token_policy.py', 'test_kv_cache_decode_equals_full_causal_forward'),
+    ('test_token_policy.py', 'test_jit_matches_eager_and_sampling_follows_the_softmax'),
+    ('test_token_policy.py', 'test_ppo_step_moves_the_chosen_tokens_log_prob_the_right_way'),
+    ('test_token_policy.py', 'test_pixel_tokenizer_prefix_decodes_and_matches'),
+    ('test_token_policy.py', 'test_bfloat16_compute_is_finite_and_close_to_float32'),
+    ('test_agreement.py', 'test_backends_agree'),
+    ('test_agreement_push_cube.py', 'test_push_cube_backends_agree'),
+    ('test_mjx_stages.py', 'test_groups_share_the_initial_state_and_groups_differ'),
+    ('test_mjx_stages.py', 'test_time_limit_truncates_reports_totals_and_auto_resets'),
+    ('test_mjx_stages.py', 'test_chunk_of_one_equals_step'),
+    ('test_mjx_stages.py', 'test_chunk_stops_each_env_at_its_first_done'),
+    ('test_memory.py', 'test_mjx_footprint_traces_envs_in_a_child_and_starts_no_accelerator_client'),
+    ('test_autoplan.py', 'test_cpu_run_calibrates_once_then_starts_from_the_saved_profiles'),
+    ('test_shm_processes.py', 'test_segments_outlive_attachers_and_are_unlinked_at_exit_without_tracker_noise'),
+    ('test_shm_processes.py', 'test_many_child_producers_one_owner_consumer'),
+    ('test_shm_processes.py', 'test_param_store_never_torn_across_processes'),
+    ('test_shm_processes.py', 'test_child_producer_to_child_consumer'),
+    ('test_env_slices.py', 'test_async_with_env_slices_learns_without_losing_or_duplicating_segments'),
+    ('test_replan.py', 'test_quota_schedule_swaps_each_group_through_a_warm_standby'),
+    ('test_pipeline.py', 'test_sync_with_one_group_replays_fused_exactly'),
+    ('test_pipeline.py', 'test_async_processes_learn_with_bounded_staleness'),
+    ('test_pipeline.py', 'test_killed_worker_is_restarted_without_losing_or_duplicating_segments'),
+    ('test_pipeline.py', 'test_ctrl_c_leaves_no_process_and_no_shared_memory'),
+    ('test_pipeline.py', 'test_trace_dir_writes_a_timeline_of_every_process'),
+    ('test_pipeline.py', 'test_killed_trainer_stops_the_run_with_its_checkpoint_intact'),
+    ('test_pipeline.py', 'test_mps_daemon_death_stops_the_run_and_resume_continues'),
+    ('test_fused_e2e.py', 'test_ppo_learns_the_pendulum_on_native_mujoco'),
+    ('test_fused_e2e.py', 'test_grpo_learns_with_group_resets'),
+    ('test_fused_e2e.py', 'test_resume_continues_the_step_count'),
+    ('test_fused_e2e.py', 'test_mjx_backend_runs_the_fused_program'),
+    ('test_disk_full.py', 'test_a_full_disk_stops_the_run_clearly_and_resume_continues'),
+    ('test_mps_kill_probe.py', 'test_probe_kills_the_runs_daemon_and_the_run_stops_cleanly_then_resumes'),
+    ('test_bench.py', 'test_labels_brax_and_stage_profile_in_one_quick_invocation'),
+    ('test_notebooks.py', 'test_notebook_runs[01_quickstart.ipynb]'),
+    ('test_notebooks.py', 'test_notebook_runs[02_stages_in_your_code.ipynb]'),
+})
+
+
+def tier_of(path: str, name: str, fixturenames=()) -> str:
+  """The tier of test `name` (its function name, without parameters) in the file at `path`."""
+  base = os.path.basename(path)
+  if (base, name) in TEST_TIERS:
+    return TEST_TIERS[(base, name)]
+  if E2E_FIXTURES.intersection(fixturenames):
+    return 'e2e'
+  tier = FILE_TIERS.get(base) or DIR_TIERS.get(os.path.basename(os.path.dirname(path)), DEFAULT_TIER)
+  if tier == 'unit' and (CONTRACT_NAME.search(name) or (base, name) in HEAVY or (base, name) in SLOW):
+    return 'contract'
+  return tier
+
+
+def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argument
+  for item in items:
+    path, name = str(item.path), getattr(item, 'originalname', None) or item.name
+    fixtures = getattr(item, 'fixturenames', ())
+    if not any(item.get_closest_marker(t) for t in TIERS):  # a tier the test file sets itself wins
+      item.add_marker(getattr(pytest.mark, tier_of(path, name, fixtures)))
+    base = os.path.basename(path)
+    if (base, name) in SLOW or (base, item.name) in SLOW or E2E_FIXTURES.intersection(fixtures):
+      item.add_marker(pytest.mark.slow)
