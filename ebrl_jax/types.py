@@ -84,27 +84,35 @@ class EpisodeStats(NamedTuple):
 class SegmentRecord(NamedTuple):
   """One env group's share of an iteration, as it crosses from a rollout worker to the trainer.
 
-  The first nine fields are a `Transition` with leading [T, S_g] (S_g = the group's segments). group, iteration,
-  incarnation: [1] int32 — which group, that group's iteration counter, and which start of the group's worker
-  (0 first, +1 per restart); the triple is unique, so the trainer counts any record it sees twice.
-  episode_stats: [3] float32 — return sum, length sum and count of the episodes that ended in the segment.
+  transition: a `Transition` with leading [T, S_g] (S_g = the group's segments). group, iteration, incarnation:
+  [1] int32 — which group, that group's iteration counter, and which start of the group's worker (0 first, +1
+  per restart); the triple is unique, so the trainer counts any record it sees twice. episode_stats: an
+  `EpisodeStats` of [] float32 sums over the episodes that ended in the segment.
   """
-  obs: Any
-  raw_action: Any
-  reward: Any
-  termination: Any
-  truncation: Any
-  next_obs: Any
-  behaviour_log_prob: Any
-  mask: Any
-  policy_version: Any
+  transition: Transition
   group: Any
   iteration: Any
   incarnation: Any
-  episode_stats: Any
+  episode_stats: EpisodeStats
 
-  def transition(self) -> Transition:
-    return Transition(*self[:len(Transition._fields)])
+
+def transition_template(t: int, s: int, obs_dim: int, action_chunk: int, action_dim: int) -> Transition:
+  """Shapes and dtypes of a [T, S] segment (`jax.ShapeDtypeStruct` leaves): the one definition that buffers,
+  shared-memory specs and the memory plan derive from."""
+  f32, i32 = jax.numpy.float32, jax.numpy.int32
+  steps = jax.ShapeDtypeStruct((t, s), f32)
+  obs = jax.ShapeDtypeStruct((t, s, obs_dim), f32)
+  return Transition(obs=obs, raw_action=jax.ShapeDtypeStruct((t, s, action_chunk, action_dim), f32),
+                    reward=steps, termination=steps, truncation=steps, next_obs=obs, behaviour_log_prob=steps,
+                    mask=steps, policy_version=jax.ShapeDtypeStruct((t, s), i32))
+
+
+def segment_template(t: int, s: int, obs_dim: int, action_chunk: int, action_dim: int) -> SegmentRecord:
+  """Shapes and dtypes of one env group's `SegmentRecord` (`jax.ShapeDtypeStruct` leaves)."""
+  index = jax.ShapeDtypeStruct((1,), jax.numpy.int32)
+  stat = jax.ShapeDtypeStruct((), jax.numpy.float32)
+  return SegmentRecord(transition=transition_template(t, s, obs_dim, action_chunk, action_dim), group=index,
+                       iteration=index, incarnation=index, episode_stats=EpisodeStats(stat, stat, stat))
 
 
 class ActRequest(NamedTuple):

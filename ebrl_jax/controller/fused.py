@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from ebrl_jax import config as config_lib
 from ebrl_jax.controller import fused_cpu
+from ebrl_jax.controller import topology
 from ebrl_jax.trainer import driver
 
 
 def make_source(cfg: config_lib.Config, spec, network, optimizer) -> driver.BatchSource:
+  """The fused loop of `cfg`'s backend (it runs in the controller's process, so it sees the whole config)."""
   if cfg.sim.backend == 'mujoco_cpu':
     return fused_cpu.CpuFusedLoop(cfg, spec, network, optimizer)
   from ebrl_jax.controller import fused_mjx  # lazy: brax and MJX (~2 s of imports) load only for an MJX run
@@ -20,4 +22,5 @@ def make_source(cfg: config_lib.Config, spec, network, optimizer) -> driver.Batc
 
 def run(cfg: config_lib.Config) -> driver.RunSummary:
   """Trains with the fused schedule until `num_timesteps` env steps or the target return. Returns the summary."""
-  return driver.run_training(cfg, make_source)
+  trainer = driver.trainer_config(cfg, topology.process_config(cfg))
+  return driver.run_training(trainer, lambda _, spec, network, optimizer: make_source(cfg, spec, network, optimizer))

@@ -105,7 +105,7 @@ def run(cfg: config_lib.Config, pids: Optional[Dict[str, int]] = None) -> driver
     logging.info('topology: %s', topology.describe())
     placement = supervisor_lib.Placement(cfg, topology, mps_daemon, memory_plan)
     seg_channel, store, mailbox = _transport(cfg, topology, registry)
-    workers = supervisor_lib.Supervisor(cfg, seg_channel, store, use_processes, mailbox, placement, pids)
+    workers = supervisor_lib.Supervisor(cfg, topology, seg_channel, store, use_processes, mailbox, placement, pids)
     changer = replan.make_changer(cfg, workers, plan_record, mps_daemon is not None)
     workers.tick = changer.poll if changer is not None else None
     with supervisor_lib.sigterm_as_interrupt():

@@ -61,10 +61,25 @@ def write_summary(cfg: config_lib.Config, summary: driver.RunSummary) -> str:
   return path
 
 
+def check_run_dir(cfg: config_lib.Config) -> None:
+  """Refuses, before anything starts or is written, a run whose directory does not match --resume."""
+  run_dir = cfg.schedule.run_dir
+  step = storage.latest_checkpoint_step(os.path.join(run_dir, 'checkpoints'))
+  if cfg.schedule.checkpoint_every and not cfg.schedule.resume and step is not None:
+    raise ValueError(f'--run_dir={run_dir} already holds checkpoints; pass --resume to continue that run or choose '
+                     'another --run_dir.')
+  if cfg.schedule.resume and step is None:
+    raise ValueError(f'--resume was given but {run_dir}/checkpoints holds no checkpoint.')
+
+
 def run(cfg: config_lib.Config) -> driver.RunSummary:
-  """Runs `cfg` with its schedule, with telemetry alongside; writes and returns the summary."""
+  """Runs `cfg` with its schedule, with telemetry alongside; writes the run's config.json (the whole config, the
+  one place that sees it) and its summary.json, and returns the summary."""
   if cfg.schedule.name not in SCHEDULES:
     raise ValueError(f'--schedule={cfg.schedule.name!r} is not valid; allowed values: {", ".join(SCHEDULES)}.')
+  check_run_dir(cfg)
+  os.makedirs(cfg.schedule.run_dir, exist_ok=True)
+  storage.write_json(os.path.join(cfg.schedule.run_dir, 'config.json'), dataclasses.asdict(cfg), indent=2)
   startup.configure_jax(cfg.resources.platform, cfg.schedule.compilation_cache_dir)
   metrics.quiet_library_logs()
   pids: Dict[str, int] = {}

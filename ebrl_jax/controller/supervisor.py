@@ -61,9 +61,10 @@ class Supervisor:
   """Starts, watches and stops the workers. Their pids are in `pids` (role -> pid, read by telemetry) and, for
   the user, in `<run_dir>/workers.json`; the trainer's summary arrives on its control pipe (`summary`)."""
 
-  def __init__(self, cfg: config_lib.Config, seg_channel, store, use_processes: bool, mailbox=None,
-               placement: Optional[Placement] = None, pids: Optional[Dict[str, int]] = None):
-    self._cfg, self._use_processes = cfg, use_processes
+  def __init__(self, cfg: config_lib.Config, topology: topology_lib.Topology, seg_channel, store,
+               use_processes: bool, mailbox=None, placement: Optional[Placement] = None,
+               pids: Optional[Dict[str, int]] = None):
+    self._cfg, self._topology, self._use_processes = cfg, topology, use_processes
     self.pids = pids if pids is not None else {}
     self.summary: Optional[dict] = None  # the trainer's result, once it has sent it
     self._placement = placement
@@ -79,7 +80,7 @@ class Supervisor:
     self._inbox, outbox = lifecycle.make_pipe(use_processes)
     self._trainer_ch = trainer_worker.TrainerChannels(seg_channel, store, self.stop, outbox, self.trainer_feedback)
     self._rollout_ch = rollout_worker.RolloutChannels(seg_channel, store, self.stop, mailbox)
-    self._gen_args = (cfg, mailbox, store, self.stop)
+    self._gen_args = (topology.generation, mailbox, store, self.stop)
     self.workers: Dict[str, Any] = {}
     self.restarts = 0
     self._role_restarts: Dict[str, int] = {}
@@ -120,7 +121,7 @@ class Supervisor:
     incarnation = self._incarnations.get(role, -1) + 1
     self._incarnations[role] = incarnation
     control = feedback.make_control(self._use_processes, standby)
-    worker = self._start(role, rollout_worker.rollout_main, (self._cfg, group, self._rollout_ch, incarnation),
+    worker = self._start(role, rollout_worker.rollout_main, (self._topology.rollout, group, self._rollout_ch, incarnation),
                          env=env, register=not standby, control=control)
     if not standby:
       self.controls[role] = control
@@ -147,7 +148,7 @@ class Supervisor:
   def start_all(self) -> None:
     self.started_t = time.monotonic()
     self._next_startup_log = self.started_t + _STARTUP_LOG_S
-    self._start('trainer', trainer_worker.trainer_main, (self._cfg, self._trainer_ch))
+    self._start('trainer', trainer_worker.trainer_main, (self._topology.trainer, self._trainer_ch))
     if self._rollout_ch.mailbox is not None:
       self._start('generation', generation_worker.generation_main, self._gen_args)
     for g in range(self._cfg.schedule.num_groups):

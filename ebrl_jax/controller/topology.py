@@ -13,6 +13,10 @@ from ebrl_jax import sim
 from ebrl_jax import types
 from ebrl_jax import transport
 from ebrl_jax.generation import policies
+from ebrl_jax.generation import worker as generation_worker
+from ebrl_jax.rollout import groups
+from ebrl_jax.runtime import startup
+from ebrl_jax.trainer import driver
 from ebrl_jax.trainer import stages as trainer_stages
 
 
@@ -23,7 +27,8 @@ class Topology:
   cpu_roles simulate on CPU cores (native-MuJoCo rollout workers); feeder_roles drive the GPU (the trainer, a
   generation worker, MJX rollout workers). gpu_roles hold a GPU context (an SM quota and a memory budget);
   planned_roles are the processes the memory plan budgets (the GPU roles, plus a warm standby per group when the
-  rollout quota changes during the run).
+  rollout quota changes during the run). trainer, rollout and generation are the parts of the config each worker
+  receives (never the whole `Config`).
   """
   env_spec: types.EnvSpec
   num_groups: int
@@ -36,6 +41,9 @@ class Topology:
   request_spec: Optional[transport.RecordSpec]  # None: generation is co-located with simulation
   reply_spec: Optional[transport.RecordSpec]
   param_template: Any  # the policy parameters' shapes (jax.ShapeDtypeStruct leaves)
+  trainer: driver.TrainerConfig
+  rollout: groups.RolloutConfig  # every group's (the group index is the worker's argument)
+  generation: Optional[generation_worker.GenerationConfig]  # None: generation is co-located with simulation
 
   @property
   def roles(self) -> Tuple[str, ...]:
@@ -57,17 +65,11 @@ class Topology:
 
 
 def segment_spec(cfg: config_lib.Config, spec: types.EnvSpec) -> transport.RecordSpec:
-  """The shared-memory spec of one env group's `SegmentRecord` for one iteration."""
+  """The shared-memory spec of one env group's `SegmentRecord` for one iteration (derived from
+  `types.segment_template`, the records' one definition)."""
   unrolls, steps = cfg.segment_shape
-  s = unrolls * cfg.group_envs
-  t, k, o, a = steps, cfg.policy.action_chunk, spec.obs_dim, spec.action_dim
-  shapes = {'obs': (t, s, o), 'raw_action': (t, s, k, a), 'reward': (t, s), 'termination': (t, s),
-            'truncation': (t, s), 'next_obs': (t, s, o), 'behaviour_log_prob': (t, s), 'mask': (t, s),
-            'policy_version': (t, s), 'group': (1,), 'iteration': (1,), 'incarnation': (1,),
-            'episode_stats': (3,)}
-  return transport.record_spec(types.SegmentRecord, shapes,
-                               dtypes={'policy_version': 'int32', 'group': 'int32', 'iteration': 'int32',
-                                       'incarnation': 'int32'})
+  return transport.spec_of(types.segment_template(steps, unrolls * cfg.group_envs, spec.obs_dim,
+                                                  cfg.policy.action_chunk, spec.action_dim))
 
 
 def mailbox_specs(cfg: config_lib.Config, spec: types.EnvSpec):
@@ -101,6 +103,26 @@ def _roles(cfg: config_lib.Config) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
   return (), feeders + rollouts
 
 
+def process_config(cfg: config_lib.Config) -> startup.ProcessConfig:
+  return startup.ProcessConfig(run_dir=cfg.schedule.run_dir, trace_dir=cfg.schedule.trace_dir,
+                               platform=cfg.resources.platform,
+                               compilation_cache_dir=cfg.schedule.compilation_cache_dir)
+
+
+def _worker_configs(cfg: config_lib.Config):
+  process = process_config(cfg)
+  rollout = groups.RolloutConfig(process=process, sim=cfg.sim, policy=cfg.policy, collect=cfg.collect_spec,
+                                 seed=cfg.schedule.seed, group_envs=cfg.group_envs,
+                                 staleness_bound=cfg.schedule.staleness_bound, env_slices=cfg.schedule.env_slices)
+  generation = None
+  if not cfg.schedule.colocate_generation:
+    generation = generation_worker.GenerationConfig(
+        process=process, sim=cfg.sim, policy=cfg.policy, seed=cfg.schedule.seed,
+        num_requesters=cfg.schedule.num_groups * cfg.schedule.env_slices, slice_envs=cfg.slice_envs,
+        total_envs=cfg.sim.num_envs)
+  return driver.trainer_config(cfg, process), rollout, generation
+
+
 def make_topology(cfg: config_lib.Config) -> Topology:
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
   cpu_roles, feeders = _roles(cfg)
@@ -112,7 +134,9 @@ def make_topology(cfg: config_lib.Config) -> Topology:
   request = reply = None
   if not cfg.schedule.colocate_generation:
     request, reply = mailbox_specs(cfg, spec)
+  trainer, rollout, generation = _worker_configs(cfg)
   return Topology(env_spec=spec, num_groups=cfg.schedule.num_groups, cpu_roles=cpu_roles, feeder_roles=feeders,
                   gpu_roles=gpu_roles, planned_roles=planned, segment_spec=segment_spec(cfg, spec),
                   segment_capacity=cfg.schedule.num_groups * (cfg.schedule.staleness_bound + 1),
-                  request_spec=request, reply_spec=reply, param_template=param_template(cfg, spec))
+                  request_spec=request, reply_spec=reply, param_template=param_template(cfg, spec),
+                  trainer=trainer, rollout=rollout, generation=generation)

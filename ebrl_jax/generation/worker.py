@@ -13,6 +13,7 @@ How many slices each batch held and which bucket it used is counted, and written
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import time
@@ -35,6 +36,19 @@ from ebrl_jax.runtime import tracing
 from ebrl_jax.transport import ChannelClosed
 
 STATS_PREFIX = 'generation_stats_'
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+  """The generation worker's part of the run: the policy and the task it acts for, and from the topology the
+  requesters it serves (`num_requesters` env slices of `slice_envs` envs, `total_envs` in all)."""
+  process: startup.ProcessConfig
+  sim: config_lib.SimConfig
+  policy: config_lib.PolicyConfig
+  seed: int
+  num_requesters: int
+  slice_envs: int
+  total_envs: int
 
 
 class ActServer:
@@ -119,24 +133,23 @@ def merge_stats(paths: Sequence[str]) -> Optional[Dict[str, Any]]:
   return merged
 
 
-def generation_main(cfg: config_lib.Config, mailbox: Any, store: Any, stop: Any, env: Optional[dict] = None):
+def generation_main(cfg: GenerationConfig, mailbox: Any, store: Any, stop: Any, env: Optional[dict] = None):
   """Process entry point. Runs until the stop event is set (or its parent has gone)."""
-  startup.apply_worker_env(env)
-  startup.configure_jax(cfg.resources.platform, cfg.schedule.compilation_cache_dir)
+  startup.start_process(cfg.process, env)
   stop = lifecycle.ParentWatch(stop)
-  phase = lifecycle.Phase(cfg.schedule.run_dir, 'generation')
+  phase = lifecycle.Phase(cfg.process.run_dir, 'generation')
   phase('building the policy')
-  tracer = tracing.Tracer(cfg.schedule.trace_dir, 'generation')
+  tracer = tracing.Tracer(cfg.process.trace_dir, 'generation')
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
   network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
   server = ActServer(mailbox, gen_stages.make_act(network, cfg.policy.min_std), cfg.slice_envs,
-                     cfg.sim.num_envs, spec.obs_dim, tracer if tracer.enabled else None)
-  num_requesters = cfg.schedule.num_groups * cfg.schedule.env_slices
+                     cfg.total_envs, spec.obs_dim, tracer if tracer.enabled else None)
+  num_requesters = cfg.num_requesters
   logging.info('generation worker: %d requesters of %d envs; act batches padded to buckets %s (%d programs).',
                num_requesters, cfg.slice_envs, server.buckets, len(server.buckets))
-  key = keys.generation_key(keys.root(cfg.schedule.seed))
+  key = keys.generation_key(keys.root(cfg.seed))
   version, params, calls = -1, None, 0
-  stats_path = os.path.join(cfg.schedule.run_dir, f'{STATS_PREFIX}{os.getpid()}_{time.time_ns()}.json')
+  stats_path = os.path.join(cfg.process.run_dir, f'{STATS_PREFIX}{os.getpid()}_{time.time_ns()}.json')
   phase(f'waiting for the first act requests of {num_requesters} env slices')
   try:
     while not stop.is_set():

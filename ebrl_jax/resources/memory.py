@@ -46,6 +46,7 @@ from absl import logging
 import jax
 import jax.numpy as jnp
 
+from ebrl_jax import types
 from ebrl_jax.generation import policies
 from ebrl_jax.generation import stages as gen_stages
 from ebrl_jax.resources import telemetry
@@ -131,9 +132,8 @@ def tree_bytes(tree) -> int:
 
 
 def _transition_bytes(t: int, s: int, obs_dim: int, k: int, action_dim: int) -> int:
-  """A `types.Transition` of [T, S] segments: obs and next_obs [T, S, O], raw_action [T, S, K, A] and six
-  [T, S] fields, all 4-byte."""
-  return 4 * t * s * (2 * obs_dim + k * action_dim + 6)
+  """Bytes of a `types.Transition` of [T, S] segments (its one definition, `types.transition_template`)."""
+  return tree_bytes(types.transition_template(t, s, obs_dim, k, action_dim))
 
 
 def _value_sizes(jaxpr) -> List[int]:

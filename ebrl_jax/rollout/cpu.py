@@ -23,40 +23,31 @@ def make_pool(sim: config_lib.SimConfig, num_envs: int, seed: int, auto_reset: b
 
 
 class SegmentBuffer:
-  """Preallocated host arrays for [T, S, ...] trajectories (S segments)."""
+  """Preallocated host arrays for [T, S, ...] trajectories (S segments), shaped by `types.transition_template`."""
 
   def __init__(self, t: int, s: int, spec: types.EnvSpec, k: int):
-    f32 = np.float32
-    self.obs = np.zeros((t, s, spec.obs_dim), f32)
-    self.next_obs = np.zeros((t, s, spec.obs_dim), f32)
-    self.raw_action = np.zeros((t, s, k, spec.action_dim), f32)
-    self.log_prob = np.zeros((t, s), f32)
-    self.reward = np.zeros((t, s), f32)
-    self.termination = np.zeros((t, s), f32)
-    self.truncation = np.zeros((t, s), f32)
-    self.mask = np.ones((t, s), f32)
-    self.version = np.zeros((t, s), np.int32)
+    template = types.transition_template(t, s, spec.obs_dim, k, spec.action_dim)
+    self.arrays = types.Transition(*(np.zeros(x.shape, x.dtype) for x in template))
+    self.arrays.mask[...] = 1.0
 
   def transition(self) -> types.Transition:
-    return types.Transition(
-        obs=self.obs, raw_action=self.raw_action, reward=self.reward, termination=self.termination,
-        truncation=self.truncation, next_obs=self.next_obs, behaviour_log_prob=self.log_prob, mask=self.mask,
-        policy_version=self.version)
+    return self.arrays
 
   def write(self, t: int, cols: slice, obs, out_raw, out_log_prob, res: types.StepResult, version: int,
             mask) -> np.ndarray:
     """Stores one policy step; returns `done` as float32."""
     done = np.asarray(res.done, np.float32)
     trunc = np.asarray(res.truncation, np.float32)
-    self.obs[t, cols] = obs
-    self.raw_action[t, cols] = out_raw
-    self.log_prob[t, cols] = out_log_prob
-    self.reward[t, cols] = res.reward * mask
-    self.termination[t, cols] = done * (1.0 - trunc)
-    self.truncation[t, cols] = trunc
-    self.next_obs[t, cols] = res.obs
-    self.mask[t, cols] = mask
-    self.version[t, cols] = version
+    a = self.arrays
+    a.obs[t, cols] = obs
+    a.raw_action[t, cols] = out_raw
+    a.behaviour_log_prob[t, cols] = out_log_prob
+    a.reward[t, cols] = res.reward * mask
+    a.termination[t, cols] = done * (1.0 - trunc)
+    a.truncation[t, cols] = trunc
+    a.next_obs[t, cols] = res.obs
+    a.mask[t, cols] = mask
+    a.policy_version[t, cols] = version
     return done
 
 

@@ -3,6 +3,7 @@ group's share of an iteration on the device) and a native-MuJoCo group (a host l
 around requests to the generation worker — one `RemoteAct` per env slice)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import List, Protocol, Tuple
 
@@ -15,7 +16,22 @@ from ebrl_jax import types
 from ebrl_jax.generation import stages as gen_stages
 from ebrl_jax.rollout import cpu as cpu_rollout
 from ebrl_jax.rollout import keys
+from ebrl_jax.runtime import startup
 from ebrl_jax.sim import registry
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """A rollout worker's part of the run: its simulation and policy, how it collects, and what the topology says
+  about its env group (envs per group, the staleness bound, env slices served by a generation worker)."""
+  process: startup.ProcessConfig
+  sim: config_lib.SimConfig
+  policy: config_lib.PolicyConfig
+  collect: config_lib.CollectSpec
+  seed: int
+  group_envs: int
+  staleness_bound: int
+  env_slices: int = 1
 
 
 class Group(Protocol):
@@ -36,14 +52,14 @@ class MjxGroup:
   """Holds the group's env state on the device between collections."""
   remote = False
 
-  def __init__(self, cfg: config_lib.Config, group: int, network):
+  def __init__(self, cfg: RolloutConfig, group: int, network):
     from ebrl_jax.rollout import mjx as mjx_rollout  # lazy: brax and MJX load only in an MJX group's process
     from ebrl_jax.sim import stages as sim_stages  # lazy: as above
     num_envs, sim = cfg.group_envs, cfg.sim
-    env = sim_stages.make_mjx_env(sim.task, sim.episode_length, sim.action_repeat, auto_reset=not cfg.algo.episodic)
-    key = keys.env_reset_key(keys.root(cfg.schedule.seed), group)
+    env = sim_stages.make_mjx_env(sim.task, sim.episode_length, sim.action_repeat, auto_reset=not cfg.collect.episodic)
+    key = keys.env_reset_key(keys.root(cfg.seed), group)
     self._env_state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(env, key, num_envs, sim.group_size)
-    self._program = jax.jit(functools.partial(mjx_rollout.collect_iteration, env, network, cfg.collect_spec,
+    self._program = jax.jit(functools.partial(mjx_rollout.collect_iteration, env, network, cfg.collect,
                                               num_envs), donate_argnums=(2,))
 
   def collect(self, params, version: int, key):
@@ -102,17 +118,17 @@ class RemoteAct:
 class CpuGroup:
   """A native-MuJoCo env group and its collector; with a generation worker, one remote act per env slice."""
 
-  def __init__(self, cfg: config_lib.Config, group: int, network, tracer, mailbox=None, stop=None):
-    spec = cfg.collect_spec
+  def __init__(self, cfg: RolloutConfig, group: int, network, tracer, mailbox=None, stop=None):
+    spec = cfg.collect
     env_spec = registry.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
     # Group 0's envs are the fused schedule's envs, so one group replays it exactly.
-    seed = keys.env_seed(cfg.schedule.seed, keys.ENV_RESET, group)
+    seed = keys.env_seed(cfg.seed, keys.ENV_RESET, group)
     self._pool = cpu_rollout.make_pool(cfg.sim, cfg.group_envs, seed, auto_reset=not spec.episodic)
     self.remote_acts: List[RemoteAct] = []
     if mailbox is None:
       act = gen_stages.make_act(network, cfg.policy.min_std)
     else:
-      self.remote_acts = [RemoteAct(mailbox, group, stop, s) for s in range(cfg.schedule.env_slices)]
+      self.remote_acts = [RemoteAct(mailbox, group, stop, s) for s in range(cfg.env_slices)]
       act = self.remote_acts if len(self.remote_acts) > 1 else self.remote_acts[0]
     self.remote = bool(self.remote_acts)
     self.collector = cpu_rollout.CpuCollector(self._pool, env_spec, act, spec.unrolls, spec.steps,
@@ -130,7 +146,7 @@ class CpuGroup:
     self._pool.close()
 
 
-def make_group(cfg: config_lib.Config, group: int, network, tracer, mailbox=None, stop=None) -> Group:
+def make_group(cfg: RolloutConfig, group: int, network, tracer, mailbox=None, stop=None) -> Group:
   if cfg.sim.backend == 'mujoco_cpu':
     return CpuGroup(cfg, group, network, tracer, mailbox, stop)
   return MjxGroup(cfg, group, network)

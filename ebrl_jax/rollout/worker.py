@@ -17,7 +17,6 @@ from absl import logging
 import jax
 import numpy as np
 
-from ebrl_jax import config as config_lib
 from ebrl_jax import sim
 from ebrl_jax import types
 from ebrl_jax.generation import policies
@@ -68,23 +67,22 @@ def _stand_by(worker, store, control, stop, key, phase) -> bool:
   return False
 
 
-def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, incarnation: int = 0,
+def rollout_main(cfg: groups.RolloutConfig, group: int, channels: RolloutChannels, incarnation: int = 0,
                  env: Optional[dict] = None, control: Optional[feedback_lib.WorkerControl] = None):
   """Process entry point for env group `group` (`incarnation`: how many times its worker was restarted or
   swapped). `control` (optional): feedback slots written each iteration, a `retire` event that ends the worker
   after its current iteration, and for a warm standby the `go` it waits on (see controller/replan.py)."""
-  startup.apply_worker_env(env)
-  startup.configure_jax(cfg.resources.platform, cfg.schedule.compilation_cache_dir)
+  startup.start_process(cfg.process, env)
   stop = lifecycle.ParentWatch(channels.stop)
   standby = control is not None and control.go is not None
-  phase = lifecycle.Phase(cfg.schedule.run_dir, f'rollout/{group}' + (f'#{incarnation}' if incarnation else ''))
+  phase = lifecycle.Phase(cfg.process.run_dir, f'rollout/{group}' + (f'#{incarnation}' if incarnation else ''))
   phase('building its envs')
-  tracer = tracing.Tracer(cfg.schedule.trace_dir, f'rollout/{group}')
+  tracer = tracing.Tracer(cfg.process.trace_dir, f'rollout/{group}')
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
   network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
   worker = groups.make_group(cfg, group, network, tracer, channels.mailbox, stop)
-  root_key = keys.root(cfg.schedule.seed)
-  bound = cfg.schedule.staleness_bound
+  root_key = keys.root(cfg.seed)
+  bound = cfg.staleness_bound
   store = channels.params
   params_version, params = -1, None
   running = _EitherSet(stop, control.retire if control is not None else None)
@@ -120,10 +118,11 @@ def rollout_main(cfg: config_lib.Config, group: int, channels: RolloutChannels, 
       with tracer.span('rollout/collect', iteration=iteration, version=params_version):
         transition, stats = worker.collect(params, params_version, roll_key)
       t_collect = time.monotonic() - t_collect
-      record = types.SegmentRecord(*(np.asarray(x) for x in transition), group=np.array([group], np.int32),
-                                   iteration=np.array([iteration], np.int32),
-                                   incarnation=np.array([incarnation], np.int32),
-                                   episode_stats=np.asarray(stats, np.float32))
+      record = types.SegmentRecord(
+          transition=types.Transition(*(np.asarray(x) for x in transition)),
+          group=np.array([group], np.int32), iteration=np.array([iteration], np.int32),
+          incarnation=np.array([incarnation], np.int32),
+          episode_stats=types.EpisodeStats(*(np.float32(x) for x in stats)))
       with tracer.span('rollout/put_segment'):
         # A retiring worker still delivers the segment it finished: only the run's stop abandons it.
         while not stop.is_set():

@@ -5,11 +5,22 @@ threads) and `configure_jax` before it compiles.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import Dict, List, Optional, Sequence
 
 from absl import logging
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessConfig:
+  """What every worker process of a run needs to start, whatever its role: where the run writes, the timeline's
+  directory ('' off), the JAX platform ('' lets JAX choose) and the persistent compilation cache ('' off)."""
+  run_dir: str
+  trace_dir: str = ''
+  platform: str = ''
+  compilation_cache_dir: str = ''
 
 
 def pin(cores: Sequence[int]) -> None:
@@ -62,3 +73,9 @@ def configure_jax(platform: str, compilation_cache_dir: str) -> None:
     jax.config.update('jax_compilation_cache_dir', cache_dir)
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
     logging.info('Persistent compilation cache: %s', cache_dir)
+
+
+def start_process(process: ProcessConfig, env: Optional[Dict[str, str]]) -> None:
+  """A worker's first call: its environment and cores (`apply_worker_env`), then JAX's platform and cache."""
+  apply_worker_env(env)
+  configure_jax(process.platform, process.compilation_cache_dir)

@@ -8,7 +8,6 @@ sources: the fused schedule's (`controller.fused_mjx.MjxFusedLoop`: one jitted p
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import time
@@ -23,9 +22,27 @@ from ebrl_jax.generation import policies
 from ebrl_jax.rollout import keys
 from ebrl_jax.runtime import errors
 from ebrl_jax.runtime import metrics as metrics_lib
+from ebrl_jax.runtime import startup
 from ebrl_jax.runtime import storage
 from ebrl_jax.trainer import checkpoint as checkpoint_lib
 from ebrl_jax.trainer import stages as trainer_stages
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+  """The trainer's part of the run (in the trainer worker, or in the fused schedule's one process): the task,
+  the policy, the algorithm and the schedule's cadence, plus what the topology derives for it."""
+  process: startup.ProcessConfig
+  sim: config_lib.SimConfig
+  policy: config_lib.PolicyConfig
+  algo: config_lib.AlgoConfig
+  schedule: config_lib.ScheduleConfig
+  env_steps_per_iteration: int
+
+
+def trainer_config(cfg: config_lib.Config, process: startup.ProcessConfig) -> TrainerConfig:
+  return TrainerConfig(process=process, sim=cfg.sim, policy=cfg.policy, algo=cfg.algo, schedule=cfg.schedule,
+                       env_steps_per_iteration=cfg.env_steps_per_iteration)
 
 
 class BatchSource(Protocol):
@@ -70,15 +87,15 @@ class RunSummary:
   extra: dict  # schedule-specific figures (segments consumed, dropped, duplicates, worker restarts, ...)
 
 
-def _restore(cfg: config_lib.Config, checkpointer, train_state):
+def _restore(cfg: TrainerConfig, checkpointer, train_state):
   """Returns (train_state, env_steps, iterations) from the run's last checkpoint, or fresh values."""
   if not cfg.schedule.resume:
     if checkpointer is not None and checkpointer.latest_step() is not None:
-      raise ValueError(f'--run_dir={cfg.schedule.run_dir} already holds checkpoints; pass --resume to continue '
+      raise ValueError(f'--run_dir={cfg.process.run_dir} already holds checkpoints; pass --resume to continue '
                        'that run or choose another --run_dir.')
     return train_state, 0, 0
   if checkpointer is None or checkpointer.latest_step() is None:
-    raise ValueError(f'--resume was given but {cfg.schedule.run_dir}/checkpoints holds no checkpoint.')
+    raise ValueError(f'--resume was given but {cfg.process.run_dir}/checkpoints holds no checkpoint.')
   train_state, extra, _ = checkpointer.restore(train_state)
   logging.info('Resumed from env step %d (iteration %d) of a %s run.', extra['env_steps'], extra['iterations'],
                extra.get('schedule', '?'))
@@ -88,7 +105,7 @@ def _restore(cfg: config_lib.Config, checkpointer, train_state):
   return train_state, int(extra['env_steps']), int(extra['iterations'])
 
 
-def run_training(cfg: config_lib.Config, make_source) -> RunSummary:
+def run_training(cfg: TrainerConfig, make_source) -> RunSummary:
   """`train` (below), with a full disk turned into `errors.DiskFull`: which file found it full, and which
   checkpoint stays loadable for --resume (orbax commits a step only once it is whole)."""
   try:
@@ -97,7 +114,7 @@ def run_training(cfg: config_lib.Config, make_source) -> RunSummary:
     reason = storage.disk_full(e)
     if reason is None:
       raise
-    run_dir = os.path.abspath(cfg.schedule.run_dir)
+    run_dir = os.path.abspath(cfg.process.run_dir)
     raise errors.DiskFull(f'the disk holding {run_dir} is full ({reason}); the run stopped. '
                           + storage.resume_advice(run_dir)) from e
 
@@ -117,7 +134,7 @@ class _Progress:
   eval_curve: list = dataclasses.field(default_factory=list)
 
 
-def _iteration_plan(cfg: config_lib.Config) -> Tuple[int, int, int]:
+def _iteration_plan(cfg: TrainerConfig) -> Tuple[int, int, int]:
   """(env steps per iteration, total iterations, iterations per evaluation): whole chunks only, since a shorter
   last chunk would be a second program to compile (MJX) mid-run."""
   per_iteration = cfg.env_steps_per_iteration
@@ -199,11 +216,11 @@ def _summary(cfg, progress: _Progress, start: float, num_params: int, extra: dic
       task=cfg.sim.task, device=str(jax.devices()[0].device_kind), extra=extra)
 
 
-def train(cfg: config_lib.Config, make_source) -> RunSummary:
+def train(cfg: TrainerConfig, make_source) -> RunSummary:
   """The training driver shared by every schedule: evaluation cadence, checkpoints, target, metrics; returns the
-  summary. `make_source(cfg, spec, network, optimizer)` returns the `BatchSource`."""
+  summary. `make_source(cfg, spec, network, optimizer)` returns the `BatchSource` (`cfg` is the `TrainerConfig`)."""
   start = time.monotonic()
-  run_dir = cfg.schedule.run_dir
+  run_dir = cfg.process.run_dir
   os.makedirs(run_dir, exist_ok=True)
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
   network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
@@ -216,8 +233,6 @@ def train(cfg: config_lib.Config, make_source) -> RunSummary:
   if cfg.schedule.checkpoint_every:
     checkpointer = checkpoint_lib.Checkpointer(os.path.join(os.path.abspath(run_dir), 'checkpoints'))
   train_state, env_steps, iterations = _restore(cfg, checkpointer, train_state)
-  with open(os.path.join(run_dir, 'config.json'), 'w') as f:
-    json.dump(dataclasses.asdict(cfg), f, indent=2)
   per_iteration, total_iterations, per_eval = _iteration_plan(cfg)
   logging.info('%s/%s: %s, %d params, %d env steps per iteration, %d iterations (%d per evaluation).',
                cfg.schedule.name, cfg.sim.backend, cfg.sim.task, num_params, per_iteration, total_iterations,

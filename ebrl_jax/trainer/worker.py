@@ -17,7 +17,6 @@ from absl import logging
 import jax
 import numpy as np
 
-from ebrl_jax import config as config_lib
 from ebrl_jax import types
 from ebrl_jax.rollout import evaluation
 from ebrl_jax.rollout import keys
@@ -48,8 +47,8 @@ def _host_params(params) -> Any:
 class ChannelSource:
   """The driver's `BatchSource` over a segment channel fed by rollout workers."""
 
-  def __init__(self, cfg: config_lib.Config, spec: types.EnvSpec, network, optimizer, channels: TrainerChannels):
-    self._phase = lifecycle.Phase(cfg.schedule.run_dir, 'trainer')  # start-up steps, for the controller's log
+  def __init__(self, cfg: driver.TrainerConfig, spec: types.EnvSpec, network, optimizer, channels: TrainerChannels):
+    self._phase = lifecycle.Phase(cfg.process.run_dir, 'trainer')  # start-up steps, for the controller's log
     self._phase('building the train step and the evaluator')
     self._cfg, self._spec, self._ch = cfg, spec, channels
     self._num_groups = cfg.schedule.num_groups
@@ -59,7 +58,7 @@ class ChannelSource:
     self._root_key = keys.root(cfg.schedule.seed)
     self._evaluator = evaluation.make_evaluator(cfg.sim, cfg.policy, cfg.schedule.seed,
                                                 cfg.schedule.deterministic_eval, network)
-    self.tracer = tracing.Tracer(cfg.schedule.trace_dir, 'trainer')
+    self.tracer = tracing.Tracer(cfg.process.trace_dir, 'trainer')
     self._seen: Dict[tuple, int] = {}
     self.counts = {'segments_consumed': 0, 'segments_dropped_stale': 0, 'segments_duplicated': 0,
                    'wait_s': 0.0, 'train_s': 0.0, 'max_staleness_seen': 0}
@@ -101,7 +100,7 @@ class ChannelSource:
         self.counts['segments_duplicated'] += 1
         continue
       self._seen[key] = version
-      staleness = version - int(record.policy_version.min())
+      staleness = version - int(record.transition.policy_version.min())
       if staleness > self._bound:
         self.counts['segments_dropped_stale'] += 1
         continue
@@ -118,8 +117,7 @@ class ChannelSource:
         records = self._next_records(version)
       t1 = time.monotonic()
       records.sort(key=lambda r: int(r.group[0]))
-      batch = types.Transition(*[np.concatenate([getattr(r, f) for r in records], axis=1)
-                                 for f in types.Transition._fields])
+      batch = jax.tree.map(lambda *parts: np.concatenate(parts, axis=1), *(r.transition for r in records))
       train_key = keys.train_key(self._root_key, version)
       if self._startup_s is None:
         self._phase('first train step (compiling it)')
@@ -140,8 +138,8 @@ class ChannelSource:
         self._ch.feedback.delivered(t2 - t1, int(train_state.policy_version))
       startup.pin_after_startup()  # the first train step (and the first evaluation) compiled
       self.counts['segments_consumed'] += len(records)
-      acc.add(metrics, sum(float(r.episode_stats[0]) for r in records),
-              sum(float(r.episode_stats[2]) for r in records))
+      acc.add(metrics, sum(float(r.episode_stats.return_sum) for r in records),
+              sum(float(r.episode_stats.count) for r in records))
     out = acc.result()
     out['trainer/wait/seconds'] = self.counts['wait_s']
     out['trainer/train_step/seconds'] = self.counts['train_s']
@@ -150,7 +148,7 @@ class ChannelSource:
   def _dump_nonfinite(self, batch, records, metrics, version) -> None:
     """Keeps the batch that produced a non-finite loss next to the run, for a post-mortem (the driver then
     stops the run when it logs the metric)."""
-    path = os.path.join(self._cfg.schedule.run_dir, f'nonfinite_batch_v{version}.npz')
+    path = os.path.join(self._cfg.process.run_dir, f'nonfinite_batch_v{version}.npz')
     np.savez(path, **batch._asdict(), groups=np.array([int(r.group[0]) for r in records]),
              iterations=np.array([int(r.iteration[0]) for r in records]))
     logging.error('trainer: non-finite metrics at version %d (%s); batch saved to %s.', version,
@@ -169,12 +167,11 @@ class ChannelSource:
     self.tracer.close()
 
 
-def trainer_main(cfg: config_lib.Config, channels: TrainerChannels, env: Optional[dict] = None) -> None:
+def trainer_main(cfg: driver.TrainerConfig, channels: TrainerChannels, env: Optional[dict] = None) -> None:
   """Process entry point: trains until done and sends its summary (a dict of `driver.RunSummary`) on the control
   pipe, or the `RunError` it stopped on as an `errors.ErrorReport`; then sets the stop event."""
-  startup.apply_worker_env(env)
-  startup.configure_jax(cfg.resources.platform, cfg.schedule.compilation_cache_dir)
-  lifecycle.Phase(cfg.schedule.run_dir, 'trainer')('initialising the network and the train state')
+  startup.start_process(cfg.process, env)
+  lifecycle.Phase(cfg.process.run_dir, 'trainer')('initialising the network and the train state')
   channels = channels._replace(stop=lifecycle.ParentWatch(channels.stop))
   try:
     summary = driver.run_training(cfg, lambda c, s, n, o: ChannelSource(c, s, n, o, channels))

@@ -41,7 +41,7 @@ class ThreadChannel(base.Channel):
       self._wait(lambda: len(self._items) < self.capacity, timeout)
       if self._closed:
         raise base.ChannelClosed('put on a closed channel.')
-      self._items.append(self.spec.record_type(*arrays))
+      self._items.append(self.spec.build(arrays))
       self._cond.notify_all()
 
   def get(self, timeout: Optional[float] = None) -> Any:

@@ -240,7 +240,7 @@ class ShmChannel(base.Channel):
         self._fill_sem.release()
         raise base.ChannelClosed('get on a closed, empty channel.')
       slot = self._pop(_FILL_HEAD, _FILL_TAIL, 1)
-    record = self.spec.record_type(*(view.copy() for view in self._views[slot]))
+    record = self.spec.build(view.copy() for view in self._views[slot])
     with _locked(self._lock):
       self._push(_FREE_TAIL, 0, slot)
     self._free_sem.release()

@@ -1,7 +1,9 @@
 """Fixed-shape record specifications: what one record of a channel holds, and where it lives in a slot.
 
-A record is a flat `NamedTuple` of numpy arrays (e.g. `types.Transition`). Its `RecordSpec` maps each field name,
-in the class's field order, to an `ArraySpec(shape, dtype)`. Records go in and come out as the same class.
+A record is a `NamedTuple` of numpy arrays (e.g. `types.Transition`), whose fields may themselves be NamedTuples
+of arrays (`types.SegmentRecord` holds a `Transition`). Its `RecordSpec` maps each leaf, by its dotted path in
+field order ('transition.obs', ..., 'group'), to an `ArraySpec(shape, dtype)`. Records go in and come out as the
+same classes.
 """
 from __future__ import annotations
 
@@ -49,20 +51,31 @@ def check_array(name: str, spec: ArraySpec, value: Any) -> np.ndarray:
   return array
 
 
-class RecordSpec(collections.abc.Mapping):
-  """Ordered mapping field name -> ArraySpec for records of one NamedTuple class, plus their slot layout.
+def _leaf_paths(record_type: Type, nested: Mapping[str, Type], prefix: str = '') -> Iterator[str]:
+  for name in getattr(record_type, '_fields', ()):
+    path = prefix + name
+    if path in nested:
+      yield from _leaf_paths(nested[path], nested, path + '.')
+    else:
+      yield path
 
-  Layout: fields back to back in field order, each at a 64-byte aligned offset; `nbytes` is the slot size,
-  a multiple of 64.
+
+class RecordSpec(collections.abc.Mapping):
+  """Ordered mapping leaf path -> ArraySpec for records of one NamedTuple class, plus their slot layout.
+
+  `nested` maps the path of each field that is itself a NamedTuple to its class (empty for a flat record).
+  Layout: leaves back to back in path order, each at a 64-byte aligned offset; `nbytes` is the slot size, a
+  multiple of 64.
   """
 
-  def __init__(self, record_type: Type, fields: Mapping[str, ArraySpec]):
-    names = tuple(getattr(record_type, '_fields', ()))
-    if not names:
+  def __init__(self, record_type: Type, fields: Mapping[str, ArraySpec], nested: Mapping[str, Type] | None = None):
+    if not getattr(record_type, '_fields', ()):
       raise ValueError(f'{record_type!r} is not a NamedTuple class.')
-    if tuple(fields) != names:
-      raise ValueError(f'fields {list(fields)} must be exactly the fields of {record_type.__name__}: {list(names)}.')
     self.record_type = record_type
+    self.nested: Dict[str, Type] = dict(nested or {})
+    paths = tuple(_leaf_paths(record_type, self.nested))
+    if tuple(fields) != paths:
+      raise ValueError(f'fields {list(fields)} must be exactly the fields of {record_type.__name__}: {list(paths)}.')
     self._fields: Dict[str, ArraySpec] = {
         k: (v if isinstance(v, ArraySpec) else ArraySpec(*v)) for k, v in fields.items()}
     offsets, offset = {}, 0
@@ -83,34 +96,56 @@ class RecordSpec(collections.abc.Mapping):
 
   def __eq__(self, other) -> bool:
     return (isinstance(other, RecordSpec) and self.record_type is other.record_type
-            and self._fields == other._fields)
+            and self._fields == other._fields and self.nested == other.nested)
 
   def __hash__(self):
-    return hash((self.record_type, tuple(self._fields.items())))
+    return hash((self.record_type, tuple(self._fields.items()), tuple(self.nested.items())))
 
   def __repr__(self) -> str:
     inner = ', '.join(f'{k}={v.shape}:{v.dtype}' for k, v in self._fields.items())
     return f'RecordSpec({self.record_type.__name__}: {inner})'
 
   def __reduce__(self):
-    return (RecordSpec, (self.record_type, self._fields))
+    return (RecordSpec, (self.record_type, self._fields, self.nested))
+
+  def _flatten(self, record: Any, record_type: Type, prefix: str, out: list) -> None:
+    given = tuple(getattr(record, '_fields', ()))
+    expected = tuple(record_type._fields)
+    if given != expected:
+      missing = [f for f in expected if f not in given]
+      extra = [f for f in given if f not in expected]
+      where = f' at {prefix[:-1]!r}' if prefix else ''
+      raise ValueError(f'record {type(record).__name__}{where} has fields {list(given)}; expected '
+                       f'{record_type.__name__} fields {list(expected)} (missing {missing}, extra {extra}).')
+    for name, value in zip(expected, record):
+      path = prefix + name
+      if path in self.nested:
+        self._flatten(value, self.nested[path], path + '.', out)
+      else:
+        out.append(check_array(path, self._fields[path], value))
 
   def check(self, record: Any) -> Tuple[np.ndarray, ...]:
-    """Validates a record against the spec; returns its fields as numpy arrays, in field order.
+    """Validates a record against the spec; returns its leaves as numpy arrays, in path order.
 
     Raises ValueError naming the field with expected vs given shape/dtype, or the missing/extra field names.
     """
-    given = tuple(getattr(record, '_fields', ()))
-    if given != tuple(self._fields):
-      missing = [f for f in self._fields if f not in given]
-      extra = [f for f in given if f not in self._fields]
-      raise ValueError(f'record {type(record).__name__} has fields {list(given)}; expected '
-                       f'{self.record_type.__name__} fields {list(self._fields)} (missing {missing}, extra {extra}).')
-    return tuple(check_array(name, spec, value) for (name, spec), value in zip(self._fields.items(), record))
+    out: list = []
+    self._flatten(record, self.record_type, '', out)
+    return tuple(out)
+
+  def build(self, leaves) -> Any:
+    """The record (nested NamedTuples included) whose leaves, in path order, are `leaves`."""
+    it = iter(leaves)
+
+    def make(record_type: Type, prefix: str):
+      return record_type(*(make(self.nested[prefix + n], prefix + n + '.') if prefix + n in self.nested
+                           else next(it) for n in record_type._fields))
+
+    return make(self.record_type, '')
 
   def zeros(self) -> Any:
     """A record of zeros (handy as a template and in tests)."""
-    return self.record_type(*(np.zeros(s.shape, s.dtype) for s in self._fields.values()))
+    return self.build(np.zeros(s.shape, s.dtype) for s in self._fields.values())
 
 
 def record_spec(record_type: Type, shapes: Mapping[str, Any], dtypes: Mapping[str, Any] | None = None,
@@ -138,8 +173,21 @@ def record_spec(record_type: Type, shapes: Mapping[str, Any], dtypes: Mapping[st
 
 
 def spec_of(example: Any) -> RecordSpec:
-  """RecordSpec of an example record (a NamedTuple of arrays): same class, shapes and dtypes."""
-  names = getattr(example, '_fields', None)
-  if not names:
+  """RecordSpec of an example record: a NamedTuple whose leaves have a shape and dtype (numpy or jax arrays,
+  `jax.ShapeDtypeStruct`s), with NamedTuple fields nested at any depth. Same classes, shapes and dtypes."""
+  if not getattr(example, '_fields', None):
     raise ValueError(f'spec_of needs a NamedTuple of arrays, got {type(example).__name__}.')
-  return RecordSpec(type(example), {n: ArraySpec.of(np.asarray(v)) for n, v in zip(names, example)})
+  fields: Dict[str, ArraySpec] = {}
+  nested: Dict[str, Type] = {}
+
+  def walk(record: Any, prefix: str) -> None:
+    for name, value in zip(record._fields, record):
+      path = prefix + name
+      if getattr(value, '_fields', None):
+        nested[path] = type(value)
+        walk(value, path + '.')
+      else:
+        fields[path] = ArraySpec.of(value if hasattr(value, 'dtype') else np.asarray(value))
+
+  walk(example, '')
+  return RecordSpec(type(example), fields, nested)

@@ -36,6 +36,42 @@ def test_sync_with_one_group_replays_fused_exactly(tmp_path):
   assert sync.extra['segments_consumed'] == 20 and sync.extra['segments_duplicated'] == 0
 
 
+def test_sync_with_one_group_replays_fused_exactly_on_mjx(tmp_path):
+  """MJX too (slow: MJX compiles for minutes on a CPU): the fused program (collection and training in one jitted
+  scan) and `sync` with one group (a rollout worker's collect program, the trainer's train step) draw the same
+  keys (`rollout.keys`) and reset the same envs; their evaluations and final parameters agree to the last bit."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from ebrl_jax import sim  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.generation import policies  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.trainer import checkpoint, stages  # pylint: disable=g-import-not-at-top
+
+  def run(schedule):
+    cfg = config_lib.Config(
+        sim=config_lib.SimConfig(task='inverted_pendulum', backend='mjx', num_envs=8, num_eval_envs=4,
+                                 episode_length=40),
+        algo=config_lib.AlgoConfig(batch_size=8, num_minibatches=2),
+        schedule=config_lib.ScheduleConfig(name=schedule, run_dir=str(tmp_path / schedule), compilation_cache_dir='',
+                                           progress_bar=False, transport='thread', num_groups=1,
+                                           num_timesteps=320, num_evals=2))
+    return cfg, controller.run(cfg)
+
+  (cfg, fused), (_, sync) = run('fused'), run('sync')
+  assert [e['return'] for e in sync.eval_curve] == [e['return'] for e in fused.eval_curve]
+  assert sync.env_steps == fused.env_steps == 320 and sync.extra['segments_consumed'] == 4
+  spec = sim.env_spec('inverted_pendulum', 40, 1)
+  network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
+  template = stages.init_train_state(network, stages.make_optimizer(cfg.algo), jax.random.PRNGKey(0), spec.obs_dim)
+  final = []
+  for schedule in ('fused', 'sync'):
+    with checkpoint.Checkpointer(str(tmp_path / schedule / 'checkpoints')) as ckpt:
+      state, _, step = ckpt.restore(template)
+    assert step == 4
+    final.append(jax.device_get(state.params))
+  same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), *final)
+  assert all(jax.tree_util.tree_leaves(same)), same
+
+
 def test_async_processes_learn_with_bounded_staleness(tmp_path):
   cfg = _config(tmp_path / 'async', schedule='async', transport='shm', num_groups=2, max_staleness=1)
   summary = controller.run(cfg)

@@ -5,6 +5,7 @@ import time
 import pytest
 
 from ebrl_jax import config as config_lib
+from ebrl_jax.runtime import startup
 from ebrl_jax.trainer import driver
 
 
@@ -47,7 +48,8 @@ def test_first_iteration_of_a_process_schedule_counts_as_startup(tmp_path):
       algo=config_lib.AlgoConfig(batch_size=4, num_minibatches=1, unroll_length=5),
       schedule=config_lib.ScheduleConfig(name='fused', num_timesteps=8 * 20, num_evals=2, run_dir=str(tmp_path),
                                          checkpoint_every=0, progress_bar=False))
-  summary = driver.run_training(cfg, lambda *args: _FakeChannelSource())
+  trainer = driver.trainer_config(cfg, startup.ProcessConfig(run_dir=str(tmp_path)))
+  summary = driver.run_training(trainer, lambda *args: _FakeChannelSource())
   # 8 iterations of 20 env steps in 2 chunks of 4; the first (0.35 s) is start-up: compile 1.0 + 0.35 s,
   # 7 iterations (140 steps) over ~7 x 50 ms.
   assert summary.iterations == 8 and summary.env_steps == 160

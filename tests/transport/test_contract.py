@@ -282,3 +282,27 @@ def test_spec_helpers():
   with pytest.raises(ValueError, match=r"missing shapes for \['payload'\]"):
     transport.record_spec(Item, {'producer': (), 'seq': ()})
   assert isinstance(Item(*ITEM_SPEC.zeros()), Item)
+
+
+def test_a_nested_record_round_trips_with_its_classes_and_names_a_bad_leaf_by_path(make):
+  # The segment record nests a Transition (9 leaves) and an EpisodeStats (3) beside 3 indices: one spec of 15
+  # leaves, built back as the classes.
+  from ebrl_jax import types  # pylint: disable=g-import-not-at-top
+  template = types.segment_template(t=3, s=4, obs_dim=5, action_chunk=2, action_dim=1)
+  spec = transport.spec_of(template)
+  assert list(spec)[:2] == ['transition.obs', 'transition.raw_action'] and len(spec) == 15
+  assert spec['transition.raw_action'].shape == (3, 4, 2, 1) and spec['transition.policy_version'].dtype == 'int32'
+  assert spec['episode_stats.count'].shape == () and spec == transport.spec_of(spec.zeros())
+  record = spec.zeros()._replace(group=np.array([7], np.int32))
+  record = record._replace(transition=record.transition._replace(reward=np.full((3, 4), 2.5, np.float32)))
+  channel = make(spec, 2)
+  channel.put(record)
+  out = channel.get(timeout=1)
+  assert isinstance(out, types.SegmentRecord) and isinstance(out.transition, types.Transition)
+  assert isinstance(out.episode_stats, types.EpisodeStats)
+  assert int(out.group[0]) == 7 and float(out.transition.reward.sum()) == 2.5 * 12
+  bad = record._replace(transition=record.transition._replace(obs=np.zeros((3, 4, 6), np.float32)))
+  with pytest.raises(ValueError, match=r"field 'transition.obs': expected shape \(3, 4, 5\)"):
+    channel.put(bad)
+  with pytest.raises(ValueError, match="at 'transition' has fields"):
+    channel.put(record._replace(transition=record.episode_stats))
