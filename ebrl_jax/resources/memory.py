@@ -29,8 +29,8 @@ fits when the budgets plus CONTEXT_BYTES per process are at most PLAN_CAP of the
 before any worker starts. A worker gets `XLA_PYTHON_CLIENT_MEM_FRACTION` (only that name, never the older
 `XLA_CLIENT_MEM_FRACTION` beside it) and, under MPS, `CUDA_MPS_PINNED_DEVICE_MEM_LIMIT` ('0=<N>M') at its
 budget plus its context allowance: that limit caps every device allocation of the client, XLA's pool and the
-rest. Without a GPU (or with --platform=cpu) there is no plan: each process gets an equal share of EQUAL_SHARE,
-as before plans existed (with --memory_fractions for the roles it names).
+rest. Without a GPU (or with --platform=cpu) there is no plan: each process gets an equal share of EQUAL_SHARE
+(with --memory_fractions for the roles it names).
 """
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ from ebrl_jax.trainer import stages as trainer_stages
 
 MIB = 2**20
 # Device memory a process needs outside XLA's pool: the CUDA context, the loaded modules of its compiled programs,
-# cuBLAS/cuBLASLt handles and workspaces. Measured on the H200 under MPS: 500 MiB was too little (a W2 trainer
-# failed to initialise cuBLASLt, a W3 generation worker to load a module: out of memory at the pinned limit).
+# cuBLAS/cuBLASLt handles and workspaces. Under MPS the pinned limit caps these too, and a few hundred MiB are not
+# enough for a trainer's cuBLASLt or a generation worker's modules (experiments/results/README.md).
 CONTEXT_BYTES = 3072 * MIB
 PLAN_CAP = 0.95  # the plan may take this much of the device, contexts included
 MIN_POOL_BYTES = 1024 * MIB  # XLA's pool is never planned smaller (autotuning scratch, small programs)

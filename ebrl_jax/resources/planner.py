@@ -23,7 +23,6 @@ and the GPU work of processes that run at once is added up, as if their kernels 
   gpu_r = S * G * (t_sim(E, 100) if the rollout simulates on the GPU, + t_gen(E, 100)),
   async: T = max(T_r, T_t, gpu_r + T_t) + iteration_handoff_s;  sync: T = max(T_r, gpu_r) + T_t + iteration_handoff_s,
 which is pessimistic where kernels of two processes do fit on the GPU at once (MPS without quotas lets them).
-On W2 and W3 (one H200) runs without quotas were faster than the quota plans this model's quota side chose.
 Rollout processes that only simulate on CPU cores (`rollout_on_gpu=False`) have no quota: G * q_r drops out
 and t_sim is read at 100. The search is exhaustive; ties (within 1e-9 relative) go to fewer groups, then to the
 lower total quota (G * q_r + q_g + q_t), then to the lower rollout, generation and trainer quotas in that order.

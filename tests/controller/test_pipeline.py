@@ -268,7 +268,7 @@ def test_a_stalled_start_up_is_reported_worker_by_worker(tmp_path, monkeypatch, 
 
   def stall(cfg, group, channels, incarnation=0, env=None, control=None):
     del channels, incarnation, env, control
-    lifecycle.Phase(cfg.schedule.run_dir, f'rollout/{group}')('compiling a very slow program')
+    lifecycle.Phase(cfg.process.run_dir, f'rollout/{group}')('compiling a very slow program')
     time.sleep(1.5)
     raise RuntimeError('gave up')
 
