@@ -14,11 +14,12 @@ setup(
     name='ebrl_jax',
     version=_version,
     description='Accelerator-native embodied RL in JAX: MJX or native MuJoCo simulation, policy generation and '
-                'PPO/GRPO training as separate jitted stages, pipelined and resource-managed on one GPU.',
+    'PPO/GRPO training as separate jitted stages, pipelined and resource-managed on one GPU.',
     long_description=_readme,
     long_description_content_type='text/markdown',
     license='Apache-2.0',
     packages=find_packages(include=['ebrl_jax', 'ebrl_jax.*']),
+    package_data={'ebrl_jax.sim': ['assets/*.xml']},
     python_requires='>=3.11,<3.13',
     # Versions tested together on Python 3.11 (CPU, jax 0.10.2) and 3.12 (H200, jax 0.11.2).
     install_requires=[
@@ -39,8 +40,9 @@ setup(
     ],
     extras_require={
         # Notebooks run headless in the tests: nbclient drives an ipykernel.
-        'test': ['pytest>=8,<10', 'pytest-xdist>=3.5,<4', 'nbformat>=5.9,<6', 'nbclient>=0.10,<0.12',
-                 'ipykernel>=6.29,<8'],
+        'test': [
+            'pytest>=8,<10', 'pytest-xdist>=3.5,<4', 'nbformat>=5.9,<6', 'nbclient>=0.10,<0.12', 'ipykernel>=6.29,<8'
+        ],
         'cuda': ['jax[cuda12]>=0.10,<0.12'],
     },
     entry_points={'console_scripts': ['ebrl_jax=ebrl_jax.main:run_main']},

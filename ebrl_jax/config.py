@@ -257,8 +257,7 @@ class Config:
     slices = self.schedule.env_slices
     if slices == 1:
       return
-    if (self.schedule.name == 'fused' or self.schedule.colocate_generation or
-        self.sim.backend != 'mujoco_cpu'):
+    if (self.schedule.name == 'fused' or self.schedule.colocate_generation or self.sim.backend != 'mujoco_cpu'):
       raise ValueError(f'--env_slices={slices} splits the env groups that a separate generation worker serves: '
                        'it needs --schedule=sync or async, --nocolocate_generation and --backend=mujoco_cpu '
                        f'(got --schedule={self.schedule.name}, --colocate_generation='
@@ -271,16 +270,19 @@ class Config:
   @property
   def collect_spec(self) -> CollectSpec:
     unrolls, steps = self.segment_shape
-    return CollectSpec(episodic=self.algo.episodic, unrolls=unrolls, steps=steps,
-                       action_chunk=self.policy.action_chunk, group_size=self.sim.group_size,
+    return CollectSpec(episodic=self.algo.episodic,
+                       unrolls=unrolls,
+                       steps=steps,
+                       action_chunk=self.policy.action_chunk,
+                       group_size=self.sim.group_size,
                        min_std=self.policy.min_std)
 
   @property
   def rollout_on_host(self) -> bool:
     """The process schedules' rollout workers simulate on CPU cores and a separate generation worker acts for
     them: they run JAX on the CPU, hold no GPU context and get no SM quota or GPU memory budget."""
-    return (self.schedule.name != 'fused' and self.sim.backend == 'mujoco_cpu'
-            and not self.schedule.colocate_generation)
+    return (self.schedule.name != 'fused' and self.sim.backend == 'mujoco_cpu' and
+            not self.schedule.colocate_generation)
 
   @property
   def group_envs(self) -> int:

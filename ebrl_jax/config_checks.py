@@ -2,6 +2,7 @@
 and what is allowed."""
 from __future__ import annotations
 
+
 def check_choice(field: str, value, allowed) -> None:
   if value not in allowed:
     raise ValueError(f'--{field}={value!r} is not valid; allowed values: {", ".join(map(str, allowed))}.')

@@ -102,8 +102,8 @@ class ResourceConfig:
       try:
         iteration, percent = int(when), int(value)
       except ValueError:
-        raise ValueError(f'--quota_schedule: {item!r} must read iteration:rollout=percent, e.g. 10:rollout=40.'
-                         ) from None
+        raise ValueError(
+            f'--quota_schedule: {item!r} must read iteration:rollout=percent, e.g. 10:rollout=40.') from None
       if role != 'rollout':
         raise ValueError(f'--quota_schedule: {item!r} changes role {role!r}; only the rollout quota changes '
                          'during a run (the trainer holds the training state and is never swapped).')

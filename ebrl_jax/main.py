@@ -20,9 +20,15 @@ from ebrl_jax import config as config_lib
 # (section of Config, dataclass, {field name: flag name} where they differ)
 _SECTIONS: Tuple[Tuple[str, Type, Dict[str, str]], ...] = (
     ('sim', config_lib.SimConfig, {}),
-    ('policy', config_lib.PolicyConfig, {'kind': 'policy'}),
-    ('algo', config_lib.AlgoConfig, {'name': 'algo'}),
-    ('schedule', config_lib.ScheduleConfig, {'name': 'schedule'}),
+    ('policy', config_lib.PolicyConfig, {
+        'kind': 'policy'
+    }),
+    ('algo', config_lib.AlgoConfig, {
+        'name': 'algo'
+    }),
+    ('schedule', config_lib.ScheduleConfig, {
+        'name': 'schedule'
+    }),
     ('resources', config_lib.ResourceConfig, {}),
 )
 _HELP = {

@@ -102,17 +102,26 @@ def transition_template(t: int, s: int, obs_dim: int, action_chunk: int, action_
   f32, i32 = jax.numpy.float32, jax.numpy.int32
   steps = jax.ShapeDtypeStruct((t, s), f32)
   obs = jax.ShapeDtypeStruct((t, s, obs_dim), f32)
-  return Transition(obs=obs, raw_action=jax.ShapeDtypeStruct((t, s, action_chunk, action_dim), f32),
-                    reward=steps, termination=steps, truncation=steps, next_obs=obs, behaviour_log_prob=steps,
-                    mask=steps, policy_version=jax.ShapeDtypeStruct((t, s), i32))
+  return Transition(obs=obs,
+                    raw_action=jax.ShapeDtypeStruct((t, s, action_chunk, action_dim), f32),
+                    reward=steps,
+                    termination=steps,
+                    truncation=steps,
+                    next_obs=obs,
+                    behaviour_log_prob=steps,
+                    mask=steps,
+                    policy_version=jax.ShapeDtypeStruct((t, s), i32))
 
 
 def segment_template(t: int, s: int, obs_dim: int, action_chunk: int, action_dim: int) -> SegmentRecord:
   """Shapes and dtypes of one env group's `SegmentRecord` (`jax.ShapeDtypeStruct` leaves)."""
   index = jax.ShapeDtypeStruct((1,), jax.numpy.int32)
   stat = jax.ShapeDtypeStruct((), jax.numpy.float32)
-  return SegmentRecord(transition=transition_template(t, s, obs_dim, action_chunk, action_dim), group=index,
-                       iteration=index, incarnation=index, episode_stats=EpisodeStats(stat, stat, stat))
+  return SegmentRecord(transition=transition_template(t, s, obs_dim, action_chunk, action_dim),
+                       group=index,
+                       iteration=index,
+                       incarnation=index,
+                       episode_stats=EpisodeStats(stat, stat, stat))
 
 
 class ActRequest(NamedTuple):

@@ -33,8 +33,13 @@ def bench_pool(task: str, num_envs: int, num_threads: int, seconds: float) -> di
     elapsed = time.perf_counter() - start
   env_steps = steps * num_envs / elapsed
   n_frames = registry.load(task).n_frames
-  return dict(task=task, num_envs=num_envs, num_threads=num_threads, pool_steps=steps, seconds=elapsed,
-              env_steps_per_s=env_steps, physics_steps_per_s=env_steps * n_frames,
+  return dict(task=task,
+              num_envs=num_envs,
+              num_threads=num_threads,
+              pool_steps=steps,
+              seconds=elapsed,
+              env_steps_per_s=env_steps,
+              physics_steps_per_s=env_steps * n_frames,
               us_per_pool_step=1e6 * elapsed / steps)
 
 
@@ -65,9 +70,16 @@ def main():
   args = parser.parse_args()
   ncpu = len(os.sched_getaffinity(0))
   thread_counts = sorted({1, ncpu})
-  result = dict(loadavg_before=os.getloadavg(), cpu_count=ncpu, os_cpu_count=os.cpu_count(),
-                processor=platform.processor() or platform.machine(), mujoco_version=mujoco.__version__, python=platform.python_version(), num_envs=args.num_envs,
-                bare_mj_step=[], pool=[], speedup={})
+  result = dict(loadavg_before=os.getloadavg(),
+                cpu_count=ncpu,
+                os_cpu_count=os.cpu_count(),
+                processor=platform.processor() or platform.machine(),
+                mujoco_version=mujoco.__version__,
+                python=platform.python_version(),
+                num_envs=args.num_envs,
+                bare_mj_step=[],
+                pool=[],
+                speedup={})
   for task in args.tasks.split(','):
     result['bare_mj_step'].append(bench_bare_mj_step(task, args.seconds))
     rates = {}

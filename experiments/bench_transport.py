@@ -48,8 +48,16 @@ class Stamp(NamedTuple):
 
 REQUEST_SPEC = transport.record_spec(ObsRequest, {'obs': (NUM_ENVS, OBS_DIM), 'group': ()}, dtypes={'group': 'int32'})
 REPLY_SPEC = transport.record_spec(ActionReply, {'action': (NUM_ENVS, ACTION_DIM)})
-STAMP_SPEC = transport.record_spec(Stamp, {'version': (), 'seen': (), 'done': ()},
-                                   dtypes={'version': 'int64', 'seen': 'float64', 'done': 'float64'})
+STAMP_SPEC = transport.record_spec(Stamp, {
+    'version': (),
+    'seen': (),
+    'done': ()
+},
+                                   dtypes={
+                                       'version': 'int64',
+                                       'seen': 'float64',
+                                       'done': 'float64'
+                                   })
 
 
 def _policy(obs: np.ndarray) -> ActionReply:
@@ -75,8 +83,12 @@ def serve_queue(requests, replies) -> None:
 
 def _percentiles(seconds) -> dict:
   us = np.asarray(seconds) * 1e6
-  return {'p50_us': float(np.percentile(us, 50)), 'p99_us': float(np.percentile(us, 99)),
-          'mean_us': float(us.mean()), 'n': int(us.size)}
+  return {
+      'p50_us': float(np.percentile(us, 50)),
+      'p99_us': float(np.percentile(us, 99)),
+      'mean_us': float(us.mean()),
+      'n': int(us.size)
+  }
 
 
 def _round_trips(send, receive) -> dict:
@@ -156,10 +168,15 @@ def bench_broadcast(n: int, reps: int) -> dict:
   reader.join(60)
   registry.close()
   publish, copy, total = (np.asarray(c[1:]) * 1e3 for c in zip(*rows))
-  return {'num_params': n, 'reps': reps, 'publish_ms_median': float(np.median(publish)),
-          'latest_copy_ms_median': float(np.median(copy)), 'publish_to_reader_copy_ms_median': float(np.median(total)),
-          'publish_to_reader_copy_ms_max': float(total.max()),
-          'gbytes_per_s_end_to_end': float(4 * n / (np.median(total) / 1e3) / 1e9)}
+  return {
+      'num_params': n,
+      'reps': reps,
+      'publish_ms_median': float(np.median(publish)),
+      'latest_copy_ms_median': float(np.median(copy)),
+      'publish_to_reader_copy_ms_median': float(np.median(total)),
+      'publish_to_reader_copy_ms_max': float(total.max()),
+      'gbytes_per_s_end_to_end': float(4 * n / (np.median(total) / 1e3) / 1e9)
+  }
 
 
 def bench_broadcast_mp_queue(n: int, reps: int) -> dict:
@@ -176,8 +193,12 @@ def bench_broadcast_mp_queue(n: int, reps: int) -> dict:
     totals.append(done - start)
   reader.join(60)
   total = np.asarray(totals[1:]) * 1e3
-  return {'num_params': n, 'reps': reps, 'publish_to_reader_copy_ms_median': float(np.median(total)),
-          'publish_to_reader_copy_ms_max': float(total.max())}
+  return {
+      'num_params': n,
+      'reps': reps,
+      'publish_to_reader_copy_ms_median': float(np.median(total)),
+      'publish_to_reader_copy_ms_max': float(total.max())
+  }
 
 
 def main() -> None:
@@ -185,16 +206,25 @@ def main() -> None:
   parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results', 'transport_cpu.json'))
   args = parser.parse_args()
   results = {
-      'python': sys.version.split()[0], 'numpy': np.__version__, 'platform': platform.platform(),
-      'cpu_count': os.cpu_count(), 'affinity_cpus': len(os.sched_getaffinity(0)),
+      'python': sys.version.split()[0],
+      'numpy': np.__version__,
+      'platform': platform.platform(),
+      'cpu_count': os.cpu_count(),
+      'affinity_cpus': len(os.sched_getaffinity(0)),
       'date': time.strftime('%Y-%m-%d %H:%M:%S'),
-      'round_trip': {'record_shapes': {'obs': [NUM_ENVS, OBS_DIM], 'action': [NUM_ENVS, ACTION_DIM]},
-                     'warmup': WARMUP, 'round_trips': ROUND_TRIPS},
+      'round_trip': {
+          'record_shapes': {
+              'obs': [NUM_ENVS, OBS_DIM],
+              'action': [NUM_ENVS, ACTION_DIM]
+          },
+          'warmup': WARMUP,
+          'round_trips': ROUND_TRIPS
+      },
       'broadcast': {},
   }
   for name, fn in (('shm_mailbox', lambda: bench_round_trip_mailbox('shm')),
-                   ('mp_queue_pickle', bench_round_trip_mp_queue),
-                   ('thread_mailbox_same_process', lambda: bench_round_trip_mailbox('thread'))):
+                   ('mp_queue_pickle', bench_round_trip_mp_queue), ('thread_mailbox_same_process',
+                                                                    lambda: bench_round_trip_mailbox('thread'))):
     results['round_trip'][name] = fn()
     print(name, results['round_trip'][name], flush=True)
   for n, reps in ((1_000_000, 50), (100_000_000, 5)):

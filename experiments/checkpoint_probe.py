@@ -35,16 +35,27 @@ def main() -> None:
   parser.add_argument('--between_s', type=float, default=2.0, help='seconds of "training" between saves')
   parser.add_argument('--dir', default=None, help='where to write (default: a temporary directory)')
   args = parser.parse_args()
-  policy = config_lib.PolicyConfig(kind='transformer', d_model=512, num_layers=8, num_heads=8, mlp_ratio=4,
-                                   obs_token_size=4, action_chunk=4)
+  policy = config_lib.PolicyConfig(kind='transformer',
+                                   d_model=512,
+                                   num_layers=8,
+                                   num_heads=8,
+                                   mlp_ratio=4,
+                                   obs_token_size=4,
+                                   action_chunk=4)
   spec = sim.env_spec('ant', 1000, 1)
   network = policies.make_network(policy, spec.obs_dim, spec.action_dim)
   optimizer = stages.make_optimizer(config_lib.AlgoConfig(learning_rate=1e-4))
   state = stages.init_train_state(network, optimizer, jax.random.PRNGKey(0), spec.obs_dim, True)
   state_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(state))
-  result = {'device': str(jax.devices()[0].device_kind), 'machine': platform.platform(), 'cpus': os.cpu_count(),
-            'num_params': policies.count_params(state.params.network), 'state_mib': state_bytes / 2**20,
-            'between_s': args.between_s, 'modes': {}}
+  result = {
+      'device': str(jax.devices()[0].device_kind),
+      'machine': platform.platform(),
+      'cpus': os.cpu_count(),
+      'num_params': policies.count_params(state.params.network),
+      'state_mib': state_bytes / 2**20,
+      'between_s': args.between_s,
+      'modes': {}
+  }
   for mode in ('sync', 'async'):
     root = tempfile.mkdtemp(dir=args.dir)
     try:
@@ -64,10 +75,16 @@ def main() -> None:
           np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(state)))
     finally:
       shutil.rmtree(root, ignore_errors=True)
-    result['modes'][mode] = {'save_blocked_s': blocked, 'median_save_blocked_s': statistics.median(blocked),
-                             'close_waited_s': close_s, 'restored_whole': whole}
-    print(f'{mode}: save blocked {", ".join(f"{b:.3f}" for b in blocked)} s (median '
-          f'{statistics.median(blocked):.3f}); close waited {close_s:.3f} s; restore whole: {whole}', flush=True)
+    result['modes'][mode] = {
+        'save_blocked_s': blocked,
+        'median_save_blocked_s': statistics.median(blocked),
+        'close_waited_s': close_s,
+        'restored_whole': whole
+    }
+    print(
+        f'{mode}: save blocked {", ".join(f"{b:.3f}" for b in blocked)} s (median '
+        f'{statistics.median(blocked):.3f}); close waited {close_s:.3f} s; restore whole: {whole}',
+        flush=True)
   if args.out:
     with open(args.out, 'w') as f:
       json.dump(result, f, indent=2)

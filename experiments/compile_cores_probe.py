@@ -12,7 +12,15 @@ import jax, jax.numpy as jnp
 from ebrl_jax import config as config_lib, sim
 from ebrl_jax.generation import policies, stages as gen_stages
 from ebrl_jax.trainer import stages as trainer_stages
-cfg = config_lib.Config(policy=config_lib.PolicyConfig(kind='transformer', d_model=512, num_layers=8, num_heads=8, mlp_ratio=4, obs_token_size=4, action_chunk=4), algo=config_lib.AlgoConfig(unroll_length=8))
+
+cfg = config_lib.Config(policy=config_lib.PolicyConfig(kind='transformer',
+                                                       d_model=512,
+                                                       num_layers=8,
+                                                       num_heads=8,
+                                                       mlp_ratio=4,
+                                                       obs_token_size=4,
+                                                       action_chunk=4),
+                        algo=config_lib.AlgoConfig(unroll_length=8))
 spec = sim.env_spec('ant', 1000, 1)
 net = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
 opt = trainer_stages.make_optimizer(cfg.algo)
@@ -21,5 +29,7 @@ total = 0
 for b in (64, 128, 256, 512):
   obs = jnp.zeros((b, spec.obs_dim))
   f = jax.jit(lambda p, o, k: gen_stages.act(net, p, o, k, min_std=cfg.policy.min_std))
-  t = time.perf_counter(); f.lower(ts.params, obs, jax.random.PRNGKey(1)).compile(); total += time.perf_counter() - t
+  t = time.perf_counter()
+  f.lower(ts.params, obs, jax.random.PRNGKey(1)).compile()
+  total += time.perf_counter() - t
 print(f'cores={len(os.sched_getaffinity(0))} act compile, 4 buckets: {total:.1f} s', flush=True)

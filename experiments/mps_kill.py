@@ -27,8 +27,10 @@ sys.path.insert(0, ROOT)
 
 from ebrl_jax.runtime import storage  # pylint: disable=wrong-import-position
 
-DEFAULT_FLAGS = ['--flagfile=experiments/w1_ant.flags', '--schedule=async', '--num_groups=2',
-                 '--num_timesteps=200000000', '--num_evals=200', '--noprogress_bar']
+DEFAULT_FLAGS = [
+    '--flagfile=experiments/w1_ant.flags', '--schedule=async', '--num_groups=2', '--num_timesteps=200000000',
+    '--num_evals=200', '--noprogress_bar'
+]
 
 
 def _mps_pids(pipe_dir: str) -> dict:
@@ -60,14 +62,19 @@ def _alive(pid: int) -> bool:
 
 def _gpu_pids() -> list:
   out = subprocess.run(['nvidia-smi', '--query-compute-apps=pid,used_memory', '--format=csv,noheader'],
-                       capture_output=True, text=True, timeout=30)
+                       capture_output=True,
+                       text=True,
+                       timeout=30)
   return [line.strip() for line in out.stdout.splitlines() if line.strip()]
 
 
 def _launch(flags, log_path):
   log = open(log_path, 'w')
-  return subprocess.Popen([sys.executable, '-m', 'ebrl_jax.main', *flags], cwd=ROOT, stdout=log,
-                          stderr=subprocess.STDOUT, start_new_session=True), log
+  return subprocess.Popen([sys.executable, '-m', 'ebrl_jax.main', *flags],
+                          cwd=ROOT,
+                          stdout=log,
+                          stderr=subprocess.STDOUT,
+                          start_new_session=True), log
 
 
 def _interesting(log_path, limit=20):
@@ -81,7 +88,9 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--out', required=True)
   parser.add_argument('--run_dir', default=None, help='default: a new temporary directory')
-  parser.add_argument('--after_checkpoint_s', type=float, default=3.0,
+  parser.add_argument('--after_checkpoint_s',
+                      type=float,
+                      default=3.0,
                       help='seconds of training after the first committed checkpoint before the kill')
   parser.add_argument('--start_timeout_s', type=float, default=240.0)
   parser.add_argument('--stop_timeout_s', type=float, default=120.0)
@@ -133,8 +142,8 @@ def main() -> None:
   record['workers_left'] = [p for p in workers['workers'].values() if _alive(p)]
   record['mps_processes_left'] = _mps_pids(pipe_dir)
   record['gpu_processes_after'] = _gpu_pids()
-  record['shm_segments_left'] = sorted(n for n in set(os.listdir('/dev/shm')) - shm_before
-                                       if n.startswith(f'ebrl_{workers["controller"]}_'))
+  record['shm_segments_left'] = sorted(
+      n for n in set(os.listdir('/dev/shm')) - shm_before if n.startswith(f'ebrl_{workers["controller"]}_'))
   record['messages'] = _interesting(log1)
   step = storage.latest_checkpoint_step(ckpt_dir)
   record['checkpoint_step_after'] = step
@@ -146,8 +155,8 @@ def main() -> None:
   target = (step + 2) * per_iteration
   log2 = logs + '_resumed_run.log'
   t1 = time.monotonic()
-  proc, log = _launch([*flags, '--nouse_mps', '--resume', f'--run_dir={run_dir}', f'--num_timesteps={target}',
-                       '--num_evals=1'], log2)
+  proc, log = _launch(
+      [*flags, '--nouse_mps', '--resume', f'--run_dir={run_dir}', f'--num_timesteps={target}', '--num_evals=1'], log2)
   try:
     record['resume_exit_code'] = proc.wait(timeout=args.start_timeout_s)
   except subprocess.TimeoutExpired:
@@ -163,11 +172,10 @@ def main() -> None:
     record['resume_summary'] = f'no summary: {e}'
   record['resume_target_env_steps'] = target
   record['resume_messages'] = _interesting(log2, 8)
-  record['ok'] = (record['exit_code'] not in (0, None) and not record['workers_left']
-                  and not record['mps_processes_left'] and not record['shm_segments_left']
-                  and record['resume_exit_code'] == 0
-                  and isinstance(record['resume_summary'], dict)
-                  and record['resume_summary'].get('env_steps') == target)
+  record['ok'] = (record['exit_code'] not in (0, None) and not record['workers_left'] and
+                  not record['mps_processes_left'] and not record['shm_segments_left'] and
+                  record['resume_exit_code'] == 0 and isinstance(record['resume_summary'], dict) and
+                  record['resume_summary'].get('env_steps') == target)
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out, 'w') as f:
     json.dump(record, f, indent=1)

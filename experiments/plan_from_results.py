@@ -26,8 +26,9 @@ def _median_span_ms(trace_path: str, process: str, stage: str) -> float:
   with open(trace_path) as f:
     events = json.load(f)['traceEvents']
   names = {e['pid']: e['args']['name'] for e in events if e.get('ph') == 'M' and e.get('name') == 'process_name'}
-  durations = [e['dur'] / 1e3 for e in events
-               if e.get('ph') == 'X' and e['name'] == stage and names.get(e['pid']) == process]
+  durations = [
+      e['dur'] / 1e3 for e in events if e.get('ph') == 'X' and e['name'] == stage and names.get(e['pid']) == process
+  ]
   if not durations:
     raise ValueError(f'{trace_path}: no {stage!r} spans of process {process!r}')
   return statistics.median(durations)
@@ -52,15 +53,30 @@ def main() -> None:
   store.profile('sim').add_sample(group_envs, 33, step * t_sim / (t_sim + t_gen))
   store.profile('generation').add_sample(group_envs, 33, step * t_gen / (t_sim + t_gen))
   store.profile('train').add_sample(prof['steps_per_iteration'], 34, train_s)
-  space = planner.PlanSpace(num_envs=2048, steps_per_iteration=steps_per_iteration, num_groups=(1, 2, 4),
+  space = planner.PlanSpace(num_envs=2048,
+                            steps_per_iteration=steps_per_iteration,
+                            num_groups=(1, 2, 4),
                             quotas=tuple(range(10, 101, 5)))
-  out = {'inputs': {'stage_profile': 'w2_stage_profile.json', 'quota_points': os.path.basename(trace),
-                    'collect_s_at_33pct': collect_s, 'train_s_at_34pct': train_s},
-         'profiles': {name: store[name].describe() for name in store}, 'plans': {}}
+  out = {
+      'inputs': {
+          'stage_profile': 'w2_stage_profile.json',
+          'quota_points': os.path.basename(trace),
+          'collect_s_at_33pct': collect_s,
+          'train_s_at_34pct': train_s
+      },
+      'profiles': {
+          name: store[name].describe() for name in store
+      },
+      'plans': {}
+  }
   for schedule in ('async', 'sync'):
     best = planner.plan(store, space, schedule)
-    out['plans'][schedule] = {'num_groups': best.num_groups, 'quotas': best.quotas,
-                              'predicted_env_steps_per_s': best.env_steps_per_s, 'reason': best.reason}
+    out['plans'][schedule] = {
+        'num_groups': best.num_groups,
+        'quotas': best.quotas,
+        'predicted_env_steps_per_s': best.env_steps_per_s,
+        'reason': best.reason
+    }
     print(f'{schedule}: {best.reason}')
   with open(args.out, 'w') as f:
     json.dump(out, f, indent=2)

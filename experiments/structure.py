@@ -30,12 +30,23 @@ MAX_WORKER_MAIN_LINES = 120
 #   2 services: runtime, transport, resources.         3 roles: the workers and drivers of one package each.
 #   4 controller.                                       5 entry: main.
 LAYERS = (
-    ('ebrl_jax', 0), ('ebrl_jax.config', 0), ('ebrl_jax.config_checks', 0), ('ebrl_jax.config_resources', 0),
+    ('ebrl_jax', 0),
+    ('ebrl_jax.config', 0),
+    ('ebrl_jax.config_checks', 0),
+    ('ebrl_jax.config_resources', 0),
     ('ebrl_jax.types', 0),
-    ('ebrl_jax.generation.worker', 3), ('ebrl_jax.rollout.groups', 3), ('ebrl_jax.rollout.worker', 3),
-    ('ebrl_jax.trainer.driver', 3), ('ebrl_jax.trainer.worker', 3),
-    ('ebrl_jax.sim.*', 1), ('ebrl_jax.generation.*', 1), ('ebrl_jax.rollout.*', 1), ('ebrl_jax.trainer.*', 1),
-    ('ebrl_jax.runtime.*', 2), ('ebrl_jax.transport.*', 2), ('ebrl_jax.resources.*', 2),
+    ('ebrl_jax.generation.worker', 3),
+    ('ebrl_jax.rollout.groups', 3),
+    ('ebrl_jax.rollout.worker', 3),
+    ('ebrl_jax.trainer.driver', 3),
+    ('ebrl_jax.trainer.worker', 3),
+    ('ebrl_jax.sim.*', 1),
+    ('ebrl_jax.generation.*', 1),
+    ('ebrl_jax.rollout.*', 1),
+    ('ebrl_jax.trainer.*', 1),
+    ('ebrl_jax.runtime.*', 2),
+    ('ebrl_jax.transport.*', 2),
+    ('ebrl_jax.resources.*', 2),
     ('ebrl_jax.controller.*', 4),
     ('ebrl_jax.main', 5),
 )
@@ -51,9 +62,10 @@ ENTRY = 'ebrl_jax.main'
 
 # Third-party (and stdlib) roots a stage module may import: brax and mujoco only in sim; orbax only in the trainer.
 STAGE_COMMON = frozenset({
-    'jax', 'flax', 'optax', 'chex', 'numpy', 'typing', 'functools', 'dataclasses', '__future__', 'math',
-    'collections', 'os', 'concurrent', 'threading', 'enum', 'abc', 'itertools', 'time', 'json', 'shutil',
-    'contextlib', 'logging', 'etils', 'importlib', 'pathlib', 'warnings'})
+    'jax', 'flax', 'optax', 'chex', 'numpy', 'typing', 'functools', 'dataclasses', '__future__', 'math', 'collections',
+    'os', 'concurrent', 'threading', 'enum', 'abc', 'itertools', 'time', 'json', 'shutil', 'contextlib', 'logging',
+    'etils', 'importlib', 'pathlib', 'warnings'
+})
 STAGE_EXTRA = {'sim': {'brax', 'mujoco'}, 'generation': set(), 'trainer': {'orbax'}, 'rollout': set()}
 
 # A reason after `lazy:` in a comment, e.g. `# lazy: mujoco is heavy and only the cpu path needs it`.
@@ -83,8 +95,8 @@ def _comments(source):
 
 
 def _is_type_checking(test):
-  return (isinstance(test, ast.Name) and test.id == 'TYPE_CHECKING') or (
-      isinstance(test, ast.Attribute) and test.attr == 'TYPE_CHECKING')
+  return (isinstance(test, ast.Name) and test.id == 'TYPE_CHECKING') or (isinstance(test, ast.Attribute) and
+                                                                         test.attr == 'TYPE_CHECKING')
 
 
 def _scan(body, scope, function, found):
@@ -148,8 +160,8 @@ def parse_module(module, modules, package=PACKAGE):
   edges, external = [], []
   for node, function in found['imports']:
     span = range(node.lineno, node.end_lineno + 1)
-    lazy = any(_LAZY_REASON.search(comments.get(n, '')) for n in span) or (
-        node.lineno - 1 in alone and bool(_LAZY_REASON.search(comments[node.lineno - 1])))
+    lazy = any(_LAZY_REASON.search(comments.get(n, '')) for n in span) or (node.lineno - 1 in alone and bool(
+        _LAZY_REASON.search(comments[node.lineno - 1])))
     seen = set()
     for written, target in _targets(node, module, modules):
       if target is None:
@@ -161,8 +173,7 @@ def parse_module(module, modules, package=PACKAGE):
         seen.add(target)
         edges.append({'src': module, 'dst': target, 'line': node.lineno, 'function': function, 'lazy': lazy})
   functions = [{'module': module, 'name': n, 'line': line, 'lines': length} for n, line, length in found['functions']]
-  return {'path': path, 'lines': len(source.splitlines()), 'edges': edges, 'external': external,
-          'functions': functions}
+  return {'path': path, 'lines': len(source.splitlines()), 'edges': edges, 'external': external, 'functions': functions}
 
 
 def layer_of(module):
@@ -282,15 +293,27 @@ def analyze(root, package=PACKAGE):
   mains = [f for f in functions if f['name'].rsplit('.', 1)[-1].endswith('_main')]
   rel = lambda m: os.path.relpath(modules[m], root)
   return {
-      'modules': {m: {'path': rel(m), 'lines': infos[m]['lines'], 'layer': layer_of(m)} for m in sorted(infos)},
+      'modules': {
+          m: {
+              'path': rel(m),
+              'lines': infos[m]['lines'],
+              'layer': layer_of(m)
+          } for m in sorted(infos)
+      },
       'edges': edges,
-      'cycles': [{'modules': scc, 'example': example_cycle(scc, edges), 'inside': _inside(scc, edges)}
-                 for scc in find_cycles(edges)],
+      'cycles': [{
+          'modules': scc,
+          'example': example_cycle(scc, edges),
+          'inside': _inside(scc, edges)
+      } for scc in find_cycles(edges)],
       'unplaced': sorted(m for m in infos if layer_of(m) is None),
       'layering': [dict(e, why=why) for e in edges if (why := layering_error(e['src'], e['dst']))],
       'unexplained_lazy': [e for e in edges if e['function'] and not e['lazy']],
-      'long_files': [{'module': m, 'path': rel(m), 'lines': infos[m]['lines']} for m in sorted(infos)
-                     if infos[m]['lines'] > MAX_FILE_LINES],
+      'long_files': [{
+          'module': m,
+          'path': rel(m),
+          'lines': infos[m]['lines']
+      } for m in sorted(infos) if infos[m]['lines'] > MAX_FILE_LINES],
       'long_functions': [f for f in functions if f not in mains and f['lines'] > MAX_FUNCTION_LINES],
       'worker_mains': mains,
       'long_worker_mains': [f for f in mains if f['lines'] > MAX_WORKER_MAIN_LINES],
@@ -299,10 +322,10 @@ def analyze(root, package=PACKAGE):
 
 
 # The findings that fail the check, as (key in analyze's result, label).
-FATAL = (('cycles', 'import cycles'), ('layering', 'imports against the layering'),
-         ('unplaced', 'modules in no layer'), ('unexplained_lazy', 'function-level imports with no `# lazy:` reason'),
-         ('long_files', f'files over {MAX_FILE_LINES} lines'),
-         ('long_worker_mains', f'worker mains over {MAX_WORKER_MAIN_LINES} lines'),
+FATAL = (('cycles', 'import cycles'), ('layering', 'imports against the layering'), ('unplaced', 'modules in no layer'),
+         ('unexplained_lazy', 'function-level imports with no `# lazy:` reason'),
+         ('long_files', f'files over {MAX_FILE_LINES} lines'), ('long_worker_mains',
+                                                                f'worker mains over {MAX_WORKER_MAIN_LINES} lines'),
          ('stage_external', 'stage imports of disallowed third-party roots'))
 
 
@@ -320,10 +343,14 @@ def _counts(result):
   edges = result['edges']
   lazy = sum(1 for e in edges if e['function'])
   cycle_modules = sum(len(c['modules']) for c in result['cycles'])
-  lines = [f'{PACKAGE}: {len(result["modules"])} modules, {sum(m["lines"] for m in result["modules"].values())} '
-           f'lines, {len(edges)} import edges ({len(edges) - lazy} module-level, {lazy} function-level)']
-  lines += [f'  {label}: {len(result[key])}' + (f' ({cycle_modules} modules)' if key == 'cycles' else '')
-            for key, label in FATAL]
+  lines = [
+      f'{PACKAGE}: {len(result["modules"])} modules, {sum(m["lines"] for m in result["modules"].values())} '
+      f'lines, {len(edges)} import edges ({len(edges) - lazy} module-level, {lazy} function-level)'
+  ]
+  lines += [
+      f'  {label}: {len(result[key])}' + (f' ({cycle_modules} modules)' if key == 'cycles' else '')
+      for key, label in FATAL
+  ]
   lines.append(f'  functions over {MAX_FUNCTION_LINES} lines (reported, not fatal): {len(result["long_functions"])}')
   lines.append(f'  worker mains: {len(result["worker_mains"])}')
   bad = failures(result)
@@ -349,7 +376,8 @@ def details(result, key):
       'long_files': lambda f: f'{f["path"]}: {f["lines"]} lines',
       'long_worker_mains': lambda f: f'{path(f)} {f["name"]}: {f["lines"]} lines',
       'stage_external': lambda x: f'{path(x)}: {x["name"]}',
-      'long_functions': listed, 'worker_mains': listed,
+      'long_functions': listed,
+      'worker_mains': listed,
   }
   labels = dict(FATAL, long_functions=f'functions over {MAX_FUNCTION_LINES} lines', worker_mains='worker mains')
   if not result[key]:
@@ -374,7 +402,8 @@ def main(argv=None):
   """Prints the report for the package next to this script (or --root); 1 where a fatal finding is present."""
   parser = argparse.ArgumentParser(description=__doc__.split('\n\n', 1)[0])
   parser.add_argument('--json', help='also write every figure to this JSON file')
-  parser.add_argument('--root', default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+  parser.add_argument('--root',
+                      default=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                       help='the repository root holding the package (default: this checkout)')
   args = parser.parse_args(argv)
   result = analyze(args.root)

@@ -31,64 +31,123 @@ TIERS = ('unit', 'contract', 'e2e')
 
 FILE_TIERS = {
     # generation, trainer, sim: the stages
-    'test_distribution.py': 'unit', 'test_generation_stages.py': 'unit', 'test_normalization.py': 'unit',
-    'test_policies.py': 'unit', 'test_token_policy.py': 'unit', 'test_vision.py': 'unit',
-    'test_losses.py': 'unit', 'test_trainer_stages.py': 'unit',
-    'test_registry.py': 'unit', 'test_cpu_env.py': 'unit',
+    'test_distribution.py': 'unit',
+    'test_generation_stages.py': 'unit',
+    'test_normalization.py': 'unit',
+    'test_policies.py': 'unit',
+    'test_token_policy.py': 'unit',
+    'test_vision.py': 'unit',
+    'test_losses.py': 'unit',
+    'test_trainer_stages.py': 'unit',
+    'test_registry.py': 'unit',
+    'test_cpu_env.py': 'unit',
     'test_mjx_stages.py': 'contract',  # the MJX env stages' reset / time-limit / auto-reset promises; compiles MJX
     'test_agreement.py': 'contract',  # both backends agree to 5e-4; compiles MJX
     'test_agreement_push_cube.py': 'contract',  # the same for push_cube
-    'test_push_cube.py': 'unit', 'test_render.py': 'unit',
+    'test_push_cube.py': 'unit',
+    'test_render.py': 'unit',
     'test_checkpoint.py': 'contract',
-    'test_driver_startup.py': 'contract', 'test_startup_accounting.py': 'contract',
+    'test_driver_startup.py': 'contract',
+    'test_startup_accounting.py': 'contract',
     # resources: plans and profiles by hand
-    'test_profiles.py': 'unit', 'test_planner.py': 'unit', 'test_memory.py': 'unit', 'test_autoplan.py': 'unit',
-    'test_mps_and_cpus.py': 'contract', 'test_telemetry.py': 'contract',
+    'test_profiles.py': 'unit',
+    'test_planner.py': 'unit',
+    'test_memory.py': 'unit',
+    'test_autoplan.py': 'unit',
+    'test_mps_and_cpus.py': 'contract',
+    'test_telemetry.py': 'contract',
     # transport and the runtime's error paths
-    'test_contract.py': 'contract', 'test_shm_processes.py': 'contract', 'test_metrics_disk_full.py': 'contract',
+    'test_contract.py': 'contract',
+    'test_shm_processes.py': 'contract',
+    'test_metrics_disk_full.py': 'contract',
     # the whole system
-    'test_fused_e2e.py': 'e2e', 'test_pipeline.py': 'e2e', 'test_replan.py': 'e2e', 'test_env_slices.py': 'e2e',
-    'test_bench.py': 'e2e', 'test_disk_full.py': 'e2e', 'test_mps_kill_probe.py': 'e2e', 'test_notebooks.py': 'e2e',
+    'test_fused_e2e.py': 'e2e',
+    'test_pipeline.py': 'e2e',
+    'test_replan.py': 'e2e',
+    'test_env_slices.py': 'e2e',
+    'test_bench.py': 'e2e',
+    'test_disk_full.py': 'e2e',
+    'test_mps_kill_probe.py': 'e2e',
+    'test_notebooks.py': 'e2e',
     # rules of the repository
-    'test_config.py': 'contract', 'test_main_flags.py': 'contract', 'test_layering.py': 'contract',
-    'test_readme.py': 'contract', 'test_structure_tool.py': 'unit',
+    'test_config.py': 'contract',
+    'test_main_flags.py': 'contract',
+    'test_layering.py': 'contract',
+    'test_readme.py': 'contract',
+    'test_structure_tool.py': 'unit',
 }
-DIR_TIERS = {'generation': 'unit', 'trainer': 'unit', 'sim': 'unit', 'resources': 'unit', 'transport': 'contract',
-             'runtime': 'contract', 'controller': 'e2e', 'rollout': 'e2e'}
+DIR_TIERS = {
+    'generation': 'unit',
+    'trainer': 'unit',
+    'sim': 'unit',
+    'resources': 'unit',
+    'transport': 'contract',
+    'runtime': 'contract',
+    'controller': 'e2e',
+    'rollout': 'e2e'
+}
 DEFAULT_TIER = 'e2e'  # an unknown file is assumed expensive, so it stays out of the fast tier
 
 # Tests whose tier differs from their file's: (file basename, test function name) -> tier.
 TEST_TIERS = {
-    ('test_registry.py', 'test_task_matches_brax_mjx_env'): 'contract',  # builds Brax's MJX env of every task
-    ('test_memory.py', 'test_mjx_footprint_traces_envs_in_a_child_and_starts_no_accelerator_client'): 'contract',
-    ('test_autoplan.py', 'test_cpu_run_calibrates_once_then_starts_from_the_saved_profiles'): 'e2e',
-    ('test_mps_and_cpus.py', 'test_core_plan_by_hand'): 'unit',
-    ('test_replan.py', 'test_replanner_changes_the_rollout_quota_when_it_pays'): 'unit',
-    ('test_replan.py', 'test_replanner_keeps_the_quota_within_hysteresis'): 'unit',
-    ('test_replan.py', 'test_flag_errors_name_the_flag'): 'contract',
-    ('test_replan.py', 'test_a_swap_cut_short_by_the_runs_end_is_recorded_as_pending'): 'contract',
-    ('test_replan.py', 'test_a_standby_that_dies_before_it_is_ready_keeps_the_old_worker'): 'contract',
-    ('test_replan.py', 'test_feedback_slots_give_stage_seconds_and_the_recent_period'): 'contract',
-    ('test_env_slices.py', 'test_buckets_are_the_slice_size_times_powers_of_two_up_to_all_envs'): 'unit',
-    ('test_env_slices.py', 'test_sliced_collector_writes_the_unsliced_layout_with_per_slice_versions'): 'unit',
-    ('test_env_slices.py',
-     'test_server_batches_ready_slices_of_any_group_pads_to_a_bucket_and_replies_to_each_slice'): 'contract',
-    ('test_env_slices.py', 'test_reply_to_a_dead_slice_is_dropped_and_its_restarted_worker_gets_its_own'): 'contract',
-    ('test_pipeline.py', 'test_phase_reports_write_on_change_stop_after_done_and_never_raise'): 'contract',
-    ('test_bench.py', 'test_overlap_bounds_by_hand'): 'unit',
-    ('test_bench.py', 'test_steady_pace_is_taken_between_the_second_and_the_last_evaluation'): 'unit',
-    ('test_bench.py', 'test_end_to_end_is_not_averaged_across_its_two_definitions'): 'unit',
-    ('test_bench.py', 'test_steady_sm_activity_over_the_steady_window'): 'unit',
-    ('test_bench.py', 'test_report_table_marks_seed_counts_and_the_older_definition'): 'unit',
-    ('test_bench.py', 'test_schedule_labels_and_only_flags_are_checked'): 'contract',
-    ('test_bench.py', 'test_brax_refuses_what_its_trainer_cannot_run'): 'contract',
-    ('test_bench.py', 'test_report_names_the_file_and_field_of_a_bad_result'): 'contract',
-    ('test_bench.py', 'test_report_plots_sm_activity_and_a_stage_timeline'): 'contract',
-    ('test_bench.py', 'test_planner_prediction_from_the_kept_w2_results'): 'contract',
-    ('test_disk_full.py', 'test_disk_full_is_recognised_from_the_os_error_and_through_wrappers'): 'contract',
-    ('test_disk_full.py', 'test_resume_advice_names_the_newest_committed_checkpoint'): 'contract',
-    ('test_notebooks.py', 'test_notebooks_are_found_and_probed'): 'contract',
-    ('test_notebooks.py', 'test_notebook_is_stored_clean'): 'contract',
+    ('test_registry.py', 'test_task_matches_brax_mjx_env'):
+        'contract',  # builds Brax's MJX env of every task
+    ('test_memory.py', 'test_mjx_footprint_traces_envs_in_a_child_and_starts_no_accelerator_client'):
+        'contract',
+    ('test_autoplan.py', 'test_cpu_run_calibrates_once_then_starts_from_the_saved_profiles'):
+        'e2e',
+    ('test_mps_and_cpus.py', 'test_core_plan_by_hand'):
+        'unit',
+    ('test_replan.py', 'test_replanner_changes_the_rollout_quota_when_it_pays'):
+        'unit',
+    ('test_replan.py', 'test_replanner_keeps_the_quota_within_hysteresis'):
+        'unit',
+    ('test_replan.py', 'test_flag_errors_name_the_flag'):
+        'contract',
+    ('test_replan.py', 'test_a_swap_cut_short_by_the_runs_end_is_recorded_as_pending'):
+        'contract',
+    ('test_replan.py', 'test_a_standby_that_dies_before_it_is_ready_keeps_the_old_worker'):
+        'contract',
+    ('test_replan.py', 'test_feedback_slots_give_stage_seconds_and_the_recent_period'):
+        'contract',
+    ('test_env_slices.py', 'test_buckets_are_the_slice_size_times_powers_of_two_up_to_all_envs'):
+        'unit',
+    ('test_env_slices.py', 'test_sliced_collector_writes_the_unsliced_layout_with_per_slice_versions'):
+        'unit',
+    ('test_env_slices.py', 'test_server_batches_ready_slices_of_any_group_pads_to_a_bucket_and_replies_to_each_slice'):
+        'contract',
+    ('test_env_slices.py', 'test_reply_to_a_dead_slice_is_dropped_and_its_restarted_worker_gets_its_own'):
+        'contract',
+    ('test_pipeline.py', 'test_phase_reports_write_on_change_stop_after_done_and_never_raise'):
+        'contract',
+    ('test_bench.py', 'test_overlap_bounds_by_hand'):
+        'unit',
+    ('test_bench.py', 'test_steady_pace_is_taken_between_the_second_and_the_last_evaluation'):
+        'unit',
+    ('test_bench.py', 'test_end_to_end_is_not_averaged_across_its_two_definitions'):
+        'unit',
+    ('test_bench.py', 'test_steady_sm_activity_over_the_steady_window'):
+        'unit',
+    ('test_bench.py', 'test_report_table_marks_seed_counts_and_the_older_definition'):
+        'unit',
+    ('test_bench.py', 'test_schedule_labels_and_only_flags_are_checked'):
+        'contract',
+    ('test_bench.py', 'test_brax_refuses_what_its_trainer_cannot_run'):
+        'contract',
+    ('test_bench.py', 'test_report_names_the_file_and_field_of_a_bad_result'):
+        'contract',
+    ('test_bench.py', 'test_report_plots_sm_activity_and_a_stage_timeline'):
+        'contract',
+    ('test_bench.py', 'test_planner_prediction_from_the_kept_w2_results'):
+        'contract',
+    ('test_disk_full.py', 'test_disk_full_is_recognised_from_the_os_error_and_through_wrappers'):
+        'contract',
+    ('test_disk_full.py', 'test_resume_advice_names_the_newest_committed_checkpoint'):
+        'contract',
+    ('test_notebooks.py', 'test_notebooks_are_found_and_probed'):
+        'contract',
+    ('test_notebooks.py', 'test_notebook_is_stored_clean'):
+        'contract',
 }
 # In a unit file, a test of an error message (a refusal that names what is wrong) is a contract test.
 CONTRACT_NAME = re.compile(r'error|refuse|reject|invalid|unknown|_names?_|naming')

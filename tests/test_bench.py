@@ -14,8 +14,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope='module')
 def quick_result(tmp_path_factory):
   out = tmp_path_factory.mktemp('bench') / 'quick.json'
-  proc = subprocess.run([sys.executable, '-m', 'experiments.bench.run', '--quick', '--schedules=fused,async',
-                         '--seeds=0,1', f'--out={out}'], cwd=ROOT, capture_output=True, text=True, timeout=600,
+  proc = subprocess.run([
+      sys.executable, '-m', 'experiments.bench.run', '--quick', '--schedules=fused,async', '--seeds=0,1', f'--out={out}'
+  ],
+                        cwd=ROOT,
+                        capture_output=True,
+                        text=True,
+                        timeout=600,
                         env=dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT))
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   return out, json.load(open(out))
@@ -44,7 +49,7 @@ def test_quick_bench_reports_every_figure(quick_result):
     assert f['seeds_finished'] == 2
     per_seed = [r['summary']['env_steps_per_s'] for r in result['runs'][schedule]]
     assert f['env_steps_per_s'] == pytest.approx(sum(per_seed) / 2)
-    sd = (sum((x - f['env_steps_per_s']) ** 2 for x in per_seed)) ** 0.5  # sample sd of two values
+    sd = (sum((x - f['env_steps_per_s'])**2 for x in per_seed))**0.5  # sample sd of two values
     assert f['env_steps_per_s_sd'] == pytest.approx(sd) and f['env_steps_per_s_seeds'] == 2
     assert not f['env_steps_per_s_counts_first_iteration']
     assert f['quota_changes'] == 0 and f['quota_change_env_steps_lost'] is None
@@ -69,14 +74,19 @@ def test_quick_bench_reports_every_figure(quick_result):
       sum(r['summary']['extra']['rollout']['env_steps_per_s'] for r in result['runs']['async']) / 2)
   ratios = result['ratios_vs_fused']
   assert ratios['fused']['env_steps_per_s'] == pytest.approx(1.0)
-  assert ratios['async']['env_steps_per_s'] == pytest.approx(
-      figures['async']['env_steps_per_s'] / figures['fused']['env_steps_per_s'])
+  assert ratios['async']['env_steps_per_s'] == pytest.approx(figures['async']['env_steps_per_s'] /
+                                                             figures['fused']['env_steps_per_s'])
 
 
 def test_report_reads_the_quick_result(quick_result):
   path, _ = quick_result
-  proc = subprocess.run([sys.executable, '-m', 'experiments.bench.report', str(path)], cwd=ROOT,
-                        capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+  proc = subprocess.run(
+      [sys.executable, '-m', 'experiments.bench.report', str(path)],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=120,
+      env=dict(os.environ, PYTHONPATH=ROOT))
   assert proc.returncode == 0, proc.stderr
   assert '| quick.json | fused | 2 |' in proc.stdout and '| quick.json | async | 2 |' in proc.stdout
   assert os.path.getsize(os.path.splitext(str(path))[0] + '.png') > 10_000
@@ -95,8 +105,13 @@ def test_report_reads_the_quick_result(quick_result):
 def test_report_names_the_file_and_field_of_a_bad_result(tmp_path, content, message):
   path = tmp_path / 'bad.json'
   path.write_text(content)
-  proc = subprocess.run([sys.executable, '-m', 'experiments.bench.report', str(path)], cwd=ROOT,
-                        capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+  proc = subprocess.run(
+      [sys.executable, '-m', 'experiments.bench.report', str(path)],
+      cwd=ROOT,
+      capture_output=True,
+      text=True,
+      timeout=120,
+      env=dict(os.environ, PYTHONPATH=ROOT))
   assert proc.returncode == 2
   assert str(path) in proc.stderr and message in proc.stderr, proc.stderr
 
@@ -105,9 +120,14 @@ def test_labels_brax_and_stage_profile_in_one_quick_invocation(tmp_path):
   """A relabelled schedule with its own flag, Brax's PPO as a schedule, and the isolated stage profile whose
   ceiling gives each label's overlap efficiency."""
   out = tmp_path / 'labels.json'
-  proc = subprocess.run([sys.executable, '-m', 'experiments.bench.run', '--quick', '--schedules=sync,a2=async,brax',
-                         '--only=a2:--max_staleness=2', '--only=brax:--backend=mjx', '--seeds=0', '--stage_profile',
-                         f'--out={out}'], cwd=ROOT, capture_output=True, text=True, timeout=900,
+  proc = subprocess.run([
+      sys.executable, '-m', 'experiments.bench.run', '--quick', '--schedules=sync,a2=async,brax',
+      '--only=a2:--max_staleness=2', '--only=brax:--backend=mjx', '--seeds=0', '--stage_profile', f'--out={out}'
+  ],
+                        cwd=ROOT,
+                        capture_output=True,
+                        text=True,
+                        timeout=900,
                         env=dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT))
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   result = json.load(open(out))
@@ -131,15 +151,29 @@ def test_labels_brax_and_stage_profile_in_one_quick_invocation(tmp_path):
     assert o['envs_per_call'] == 16
     assert o['ceiling_steps_per_s'] == pytest.approx(bench_run.stage_bounds(profile)['ceiling_steps_per_s'])
     assert o['ceiling_steps_per_s'] >= profile['groups']['16']['overlap_ceiling_steps_per_s']
-    assert o['overlap_efficiency'] == pytest.approx(
-        result['figures'][label]['env_steps_per_s'] / o['ceiling_steps_per_s'])
+    assert o['overlap_efficiency'] == pytest.approx(result['figures'][label]['env_steps_per_s'] /
+                                                    o['ceiling_steps_per_s'])
 
 
 def _profile(backend, sim_us, threads):
   """A stage profile by hand: per size, sim µs per env step and its threads; generation 2 µs, training 10 µs."""
-  return {'backend': backend, 'train': {'per_env_step_s': 10e-6},
-          'groups': {str(e): {'sim': {'per_env_step_s': sim_us[e] * 1e-6}, 'generation': {'per_env_step_s': 2e-6},
-                              'sim_threads': threads[e]} for e in sim_us}}
+  return {
+      'backend': backend,
+      'train': {
+          'per_env_step_s': 10e-6
+      },
+      'groups': {
+          str(e): {
+              'sim': {
+                  'per_env_step_s': sim_us[e] * 1e-6
+              },
+              'generation': {
+                  'per_env_step_s': 2e-6
+              },
+              'sim_threads': threads[e]
+          } for e in sim_us
+      }
+  }
 
 
 def test_overlap_bounds_by_hand():
@@ -151,16 +185,38 @@ def test_overlap_bounds_by_hand():
   assert cpu['sim_groups'] == 4 and cpu['sim_per_env_step_s'] == pytest.approx(9e-6)
   assert cpu['ceiling_steps_per_s'] == pytest.approx(1e5)
   assert cpu['sequential_floor_steps_per_s'] == pytest.approx(1 / 21e-6)
-  for profile in (_profile('mjx', {128: 36, 512: 21}, {128: None, 512: None}),
-                  _profile('mujoco_cpu', {128: 36, 512: 21}, {128: 6, 512: 12})):  # 4 x 6 threads > 12
+  for profile in (_profile('mjx', {
+      128: 36,
+      512: 21
+  }, {
+      128: None,
+      512: None
+  }), _profile('mujoco_cpu', {
+      128: 36,
+      512: 21
+  }, {
+      128: 6,
+      512: 12
+  })):  # 4 x 6 threads > 12
     b = bench_run.stage_bounds(profile)
     assert b['sim_groups'] == 1 and b['ceiling_steps_per_s'] == pytest.approx(1 / 21e-6)
     assert b['sequential_floor_steps_per_s'] == pytest.approx(1 / 33e-6)
   slow_groups = bench_run.stage_bounds(_profile('mujoco_cpu', {128: 100, 512: 21}, {128: 3, 512: 12}))
   assert slow_groups['sim_groups'] == 1  # 100 / 4 = 25 µs: the one call is faster
-  effs = bench_run.overlap_efficiency({'async': {'env_steps_per_s': 5e4}, 'sync': {'env_steps_per_s': None}},
-                                      [('async', 'async', ()), ('sync', 'sync', ())],
-                                      _profile('mujoco_cpu', {128: 36, 512: 21}, {128: 3, 512: 12}))
+  effs = bench_run.overlap_efficiency({
+      'async': {
+          'env_steps_per_s': 5e4
+      },
+      'sync': {
+          'env_steps_per_s': None
+      }
+  }, [('async', 'async', ()), ('sync', 'sync', ())], _profile('mujoco_cpu', {
+      128: 36,
+      512: 21
+  }, {
+      128: 3,
+      512: 12
+  }))
   assert effs['async']['overlap_efficiency'] == pytest.approx(0.5)
   assert effs['async']['vs_sequential_floor'] == pytest.approx(5e4 * 21e-6)
   assert effs['sync']['overlap_efficiency'] is None
@@ -179,8 +235,8 @@ def test_a_newer_stage_profile_replaces_a_results_and_its_overlap(quick_result, 
   assert out['stage_profile']['taken_from'] == 'bare.json'
   label = next(iter(result['labels']))
   assert out['overlap'][label]['ceiling_steps_per_s'] == pytest.approx(1 / 50e-6)
-  assert out['overlap'][label]['overlap_efficiency'] == pytest.approx(
-      result['figures'][label]['env_steps_per_s'] * 50e-6)
+  assert out['overlap'][label]['overlap_efficiency'] == pytest.approx(result['figures'][label]['env_steps_per_s'] *
+                                                                      50e-6)
   other = _profile('mujoco_cpu', {e * 2: 50.0 for e in sizes}, {e * 2: 1 for e in sizes})
   (tmp_path / 'other.json').write_text(json.dumps(other))
   with pytest.raises(ValueError, match='other.json profiles env batches of 16, 32, the result.s runs use 8, 16'):
@@ -192,8 +248,8 @@ def test_a_newer_stage_profile_replaces_a_results_and_its_overlap(quick_result, 
 
 def test_schedule_labels_and_only_flags_are_checked():
   from experiments.bench import run as bench_run
-  assert bench_run.parse_schedules(['fused', 'q=async'], ['q:--use_mps']) == [
-      ('fused', 'fused', ()), ('q', 'async', ('--use_mps',))]
+  assert bench_run.parse_schedules(['fused', 'q=async'], ['q:--use_mps']) == [('fused', 'fused', ()),
+                                                                              ('q', 'async', ('--use_mps',))]
   with pytest.raises(ValueError, match="schedule 'nope' is not one of"):
     bench_run.parse_schedules(['x=nope'], [])
   with pytest.raises(ValueError, match='used twice'):
@@ -264,8 +320,13 @@ def test_a_rerun_replaces_its_failed_attempt_when_merged(quick_result, tmp_path)
   merged = bench_run.merge([str(tmp_path / 'first.json'), str(tmp_path / 'rerun.json')])
   assert merged['runs'][label] == result['runs'][label]  # the rerun in the failed attempt's place
   assert merged['figures'][label]['seeds_finished'] == len(result['seeds'])
-  assert merged['replaced'] == [{'label': label, 'seed': seed, 'by_file': 'rerun.json', 'returncode': -15,
-                                 'why': '[bench] stopped after --timeout_s=285'}]
+  assert merged['replaced'] == [{
+      'label': label,
+      'seed': seed,
+      'by_file': 'rerun.json',
+      'returncode': -15,
+      'why': '[bench] stopped after --timeout_s=285'
+  }]
   (tmp_path / 'merged.json').write_text(json.dumps(merged))
   failed_again = dict(rerun, runs={label: [cut]})
   (tmp_path / 'again.json').write_text(json.dumps(failed_again))
@@ -278,53 +339,140 @@ def test_a_rerun_replaces_its_failed_attempt_when_merged(quick_result, tmp_path)
 
 def test_report_plots_sm_activity_and_a_stage_timeline(tmp_path):
   """The telemetry and trace plots from small synthetic files; a trace without spans is refused by name."""
-  result = {'runs': {'async': [{'gpu': '0', 'start_unix': 100.0, 'end_unix': 103.0, 'gpm': {'sm_activity_pct': 40.0},
-                                'summary': {'env_steps': 10, 'env_steps_per_s': 5.0,
-                                            'eval_curve': [{'env_steps': 0, 'wall_s': 1.0, 'return': 1.0}]}},
-                               # a run stopped by its time limit: on the timeline, not in the means
-                               {'gpu': '0', 'start_unix': 103.0, 'end_unix': 104.0, 'gpm': {'sm_activity_pct': 90.0},
-                                'error_tail': '[bench] stopped after --timeout_s=1'}]}}
+  result = {
+      'runs': {
+          'async': [
+              {
+                  'gpu': '0',
+                  'start_unix': 100.0,
+                  'end_unix': 103.0,
+                  'gpm': {
+                      'sm_activity_pct': 40.0
+                  },
+                  'summary': {
+                      'env_steps': 10,
+                      'env_steps_per_s': 5.0,
+                      'eval_curve': [{
+                          'env_steps': 0,
+                          'wall_s': 1.0,
+                          'return': 1.0
+                      }]
+                  }
+              },
+              # a run stopped by its time limit: on the timeline, not in the means
+              {
+                  'gpu': '0',
+                  'start_unix': 103.0,
+                  'end_unix': 104.0,
+                  'gpm': {
+                      'sm_activity_pct': 90.0
+                  },
+                  'error_tail': '[bench] stopped after --timeout_s=1'
+              }
+          ]
+      }
+  }
   (tmp_path / 'r.json').write_text(json.dumps(result))
   tel = tmp_path / 'telemetry_gpu0.jsonl'
-  tel.write_text(''.join(json.dumps({'t': 99.0 + 0.1 * i, 'sm_activity_pct': i % 50, 'sm_occupancy_pct': 5})
-                         + '\n' for i in range(60)))
-  trace = {'traceEvents': [{'name': 'process_name', 'ph': 'M', 'pid': 1, 'args': {'name': 'trainer'}},
-                           {'name': 'train/train_step', 'ph': 'X', 'pid': 1, 'ts': 0, 'dur': 500_000},
-                           {'name': 'rollout/collect', 'ph': 'X', 'pid': 2, 'ts': 100_000, 'dur': 2_000_000}]}
+  tel.write_text(''.join(
+      json.dumps({
+          't': 99.0 + 0.1 * i,
+          'sm_activity_pct': i % 50,
+          'sm_occupancy_pct': 5
+      }) + '\n' for i in range(60)))
+  trace = {
+      'traceEvents': [{
+          'name': 'process_name',
+          'ph': 'M',
+          'pid': 1,
+          'args': {
+              'name': 'trainer'
+          }
+      }, {
+          'name': 'train/train_step',
+          'ph': 'X',
+          'pid': 1,
+          'ts': 0,
+          'dur': 500_000
+      }, {
+          'name': 'rollout/collect',
+          'ph': 'X',
+          'pid': 2,
+          'ts': 100_000,
+          'dur': 2_000_000
+      }]
+  }
   (tmp_path / 'trace.json').write_text(json.dumps(trace))
-  proc = subprocess.run([sys.executable, '-m', 'experiments.bench.report', str(tmp_path / 'r.json'), '--telemetry',
-                         str(tel), '--trace', str(tmp_path / 'trace.json')], cwd=ROOT, capture_output=True, text=True,
-                        timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+  proc = subprocess.run([
+      sys.executable, '-m', 'experiments.bench.report',
+      str(tmp_path / 'r.json'), '--telemetry',
+      str(tel), '--trace',
+      str(tmp_path / 'trace.json')
+  ],
+                        cwd=ROOT,
+                        capture_output=True,
+                        text=True,
+                        timeout=120,
+                        env=dict(os.environ, PYTHONPATH=ROOT))
   assert proc.returncode == 0, proc.stderr
   assert '| 40.0 |' in proc.stdout  # the finished run's SM activity in the table
   for name in ('r_sm.png', 'trace_timeline.png'):
     assert os.path.getsize(tmp_path / name) > 5_000
   (tmp_path / 'empty_trace.json').write_text(json.dumps({'traceEvents': trace['traceEvents'][:1]}))
-  proc = subprocess.run([sys.executable, '-m', 'experiments.bench.report', str(tmp_path / 'r.json'), '--trace',
-                         str(tmp_path / 'empty_trace.json')], cwd=ROOT, capture_output=True, text=True, timeout=120,
+  proc = subprocess.run([
+      sys.executable, '-m', 'experiments.bench.report',
+      str(tmp_path / 'r.json'), '--trace',
+      str(tmp_path / 'empty_trace.json')
+  ],
+                        cwd=ROOT,
+                        capture_output=True,
+                        text=True,
+                        timeout=120,
                         env=dict(os.environ, PYTHONPATH=ROOT))
   assert proc.returncode == 2 and 'empty_trace.json: no complete ("X") span events' in proc.stderr
 
 
 def test_planner_prediction_from_the_kept_w2_results(tmp_path):
   out = tmp_path / 'plan.json'
-  proc = subprocess.run([sys.executable, 'experiments/plan_from_results.py', f'--out={out}'], cwd=ROOT,
-                        capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+  proc = subprocess.run([sys.executable, 'experiments/plan_from_results.py', f'--out={out}'],
+                        cwd=ROOT,
+                        capture_output=True,
+                        text=True,
+                        timeout=120,
+                        env=dict(os.environ, PYTHONPATH=ROOT))
   assert proc.returncode == 0, proc.stderr
   plans = json.load(open(out))['plans']
   for schedule, p in plans.items():
-    assert p['predicted_env_steps_per_s'] > 0 and sum(p['quotas'].values()) <= (
-        100 + (p['num_groups'] - 1) * p['quotas']['rollout'] if schedule == 'async' else 200)
+    assert p['predicted_env_steps_per_s'] > 0 and sum(
+        p['quotas'].values()) <= (100 + (p['num_groups'] - 1) * p['quotas']['rollout'] if schedule == 'async' else 200)
   # The kept profiles make W2 training-bound: the trainer gets the larger share in either schedule.
   assert all(p['quotas']['trainer'] > p['quotas']['rollout'] for p in plans.values())
 
 
 def test_steady_pace_is_taken_between_the_second_and_the_last_evaluation():
   from experiments.bench.figures import steady_env_steps_per_s
-  curve = [{'env_steps': 0, 'wall_s': 40.0, 'return': 1.0},  # after a long start-up
-           {'env_steps': 1000, 'wall_s': 50.0, 'return': 1.0},
-           {'env_steps': 2000, 'wall_s': 55.0, 'return': 1.0},
-           {'env_steps': 4000, 'wall_s': 70.0, 'return': 1.0}]
+  curve = [
+      {
+          'env_steps': 0,
+          'wall_s': 40.0,
+          'return': 1.0
+      },  # after a long start-up
+      {
+          'env_steps': 1000,
+          'wall_s': 50.0,
+          'return': 1.0
+      },
+      {
+          'env_steps': 2000,
+          'wall_s': 55.0,
+          'return': 1.0
+      },
+      {
+          'env_steps': 4000,
+          'wall_s': 70.0,
+          'return': 1.0
+      }
+  ]
   assert steady_env_steps_per_s({'eval_curve': curve}) == pytest.approx(3000 / 20.0)
   assert steady_env_steps_per_s({'eval_curve': curve[:2]}) is None
 
@@ -332,14 +480,25 @@ def test_steady_pace_is_taken_between_the_second_and_the_last_evaluation():
 def test_end_to_end_is_not_averaged_across_its_two_definitions():
   from experiments.bench import figures
   old = {'env_steps_per_s': 70.0, 'extra': {'segments_consumed': 8}}  # a process run kept before 29df545
-  new = [{'env_steps_per_s': 80.0, 'extra': {'segments_consumed': 8, 'startup_s': 3.0}},
-         {'env_steps_per_s': 90.0, 'extra': {'segments_consumed': 8, 'startup_s': 1.0}}]
+  new = [{
+      'env_steps_per_s': 80.0,
+      'extra': {
+          'segments_consumed': 8,
+          'startup_s': 3.0
+      }
+  }, {
+      'env_steps_per_s': 90.0,
+      'extra': {
+          'segments_consumed': 8,
+          'startup_s': 1.0
+      }
+  }]
   fused = {'env_steps_per_s': 100.0, 'extra': {}}  # compiles ahead: one definition throughout
   assert figures.counts_first_iteration(old) and not figures.counts_first_iteration(new[0])
   assert not figures.counts_first_iteration(fused)
   mixed = figures.end_to_end([old] + new)
   assert mixed['mean'] == pytest.approx(85.0) and mixed['seeds'] == 2 and not mixed['counts_first_iteration']
-  assert mixed['sd'] == pytest.approx(50 ** 0.5)
+  assert mixed['sd'] == pytest.approx(50**0.5)
   only_old = figures.end_to_end([old])
   assert only_old == {'mean': 70.0, 'sd': None, 'seeds': 1, 'counts_first_iteration': True}
   assert figures.end_to_end([])['mean'] is None
@@ -355,10 +514,33 @@ def test_steady_sm_activity_over_the_steady_window(tmp_path):
   from experiments.bench import figures
   from experiments.bench import report
   from experiments.bench import run as bench_run
-  curve = [{'env_steps': 0, 'wall_s': 5.0, 'return': 1.0}, {'env_steps': 100, 'wall_s': 10.0, 'return': 2.0},
-           {'env_steps': 300, 'wall_s': 20.0, 'return': 3.0}]
-  kept = {'gpu': '0', 'start_unix': 990.0, 'end_unix': 1022.0, 'gpm': {'sm_activity_pct': 10.0},
-          'summary': {'env_steps': 300, 'env_steps_per_s': 30.0, 'wall_s': 21.0, 'eval_curve': curve}}
+  curve = [{
+      'env_steps': 0,
+      'wall_s': 5.0,
+      'return': 1.0
+  }, {
+      'env_steps': 100,
+      'wall_s': 10.0,
+      'return': 2.0
+  }, {
+      'env_steps': 300,
+      'wall_s': 20.0,
+      'return': 3.0
+  }]
+  kept = {
+      'gpu': '0',
+      'start_unix': 990.0,
+      'end_unix': 1022.0,
+      'gpm': {
+          'sm_activity_pct': 10.0
+      },
+      'summary': {
+          'env_steps': 300,
+          'env_steps_per_s': 30.0,
+          'wall_s': 21.0,
+          'eval_curve': curve
+      }
+  }
   # its clock started 21 s before the end, at 1001: the window is 1011 .. 1021
   assert figures.steady_window(kept) == (1011.0, 1021.0, 'end-anchored')
   exact = [dict(p, unix=2000.0 + p['wall_s']) for p in curve]
@@ -373,13 +555,18 @@ def test_steady_sm_activity_over_the_steady_window(tmp_path):
   runs = {'async': [dict(kept)]}
   logs = [str(tmp_path / 'telemetry_gpu1.jsonl'), str(tmp_path / 'telemetry_gpu0.jsonl')]
   assert bench_run.backfill_steady_gpm(runs, logs) == 1
-  assert runs['async'][0]['gpm_steady'] == {'sm_activity_pct': 80.0, 'samples': 11, 'window_s': 10.0,
-                                            'window': 'end-anchored'}
+  assert runs['async'][0]['gpm_steady'] == {
+      'sm_activity_pct': 80.0,
+      'samples': 11,
+      'window_s': 10.0,
+      'window': 'end-anchored'
+  }
   assert bench_run.backfill_steady_gpm(runs, logs) == 0  # kept as it is
   assert bench_run.aggregate(runs)['async']['steady_sm_activity_pct'] == 80.0
   (tmp_path / 'r.json').write_text(json.dumps({'runs': runs}))
-  md = report.table({'r.json': {'async': [runs['async'][0]['summary']]}}, {'r.json': report.run_extras(
-      str(tmp_path / 'r.json'))})
+  md = report.table({'r.json': {
+      'async': [runs['async'][0]['summary']]
+  }}, {'r.json': report.run_extras(str(tmp_path / 'r.json'))})
   row = next(line.split(' | ') for line in md.splitlines() if line.startswith('| r.json'))
   assert row[11:13] == ['10.0', '80.0']  # SM activity over the whole run, then over the steady window
   (tmp_path / 'bad.jsonl').write_text('{not json')
@@ -389,11 +576,29 @@ def test_steady_sm_activity_over_the_steady_window(tmp_path):
 
 def test_report_table_marks_seed_counts_and_the_older_definition():
   from experiments.bench import report
-  curve = [{'env_steps': 0, 'wall_s': 5.0, 'return': 1.0}, {'env_steps': 100, 'wall_s': 10.0, 'return': 2.0},
-           {'env_steps': 300, 'wall_s': 12.0, 'return': 3.0}]
+  curve = [{
+      'env_steps': 0,
+      'wall_s': 5.0,
+      'return': 1.0
+  }, {
+      'env_steps': 100,
+      'wall_s': 10.0,
+      'return': 2.0
+  }, {
+      'env_steps': 300,
+      'wall_s': 12.0,
+      'return': 3.0
+  }]
   old = {'env_steps': 300, 'env_steps_per_s': 70.0, 'eval_curve': curve, 'extra': {'segments_consumed': 8}}
-  new = {'env_steps': 300, 'env_steps_per_s': 80.0, 'eval_curve': curve,
-         'extra': {'segments_consumed': 8, 'startup_s': 3.0}}
+  new = {
+      'env_steps': 300,
+      'env_steps_per_s': 80.0,
+      'eval_curve': curve,
+      'extra': {
+          'segments_consumed': 8,
+          'startup_s': 3.0
+      }
+  }
   md = report.table({'r.json': {'sync': [old, dict(new), dict(new, env_steps_per_s=90.0)], 'async': [old]}})
   rows = {line.split(' | ')[1]: line.split(' | ') for line in md.splitlines()[2:] if line.startswith('| r.json')}
   assert rows['sync'][3] == '85 ± 7 (2 of 3 seeds)'

@@ -7,29 +7,66 @@ from ebrl_jax import config as config_lib
 
 
 @pytest.mark.parametrize('ctor,kwargs,pattern', [
-    (config_lib.SimConfig, {'task': 'antt'}, r'--task=.antt. is not valid; allowed values: ant, halfcheetah'),
-    (config_lib.SimConfig, {'backend': 'gpu'}, r'--backend=.gpu. is not valid; allowed values: mujoco_cpu, mjx'),
-    (config_lib.SimConfig, {'num_envs': 0}, r'--num_envs=0 must be > 0'),
-    (config_lib.SimConfig, {'num_envs': 10, 'group_size': 4}, r'--num_envs=10 must be a multiple of --group_size=4'),
-    (config_lib.PolicyConfig, {'kind': 'cnn'}, r'--policy=.cnn. is not valid; allowed values: mlp, transformer'),
-    (config_lib.PolicyConfig, {'d_model': 100, 'num_heads': 3}, r'--d_model=100 must be a multiple of --num_heads=3'),
-    (config_lib.PolicyConfig, {'action_chunk': 4}, r'--action_chunk=4 needs --policy=transformer'),
-    (config_lib.PolicyConfig, {'policy_hidden_sizes': ()}, r'--policy_hidden_sizes=\[\] must be non-empty'),
-    (config_lib.AlgoConfig, {'name': 'sac'}, r'--algo=.sac. is not valid; allowed values: ppo, grpo'),
-    (config_lib.AlgoConfig, {'discount': 1.5}, r'--discount=1.5 must lie in \[0.0, 1.0\]'),
-    (config_lib.AlgoConfig, {'max_grad_norm': -1.0}, r'--max_grad_norm=-1.0 must be > 0'),
-    (config_lib.ScheduleConfig, {'name': 'warp'}, r'--schedule=.warp. is not valid; allowed values: fused, sync, async'),
-    (config_lib.ScheduleConfig, {'num_timesteps': 0}, r'--num_timesteps=0 must be > 0'),
-    (config_lib.ScheduleConfig, {'env_slices': 0}, r'--env_slices=0 must be > 0'),
-    (config_lib.ResourceConfig, {'sm_quotas': 'trainer=x', 'use_mps': True},
-     r"--sm_quotas: 'trainer=x' must read role=percent"),
-    (config_lib.ResourceConfig, {'memory_fractions': 'sim=0.2'},
-     r"--memory_fractions: role 'sim' is not valid; allowed roles: trainer, rollout, generation"),
-    (config_lib.ResourceConfig, {'memory_fractions': 'trainer=x'},
-     r"--memory_fractions: 'trainer=x' must read role=fraction, e.g. trainer=0.4"),
-    (config_lib.ResourceConfig, {'memory_fractions': 'trainer=1.5'},
-     r'--memory_fractions: trainer=1.5 must lie in \(0, 1\]'),
-    (config_lib.ResourceConfig, {'memory_headroom': 0.5}, r'--memory_headroom=0.5 must be >= 1'),
+    (config_lib.SimConfig, {
+        'task': 'antt'
+    }, r'--task=.antt. is not valid; allowed values: ant, halfcheetah'),
+    (config_lib.SimConfig, {
+        'backend': 'gpu'
+    }, r'--backend=.gpu. is not valid; allowed values: mujoco_cpu, mjx'),
+    (config_lib.SimConfig, {
+        'num_envs': 0
+    }, r'--num_envs=0 must be > 0'),
+    (config_lib.SimConfig, {
+        'num_envs': 10,
+        'group_size': 4
+    }, r'--num_envs=10 must be a multiple of --group_size=4'),
+    (config_lib.PolicyConfig, {
+        'kind': 'cnn'
+    }, r'--policy=.cnn. is not valid; allowed values: mlp, transformer'),
+    (config_lib.PolicyConfig, {
+        'd_model': 100,
+        'num_heads': 3
+    }, r'--d_model=100 must be a multiple of --num_heads=3'),
+    (config_lib.PolicyConfig, {
+        'action_chunk': 4
+    }, r'--action_chunk=4 needs --policy=transformer'),
+    (config_lib.PolicyConfig, {
+        'policy_hidden_sizes': ()
+    }, r'--policy_hidden_sizes=\[\] must be non-empty'),
+    (config_lib.AlgoConfig, {
+        'name': 'sac'
+    }, r'--algo=.sac. is not valid; allowed values: ppo, grpo'),
+    (config_lib.AlgoConfig, {
+        'discount': 1.5
+    }, r'--discount=1.5 must lie in \[0.0, 1.0\]'),
+    (config_lib.AlgoConfig, {
+        'max_grad_norm': -1.0
+    }, r'--max_grad_norm=-1.0 must be > 0'),
+    (config_lib.ScheduleConfig, {
+        'name': 'warp'
+    }, r'--schedule=.warp. is not valid; allowed values: fused, sync, async'),
+    (config_lib.ScheduleConfig, {
+        'num_timesteps': 0
+    }, r'--num_timesteps=0 must be > 0'),
+    (config_lib.ScheduleConfig, {
+        'env_slices': 0
+    }, r'--env_slices=0 must be > 0'),
+    (config_lib.ResourceConfig, {
+        'sm_quotas': 'trainer=x',
+        'use_mps': True
+    }, r"--sm_quotas: 'trainer=x' must read role=percent"),
+    (config_lib.ResourceConfig, {
+        'memory_fractions': 'sim=0.2'
+    }, r"--memory_fractions: role 'sim' is not valid; allowed roles: trainer, rollout, generation"),
+    (config_lib.ResourceConfig, {
+        'memory_fractions': 'trainer=x'
+    }, r"--memory_fractions: 'trainer=x' must read role=fraction, e.g. trainer=0.4"),
+    (config_lib.ResourceConfig, {
+        'memory_fractions': 'trainer=1.5'
+    }, r'--memory_fractions: trainer=1.5 must lie in \(0, 1\]'),
+    (config_lib.ResourceConfig, {
+        'memory_headroom': 0.5
+    }, r'--memory_headroom=0.5 must be >= 1'),
 ])
 def test_component_validation(ctor, kwargs, pattern):
   with pytest.raises(ValueError, match=pattern):
@@ -39,8 +76,7 @@ def test_component_validation(ctor, kwargs, pattern):
 def test_batch_must_divide_into_env_segments():
   # 3 x 5 = 15 segments per iteration cannot be split into whole segments of 4 envs.
   with pytest.raises(ValueError, match=re.escape('--batch_size=3 x --num_minibatches=5 = 15 segments')):
-    config_lib.Config(sim=config_lib.SimConfig(num_envs=4),
-                      algo=config_lib.AlgoConfig(batch_size=3, num_minibatches=5))
+    config_lib.Config(sim=config_lib.SimConfig(num_envs=4), algo=config_lib.AlgoConfig(batch_size=3, num_minibatches=5))
 
 
 def test_grpo_needs_groups_and_divisible_minibatches():
@@ -58,18 +94,22 @@ def test_unroll_must_hold_whole_chunks():
 
 
 def test_env_slices_need_a_separate_cpu_generation_worker_and_must_divide_the_groups():
+
   def make(sim=None, **schedule):
     schedule = {'name': 'async', 'num_groups': 2, 'colocate_generation': False, **schedule}
-    return config_lib.Config(sim=sim or config_lib.SimConfig(num_envs=32), algo=config_lib.AlgoConfig(
-        batch_size=32, num_minibatches=8), schedule=config_lib.ScheduleConfig(**schedule))
+    return config_lib.Config(sim=sim or config_lib.SimConfig(num_envs=32),
+                             algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
+                             schedule=config_lib.ScheduleConfig(**schedule))
+
   assert make(env_slices=4).slice_envs == 4  # 32 envs / 2 groups / 4 slices
   needs = '--env_slices=2 splits the env groups that a separate generation worker serves: it needs'
   with pytest.raises(ValueError, match=needs + '.*got --schedule=async, --colocate_generation=True'):
     make(env_slices=2, colocate_generation=True)
   with pytest.raises(ValueError, match=needs + '.*got --schedule=fused'):
     make(env_slices=2, name='fused')
-  with pytest.raises(ValueError, match=re.escape('--env_slices=3 must divide the 16 envs of each env group '
-                                                 '(--num_envs=32 / --num_groups=2)')):
+  with pytest.raises(ValueError,
+                     match=re.escape('--env_slices=3 must divide the 16 envs of each env group '
+                                     '(--num_envs=32 / --num_groups=2)')):
     make(env_slices=3)
 
 

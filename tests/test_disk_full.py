@@ -43,8 +43,11 @@ echo "$first $second" > "$OUT/exits"
 def _can_mount_a_tmpfs():
   if not shutil.which('unshare'):
     return False
-  probe = subprocess.run(['unshare', '-rm', 'sh', '-c', 'd=$(mktemp -d) && mount -t tmpfs -o size=1m tmpfs "$d" '
-                          '&& umount "$d"'], capture_output=True, timeout=30)
+  probe = subprocess.run(
+      ['unshare', '-rm', 'sh', '-c', 'd=$(mktemp -d) && mount -t tmpfs -o size=1m tmpfs "$d" '
+       '&& umount "$d"'],
+      capture_output=True,
+      timeout=30)
   return probe.returncode == 0
 
 
@@ -81,7 +84,11 @@ def test_a_full_disk_stops_the_run_clearly_and_resume_continues(tmp_path, flags)
   if not _can_mount_a_tmpfs():
     pytest.skip('cannot mount a tmpfs in a private namespace here (unshare -rm)')
   env = dict(os.environ, PY=sys.executable, FLAGS=flags, OUT=str(tmp_path), PYTHONPATH=ROOT)
-  proc = subprocess.run(['unshare', '-rm', 'bash', '-c', SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+  proc = subprocess.run(['unshare', '-rm', 'bash', '-c', SCRIPT],
+                        cwd=ROOT,
+                        env=env,
+                        capture_output=True,
+                        text=True,
                         timeout=600)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   first, second = (int(x) for x in (tmp_path / 'exits').read_text().split())

@@ -55,20 +55,23 @@ def test_stage_module_imports_only_allowed_roots(module):
 
 
 def test_importing_stages_defines_no_flags_and_no_runtime():
-  code = (
-      'import sys\n'
-      'from absl import flags\n'
-      'from ebrl_jax.trainer import stages as t\n'
-      'from ebrl_jax.generation import stages as g\n'
-      'from ebrl_jax.sim import stages as s\n'
-      'from ebrl_jax import sim\n'
-      f'bad = [m for m in sys.modules if m.startswith({FORBIDDEN_INTERNAL!r})]\n'
-      'assert not bad, bad\n'
-      'ours = [f for f in flags.FLAGS if "ebrl" in str(flags.FLAGS.find_module_defining_flag(f, ""))]\n'
-      'assert not ours, ours\n'
-      'assert "task" not in flags.FLAGS and "num_envs" not in flags.FLAGS\n'
-      'print("ok")\n')
-  result = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+  code = ('import sys\n'
+          'from absl import flags\n'
+          'from ebrl_jax.trainer import stages as t\n'
+          'from ebrl_jax.generation import stages as g\n'
+          'from ebrl_jax.sim import stages as s\n'
+          'from ebrl_jax import sim\n'
+          f'bad = [m for m in sys.modules if m.startswith({FORBIDDEN_INTERNAL!r})]\n'
+          'assert not bad, bad\n'
+          'ours = [f for f in flags.FLAGS if "ebrl" in str(flags.FLAGS.find_module_defining_flag(f, ""))]\n'
+          'assert not ours, ours\n'
+          'assert "task" not in flags.FLAGS and "num_envs" not in flags.FLAGS\n'
+          'print("ok")\n')
+  result = subprocess.run([sys.executable, '-c', code],
+                          cwd=ROOT,
+                          capture_output=True,
+                          text=True,
+                          timeout=300,
                           env=dict(os.environ, JAX_PLATFORMS='cpu'))
   assert result.returncode == 0, result.stderr
   assert result.stdout.strip().endswith('ok')

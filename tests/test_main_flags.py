@@ -10,8 +10,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _run(*args, timeout=120):
   env = dict(os.environ, JAX_PLATFORMS='cpu')
-  return subprocess.run([sys.executable, '-m', 'ebrl_jax.main', *args], cwd=ROOT, env=env, capture_output=True,
-                        text=True, timeout=timeout)
+  return subprocess.run([sys.executable, '-m', 'ebrl_jax.main', *args],
+                        cwd=ROOT,
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                        timeout=timeout)
 
 
 @pytest.mark.parametrize('flag,expected', [

@@ -37,7 +37,10 @@ def test_probe_kills_the_runs_daemon_and_the_run_stops_cleanly_then_resumes(tmp_
   (bin_dir / 'nvidia-smi').write_text('#!/bin/sh\nexit 0\n')  # no GPU processes to list
   for name in ('nvidia-cuda-mps-control', 'nvidia-smi'):
     os.chmod(bin_dir / name, 0o755)
-  env = dict(os.environ, PATH=f'{bin_dir}:{os.environ["PATH"]}', JAX_PLATFORMS='cpu', PYTHONPATH=ROOT,
+  env = dict(os.environ,
+             PATH=f'{bin_dir}:{os.environ["PATH"]}',
+             JAX_PLATFORMS='cpu',
+             PYTHONPATH=ROOT,
              CUDA_MPS_PIPE_DIRECTORY='')
   try:
     _probe_and_check(tmp_path, bin_dir, env)
@@ -53,13 +56,17 @@ def test_probe_kills_the_runs_daemon_and_the_run_stops_cleanly_then_resumes(tmp_
 
 def _probe_and_check(tmp_path, bin_dir, env):
   out = tmp_path / 'out' / 'mps_kill.json'
-  proc = subprocess.run(
-      [sys.executable, 'experiments/mps_kill.py', f'--out={out}', f'--run_dir={tmp_path / "run"}',
-       '--start_timeout_s=240', '--stop_timeout_s=60', '--',
-       '--flagfile=experiments/quickstart.flags', '--schedule=async', '--num_groups=2',
-       '--num_timesteps=100000000', '--num_evals=2000', '--target_return=100000', '--noprogress_bar',
-       '--compilation_cache_dir='],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  proc = subprocess.run([
+      sys.executable, 'experiments/mps_kill.py', f'--out={out}', f'--run_dir={tmp_path / "run"}',
+      '--start_timeout_s=240', '--stop_timeout_s=60', '--', '--flagfile=experiments/quickstart.flags',
+      '--schedule=async', '--num_groups=2', '--num_timesteps=100000000', '--num_evals=2000', '--target_return=100000',
+      '--noprogress_bar', '--compilation_cache_dir='
+  ],
+                        cwd=ROOT,
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                        timeout=600)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   record = json.loads(out.read_text())
   assert list(record['mps_processes_killed'].values()) == [f'{bin_dir}/nvidia-cuda-mps-server 100000']

@@ -24,16 +24,15 @@ PROBE_TAG = '__NOTEBOOK_PROBE__'
 # Per notebook: an expression evaluated in the kernel after the last cell (JSON-serialisable), and its check.
 _COMMON = "'figures': [len(f.axes) for f in map(plt.figure, plt.get_fignums())]"
 PROBES = {
-    '01_quickstart.ipynb': (
-        "{'final_return': summary.final_eval_return, 'curve': len(summary.eval_curve), "
-        "'env_steps': summary.env_steps, " + _COMMON + "}"),
-    '02_stages_in_your_code.ipynb': (
-        "{'losses': [m['total_loss'] for m in history], 'obs_shape': list(batch.obs.shape), "
-        "'raw_action_shape': list(batch.raw_action.shape), 'reward_shape': list(batch.reward.shape), "
-        "'T': T, 'B': NUM_ENVS, 'O': spec.obs_dim, 'A': spec.action_dim, " + _COMMON + "}"),
-    '03_reading_results.ipynb': (
-        "{'rows': list(bench['figures']), 'seeds': len(bench['seeds']), 'stages': len(totals), "
-        "'spans': len(spans), " + _COMMON + "}"),
+    '01_quickstart.ipynb': ("{'final_return': summary.final_eval_return, 'curve': len(summary.eval_curve), "
+                            "'env_steps': summary.env_steps, " + _COMMON + "}"),
+    '02_stages_in_your_code.ipynb':
+        ("{'losses': [m['total_loss'] for m in history], 'obs_shape': list(batch.obs.shape), "
+         "'raw_action_shape': list(batch.raw_action.shape), 'reward_shape': list(batch.reward.shape), "
+         "'T': T, 'B': NUM_ENVS, 'O': spec.obs_dim, 'A': spec.action_dim, " + _COMMON + "}"),
+    '03_reading_results.ipynb':
+        ("{'rows': list(bench['figures']), 'seeds': len(bench['seeds']), 'stages': len(totals), "
+         "'spans': len(spans), " + _COMMON + "}"),
 }
 
 
@@ -58,8 +57,11 @@ def _check_03(out):
   assert len(out['figures']) >= 2, out
 
 
-CHECKS = {'01_quickstart.ipynb': _check_01, '02_stages_in_your_code.ipynb': _check_02,
-          '03_reading_results.ipynb': _check_03}
+CHECKS = {
+    '01_quickstart.ipynb': _check_01,
+    '02_stages_in_your_code.ipynb': _check_02,
+    '03_reading_results.ipynb': _check_03
+}
 
 
 def _deps():
@@ -78,9 +80,12 @@ def _kernel_manager(tmp_path):
   from jupyter_client.manager import KernelManager  # pylint: disable=g-import-not-at-top
   spec_dir = tmp_path / 'kernels' / 'ebrl_test'
   spec_dir.mkdir(parents=True)
-  (spec_dir / 'kernel.json').write_text(json.dumps({
-      'argv': [sys.executable, '-m', 'ipykernel_launcher', '-f', '{connection_file}'],
-      'display_name': 'ebrl_jax test', 'language': 'python'}))
+  (spec_dir / 'kernel.json').write_text(
+      json.dumps({
+          'argv': [sys.executable, '-m', 'ipykernel_launcher', '-f', '{connection_file}'],
+          'display_name': 'ebrl_jax test',
+          'language': 'python'
+      }))
   ksm = KernelSpecManager(kernel_dirs=[str(tmp_path / 'kernels')])
   return KernelManager(kernel_name='ebrl_test', kernel_spec_manager=ksm)
 
@@ -115,9 +120,9 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
   nbclient, nbformat = _deps()
   name = os.path.basename(path)
   nb = nbformat.read(path, as_version=4)
-  nb.cells.append(nbformat.v4.new_code_cell(
-      'import json as _json\nimport matplotlib.pyplot as plt\n'
-      f'print({PROBE_TAG!r} + _json.dumps({PROBES[name]}))'))
+  nb.cells.append(
+      nbformat.v4.new_code_cell('import json as _json\nimport matplotlib.pyplot as plt\n'
+                                f'print({PROBE_TAG!r} + _json.dumps({PROBES[name]}))'))
 
   # The kernel inherits this environment.
   monkeypatch.setenv('PYTHONPATH', os.pathsep.join(filter(None, [ROOT, os.environ.get('PYTHONPATH')])))
@@ -127,9 +132,13 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
   monkeypatch.setenv('JUPYTER_PLATFORM_DIRS', '1')
 
   deadline = time.monotonic() + NOTEBOOK_TIMEOUT_S
-  client = nbclient.NotebookClient(
-      nb, km=_kernel_manager(tmp_path), timeout_func=lambda cell: max(1, int(deadline - time.monotonic())),
-      startup_timeout=120, resources={'metadata': {'path': NOTEBOOK_DIR}})
+  client = nbclient.NotebookClient(nb,
+                                   km=_kernel_manager(tmp_path),
+                                   timeout_func=lambda cell: max(1, int(deadline - time.monotonic())),
+                                   startup_timeout=120,
+                                   resources={'metadata': {
+                                       'path': NOTEBOOK_DIR
+                                   }})
   try:
     client.execute()
   except nbclient.exceptions.CellTimeoutError as e:

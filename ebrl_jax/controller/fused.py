@@ -23,7 +23,6 @@ def make_source(cfg: config_lib.Config, spec, network, optimizer) -> driver.Batc
 def run(cfg: config_lib.Config) -> driver.RunSummary:
   """Trains with the fused schedule until `num_timesteps` env steps or the target return. Returns the summary."""
   trainer = driver.trainer_config(cfg, topology.process_config(cfg))
-  summary = driver.run_training(trainer, lambda _, spec, network, optimizer: make_source(cfg, spec, network,
-                                                                                          optimizer))
+  summary = driver.run_training(trainer, lambda _, spec, network, optimizer: make_source(cfg, spec, network, optimizer))
   summary.extra['topology'] = {'roles': ['controller'], 'num_groups': 1}  # one process collects and trains
   return summary

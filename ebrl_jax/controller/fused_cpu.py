@@ -29,14 +29,20 @@ class CpuFusedLoop:
     self._cfg, self._spec = cfg, spec
     collect = cfg.collect_spec
     seed = cfg.schedule.seed
-    self._pool = cpu_rollout.make_pool(cfg.sim, cfg.sim.num_envs, keys.env_seed(seed, keys.ENV_RESET, 0),
+    self._pool = cpu_rollout.make_pool(cfg.sim,
+                                       cfg.sim.num_envs,
+                                       keys.env_seed(seed, keys.ENV_RESET, 0),
                                        auto_reset=not collect.episodic)
     self._evaluator = evaluation.make_evaluator(cfg.sim, cfg.policy, seed, cfg.schedule.deterministic_eval, network)
     self._act = gen_stages.make_act(network, cfg.policy.min_std)
     self._collector = cpu_rollout.CpuCollector(self._pool, spec, self._act, collect.unrolls, collect.steps,
                                                collect.action_chunk, collect.episodic)
-    self._train = trainer_stages.make_train_fn(network, optimizer, cfg.algo, cfg.policy.min_std,
-                                               cfg.sim.group_size, recompute_proximal=False)
+    self._train = trainer_stages.make_train_fn(network,
+                                               optimizer,
+                                               cfg.algo,
+                                               cfg.policy.min_std,
+                                               cfg.sim.group_size,
+                                               recompute_proximal=False)
     self._root_key = keys.root(seed)
 
   def compile(self, train_state, num_iterations: int) -> float:

@@ -25,9 +25,15 @@ def _iteration(cfg: config_lib.Config, env, network, optimizer, root_key, carry,
   env_state, batch, stats = rollout.collect_iteration(env, network, cfg.collect_spec, cfg.sim.num_envs,
                                                       train_state.params, iteration, env_state,
                                                       keys.rollout_key(root_key, iteration, 0))
-  train_state, metrics = trainer_stages.train_step(network, optimizer, cfg.algo, cfg.policy.min_std, train_state,
-                                                   batch, keys.train_key(root_key, iteration),
-                                                   group_size=cfg.sim.group_size, recompute_proximal=False)
+  train_state, metrics = trainer_stages.train_step(network,
+                                                   optimizer,
+                                                   cfg.algo,
+                                                   cfg.policy.min_std,
+                                                   train_state,
+                                                   batch,
+                                                   keys.train_key(root_key, iteration),
+                                                   group_size=cfg.sim.group_size,
+                                                   recompute_proximal=False)
   metrics = dict(metrics)
   metrics['episodes'] = stats.count
   metrics['episode_return_sum'] = stats.return_sum
@@ -45,15 +51,18 @@ class MjxFusedLoop:
 
   def __init__(self, cfg: config_lib.Config, spec: types.EnvSpec, network, optimizer):
     self._cfg = cfg
-    self._env = sim_stages.make_mjx_env(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat,
+    self._env = sim_stages.make_mjx_env(cfg.sim.task,
+                                        cfg.sim.episode_length,
+                                        cfg.sim.action_repeat,
                                         auto_reset=not cfg.algo.episodic)
     self._network, self._optimizer = network, optimizer
     self._root_key = keys.root(cfg.schedule.seed)
-    self._env_state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(
-        self._env, keys.env_reset_key(self._root_key, 0), cfg.sim.num_envs, cfg.sim.group_size)
+    self._env_state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(self._env,
+                                                                          keys.env_reset_key(self._root_key, 0),
+                                                                          cfg.sim.num_envs, cfg.sim.group_size)
     self._programs: Dict[int, object] = {}
-    self._evaluator = evaluation.make_evaluator(cfg.sim, cfg.policy, cfg.schedule.seed,
-                                                cfg.schedule.deterministic_eval, network)
+    self._evaluator = evaluation.make_evaluator(cfg.sim, cfg.policy, cfg.schedule.seed, cfg.schedule.deterministic_eval,
+                                                network)
 
   def _lower(self, train_state, num_iterations: int):
     fn = functools.partial(_run_chunk, self._cfg, self._env, self._network, self._optimizer, num_iterations)
@@ -80,8 +89,11 @@ class MjxFusedLoop:
     program = self._program(train_state, num_iterations)
     train_state, self._env_state, metrics = program(train_state, self._env_state, self._root_key)
     metrics = jax.device_get(metrics)
-    out = {f'train/{self._cfg.algo.name}/{k}': float(v.mean()) for k, v in metrics.items()
-           if k not in ('episodes', 'episode_return_sum')}
+    out = {
+        f'train/{self._cfg.algo.name}/{k}': float(v.mean())
+        for k, v in metrics.items()
+        if k not in ('episodes', 'episode_return_sum')
+    }
     episodes = float(metrics['episodes'].sum())
     if episodes:
       out['rollout/episode_return'] = float(metrics['episode_return_sum'].sum()) / episodes

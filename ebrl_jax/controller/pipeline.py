@@ -52,8 +52,14 @@ def rollout_figures(cfg: config_lib.Config, history) -> dict:
     acc[0] += snap.iterations
     acc[1] += snap.stage_s
   rates = {role: n * per_segment / t for role, (n, t) in sorted(groups.items()) if n and t > 0}
-  return {'env_steps_per_s': sum(rates.values()) if rates else None, 'group_env_steps_per_s': rates,
-          'segments': int(sum(n for n, _ in groups.values())), 'collect_s': {r: t for r, (_, t) in groups.items()}}
+  return {
+      'env_steps_per_s': sum(rates.values()) if rates else None,
+      'group_env_steps_per_s': rates,
+      'segments': int(sum(n for n, _ in groups.values())),
+      'collect_s': {
+          r: t for r, (_, t) in groups.items()
+      }
+  }
 
 
 def _generation_stats_files(cfg: config_lib.Config):
@@ -67,8 +73,13 @@ def _transport(cfg: config_lib.Config, topology: topology_lib.Topology, registry
   store = transport.make_param_store(kind, topology.param_template, registry)
   mailbox = None
   if topology.request_spec is not None:
-    mailbox = transport.make_mailbox(kind, topology.request_spec, topology.reply_spec, topology.num_groups,
-                                     registry=registry, num_slices=cfg.schedule.env_slices, slice_field='env_slice')
+    mailbox = transport.make_mailbox(kind,
+                                     topology.request_spec,
+                                     topology.reply_spec,
+                                     topology.num_groups,
+                                     registry=registry,
+                                     num_slices=cfg.schedule.env_slices,
+                                     slice_field='env_slice')
   return channel, store, mailbox
 
 

@@ -89,8 +89,7 @@ class QuotaChanger:
       snap = old_control.feedback.snapshot()
       rate = group_env_steps_per_s(snap, self._steps_per_group_iteration)
       new, control = self._workers.start_rollout(g, quota=quota, standby=True)
-      self.active.append(_Swap(g, old, old_control, new, control, self.quota, quota, time.time(), rate,
-                               snap.period_s))
+      self.active.append(_Swap(g, old, old_control, new, control, self.quota, quota, time.time(), rate, snap.period_s))
       self._workers.rollout_quota[role] = quota
     self.quota = quota
 
@@ -111,8 +110,8 @@ class QuotaChanger:
         self.retired.append(swap.old)
         swap.phase = 'retiring'
       elif not swap.new.is_alive():
-        logging.warning('%s: the warm standby at quota %d %% died before it was ready; keeping the old worker.',
-                        role, swap.new_quota)
+        logging.warning('%s: the warm standby at quota %d %% died before it was ready; keeping the old worker.', role,
+                        swap.new_quota)
         self._workers.rollout_quota[role] = swap.old_quota
         self._finish(swap, failed=True)
     elif swap.phase == 'retiring' and not swap.old.is_alive():
@@ -128,16 +127,27 @@ class QuotaChanger:
       elif not swap.new.is_alive():  # died after go: the watch loop restarts it; the swap itself is over
         self._finish(swap, failed=True)
 
-  def _finish(self, swap: _Swap, failed: bool = False, first_t: float = 0.0, ready_t: float = 0.0,
+  def _finish(self,
+              swap: _Swap,
+              failed: bool = False,
+              first_t: float = 0.0,
+              ready_t: float = 0.0,
               quota_seen: float = 0.0) -> None:
     self.active.remove(swap)
     gap = first_t - swap.old_last_t if not failed else float('nan')
     lost = gap * swap.rate_before if swap.rate_before is not None else float('nan')
-    record = {'group': swap.group, 'old_quota': swap.old_quota, 'new_quota': swap.new_quota,
-              'standby_ready_s': ready_t - swap.started_t if ready_t else float('nan'), 'gap_s': gap,
-              'env_steps_lost': lost, 'env_steps_per_s_before': swap.rate_before,
-              'period_before_s': swap.period_before_s,
-              'quota_seen_by_worker': int(quota_seen), 'failed': failed}
+    record = {
+        'group': swap.group,
+        'old_quota': swap.old_quota,
+        'new_quota': swap.new_quota,
+        'standby_ready_s': ready_t - swap.started_t if ready_t else float('nan'),
+        'gap_s': gap,
+        'env_steps_lost': lost,
+        'env_steps_per_s_before': swap.rate_before,
+        'period_before_s': swap.period_before_s,
+        'quota_seen_by_worker': int(quota_seen),
+        'failed': failed
+    }
     self.swaps.append(record)
     if failed:
       logging.warning('rollout/%d: the swap to quota %d %% failed in its %s phase.', swap.group, swap.new_quota,
@@ -162,10 +172,13 @@ class QuotaChanger:
     """The decisions, the finished swaps, and any swap the run's end cut short ('pending': its phase, e.g. a
     standby still building, and how long it had been on)."""
     now = time.time() if now is None else now
-    pending = [{'group': s.group, 'new_quota': s.new_quota, 'phase': s.phase, 'elapsed_s': now - s.started_t}
-               for s in self.active]
-    return {'mode': self._trigger.mode, 'decisions': self._trigger.decisions, 'swaps': self.swaps,
-            'pending': pending}
+    pending = [{
+        'group': s.group,
+        'new_quota': s.new_quota,
+        'phase': s.phase,
+        'elapsed_s': now - s.started_t
+    } for s in self.active]
+    return {'mode': self._trigger.mode, 'decisions': self._trigger.decisions, 'swaps': self.swaps, 'pending': pending}
 
 
 def trainer_iteration(workers) -> int:
@@ -236,8 +249,7 @@ class ReplanTrigger:
     delta = self._delta(self._workers.trainer_feedback)
     if delta is None:
       return None
-    self._store['train'].observe(self.replanner.space.effective_train_batch, plan.quotas[planner.TRAINER],
-                                 delta[0])
+    self._store['train'].observe(self.replanner.space.effective_train_batch, plan.quotas[planner.TRAINER], delta[0])
     return delta[1]
 
   def poll(self, changer: QuotaChanger) -> None:
@@ -261,9 +273,17 @@ class ReplanTrigger:
 
 
 def decision_record(d: planner.Decision) -> dict:
-  return {'iteration': d.iteration, 'changed': d.changed, 'quotas': dict(d.plan.quotas),
-          'current_s': d.current_s, 'best_s': d.best_s, 'predicted_gain': d.predicted_gain,
-          'measured_s': d.measured_s, 'measured_gain': d.measured_gain, 'reason': d.reason}
+  return {
+      'iteration': d.iteration,
+      'changed': d.changed,
+      'quotas': dict(d.plan.quotas),
+      'current_s': d.current_s,
+      'best_s': d.best_s,
+      'predicted_gain': d.predicted_gain,
+      'measured_s': d.measured_s,
+      'measured_gain': d.measured_gain,
+      'reason': d.reason
+  }
 
 
 def _trim(decisions: List[dict]) -> List[dict]:
@@ -283,8 +303,13 @@ def make_replanner(cfg: config_lib.Config, store, start_iteration: int = 0) -> p
   schedule = 'sync' if cfg.schedule.name == 'sync' else 'async'
   initial = planner.evaluate(store, space, cfg.schedule.num_groups, quotas, schedule)
   r = cfg.resources
-  return planner.Replanner(space, schedule, fixed, plan=initial, hysteresis=r.replan_hysteresis,
-                           min_interval_iterations=r.replan_min_interval, change_cost_s=r.replan_change_cost_s,
+  return planner.Replanner(space,
+                           schedule,
+                           fixed,
+                           plan=initial,
+                           hysteresis=r.replan_hysteresis,
+                           min_interval_iterations=r.replan_min_interval,
+                           change_cost_s=r.replan_change_cost_s,
                            start_iteration=start_iteration)
 
 
@@ -296,12 +321,11 @@ def make_changer(cfg: config_lib.Config, workers, plan_record: Optional[dict],
   if not cfg.resources.replan:
     return None
   if not mps_active or plan_record is None or 'rollout' not in cfg.resources.quotas:
-    why = ('MPS is not running' if not mps_active else 'no --plan record' if plan_record is None else
-           'the plan runs without quotas (SMs shared)' if plan_record.get('shared') else
-           'the rollout workers hold no quota')
+    why = ('MPS is not running' if not mps_active else
+           'no --plan record' if plan_record is None else 'the plan runs without quotas (SMs shared)'
+           if plan_record.get('shared') else 'the rollout workers hold no quota')
     logging.warning('--replan: no rollout quota to re-plan (%s); the quotas stay as planned.', why)
     return None
-  store = profiles.ProfileStore.load(plan_record['profile_store'], autoplan.machine_key(),
-                                     autoplan.workload_key(cfg))
+  store = profiles.ProfileStore.load(plan_record['profile_store'], autoplan.machine_key(), autoplan.workload_key(cfg))
   total = -(-cfg.schedule.num_timesteps // cfg.env_steps_per_iteration)
   return QuotaChanger(cfg, workers, ReplanTrigger(cfg, workers, store, make_replanner(cfg, store), total))

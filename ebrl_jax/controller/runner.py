@@ -30,7 +30,10 @@ def _run_fused(cfg: config_lib.Config, pids: Dict[str, int]) -> driver.RunSummar
 # Schedule registry: every name in config.SCHEDULES. A schedule gets the config and the role -> pid map that
 # telemetry watches (it adds its workers as it starts them).
 SCHEDULES: Dict[str, Callable[[config_lib.Config, Dict[str, int]], driver.RunSummary]] = {
-    'fused': _run_fused, 'sync': pipeline.run, 'async': pipeline.run}
+    'fused': _run_fused,
+    'sync': pipeline.run,
+    'async': pipeline.run
+}
 
 
 def _add_telemetry_and_trace(cfg: config_lib.Config, summary: driver.RunSummary,
@@ -86,14 +89,16 @@ def run(cfg: config_lib.Config) -> driver.RunSummary:
   telemetry = None
   if cfg.resources.telemetry_period_s > 0:
     os.makedirs(cfg.schedule.run_dir, exist_ok=True)
-    telemetry = telemetry_lib.Telemetry(cfg.schedule.run_dir, lambda: {'controller': os.getpid(), **pids},
-                                        cfg.resources.telemetry_period_s, cfg.schedule.trace_dir).start()
+    telemetry = telemetry_lib.Telemetry(cfg.schedule.run_dir, lambda: {
+        'controller': os.getpid(),
+        **pids
+    }, cfg.resources.telemetry_period_s, cfg.schedule.trace_dir).start()
   try:
     summary = SCHEDULES[cfg.schedule.name](cfg, pids)
   finally:
     means = telemetry.stop() if telemetry is not None else None
   _add_telemetry_and_trace(cfg, summary, means)
   write_summary(cfg, summary)
-  logging.info('Finished: %d env steps, final eval return %.1f, %.0f env steps/s, compile %.1f s.',
-               summary.env_steps, summary.final_eval_return, summary.env_steps_per_s, summary.compile_s)
+  logging.info('Finished: %d env steps, final eval return %.1f, %.0f env steps/s, compile %.1f s.', summary.env_steps,
+               summary.final_eval_return, summary.env_steps_per_s, summary.compile_s)
   return summary

@@ -61,8 +61,14 @@ class Supervisor:
   """Starts, watches and stops the workers. Their pids are in `pids` (role -> pid, read by telemetry) and, for
   the user, in `<run_dir>/workers.json`; the trainer's summary arrives on its control pipe (`summary`)."""
 
-  def __init__(self, cfg: config_lib.Config, topology: topology_lib.Topology, seg_channel, store,
-               use_processes: bool, mailbox=None, placement: Optional[Placement] = None,
+  def __init__(self,
+               cfg: config_lib.Config,
+               topology: topology_lib.Topology,
+               seg_channel,
+               store,
+               use_processes: bool,
+               mailbox=None,
+               placement: Optional[Placement] = None,
                pids: Optional[Dict[str, int]] = None):
     self._cfg, self._topology, self._use_processes = cfg, topology, use_processes
     self.pids = pids if pids is not None else {}
@@ -90,8 +96,7 @@ class Supervisor:
     self.first_step_seen = False  # the trainer's first train step is done: start-up is over
     self._next_startup_log = 0.0
 
-  def _start(self, role: str, target, args, env: Optional[Dict[str, str]] = None, register: bool = True,
-             **kwargs):
+  def _start(self, role: str, target, args, env: Optional[Dict[str, str]] = None, register: bool = True, **kwargs):
     # Threads share one process: only processes get their own environment and cores.
     if env is None and self._use_processes and self._placement:
       env = self._placement.env(role)
@@ -121,8 +126,11 @@ class Supervisor:
     incarnation = self._incarnations.get(role, -1) + 1
     self._incarnations[role] = incarnation
     control = feedback.make_control(self._use_processes, standby)
-    worker = self._start(role, rollout_worker.rollout_main, (self._topology.rollout, group, self._rollout_ch, incarnation),
-                         env=env, register=not standby, control=control)
+    worker = self._start(role,
+                         rollout_worker.rollout_main, (self._topology.rollout, group, self._rollout_ch, incarnation),
+                         env=env,
+                         register=not standby,
+                         control=control)
     if not standby:
       self.controls[role] = control
       self.control_history.append((role, control))
@@ -197,8 +205,8 @@ class Supervisor:
     if self.trainer_feedback[feedback.ITERATIONS] >= 1:
       self.first_step_seen = True
       return None
-    return (f'start-up {time.monotonic() - self.started_t:.0f} s, no train step yet: '
-            + lifecycle.describe_phases(self._cfg.schedule.run_dir))
+    return (f'start-up {time.monotonic() - self.started_t:.0f} s, no train step yet: ' +
+            lifecycle.describe_phases(self._cfg.schedule.run_dir))
 
   def _log_startup(self) -> None:
     if self.first_step_seen or time.monotonic() < self._next_startup_log:
@@ -220,23 +228,24 @@ class Supervisor:
     daemon.lost()
     logging.error('The MPS daemon serving pipe directory %s died (it no longer answers); stopping every worker.',
                   daemon.pipe_dir)
-    raise errors.MpsDaemonDied(f'the MPS daemon (pipe directory {daemon.pipe_dir}) died mid-run; every worker was '
-                        f'stopped. The last checkpoint in {self._cfg.schedule.run_dir}/checkpoints stays loadable: '
-                        'start MPS again (or run without --use_mps) and continue with --resume.')
+    raise errors.MpsDaemonDied(
+        f'the MPS daemon (pipe directory {daemon.pipe_dir}) died mid-run; every worker was '
+        f'stopped. The last checkpoint in {self._cfg.schedule.run_dir}/checkpoints stays loadable: '
+        'start MPS again (or run without --use_mps) and continue with --resume.')
 
   def _on_rollout_death(self, role: str, w) -> None:
     code = getattr(w, 'exitcode', None)
     if self._cfg.schedule.worker_fault != 'restart':
       raise errors.WorkerFailure(f'{role} (pid {getattr(w, "pid", None)}) died with exit code {code}; stopping '
-                          '(--worker_fault=stop).')
+                                 '(--worker_fault=stop).')
     self._role_restarts[role] = self._role_restarts.get(role, 0) + 1
     if self._role_restarts[role] > self._cfg.schedule.max_restarts:
       raise errors.WorkerFailure(f'{role} died {self._role_restarts[role]} times (last exit code {code}), more than '
-                          f'--max_restarts={self._cfg.schedule.max_restarts}; stopping. The last checkpoint in '
-                          f'{self._cfg.schedule.run_dir}/checkpoints stays loadable.')
+                                 f'--max_restarts={self._cfg.schedule.max_restarts}; stopping. The last checkpoint in '
+                                 f'{self._cfg.schedule.run_dir}/checkpoints stays loadable.')
     self.restarts += 1
-    logging.warning('%s (pid %s) died with exit code %s; restarting it (restart %d).',
-                    role, getattr(w, 'pid', None), code, self.restarts)
+    logging.warning('%s (pid %s) died with exit code %s; restarting it (restart %d).', role, getattr(w, 'pid', None),
+                    code, self.restarts)
     if role == 'generation':  # its groups re-send their outstanding requests to the new one
       self._start(role, generation_worker.generation_main, self._gen_args)
       return

@@ -55,10 +55,16 @@ class Topology:
   def describe(self) -> Dict[str, Any]:
     """A JSON-able description (kept in the summary)."""
     param_bytes = sum(int(x.size) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(self.param_template))
-    out = {'roles': list(self.roles), 'gpu_roles': list(self.gpu_roles), 'cpu_roles': list(self.cpu_roles),
-           'planned_roles': list(self.planned_roles), 'num_groups': self.num_groups,
-           'segment_bytes': self.segment_spec.nbytes, 'segment_capacity': self.segment_capacity,
-           'param_bytes': param_bytes}
+    out = {
+        'roles': list(self.roles),
+        'gpu_roles': list(self.gpu_roles),
+        'cpu_roles': list(self.cpu_roles),
+        'planned_roles': list(self.planned_roles),
+        'num_groups': self.num_groups,
+        'segment_bytes': self.segment_spec.nbytes,
+        'segment_capacity': self.segment_capacity,
+        'param_bytes': param_bytes
+    }
     if self.request_spec is not None:
       out['request_bytes'], out['reply_bytes'] = self.request_spec.nbytes, self.reply_spec.nbytes
     return out
@@ -68,20 +74,36 @@ def segment_spec(cfg: config_lib.Config, spec: types.EnvSpec) -> transport.Recor
   """The shared-memory spec of one env group's `SegmentRecord` for one iteration (derived from
   `types.segment_template`, the records' one definition)."""
   unrolls, steps = cfg.segment_shape
-  return transport.spec_of(types.segment_template(steps, unrolls * cfg.group_envs, spec.obs_dim,
-                                                  cfg.policy.action_chunk, spec.action_dim))
+  return transport.spec_of(
+      types.segment_template(steps, unrolls * cfg.group_envs, spec.obs_dim, cfg.policy.action_chunk, spec.action_dim))
 
 
 def mailbox_specs(cfg: config_lib.Config, spec: types.EnvSpec):
   """Request and reply specs of one env slice (the whole group without `--env_slices`)."""
   b, k, o, a = cfg.slice_envs, cfg.policy.action_chunk, spec.obs_dim, spec.action_dim
   ints = {'group': 'int32', 'env_slice': 'int32', 'seq': 'int32'}
-  request = transport.record_spec(types.ActRequest, {'group': (), 'env_slice': (), 'seq': (), 'min_version': (),
-                                                     'obs': (b, o)},
-                                  dtypes={**ints, 'min_version': 'int32'})
-  reply = transport.record_spec(types.ActReply, {'group': (), 'env_slice': (), 'seq': (), 'version': (),
-                                                 'actions': (b, k, a), 'raw_actions': (b, k, a), 'log_probs': (b,)},
-                                dtypes={**ints, 'version': 'int32'})
+  request = transport.record_spec(types.ActRequest, {
+      'group': (),
+      'env_slice': (),
+      'seq': (),
+      'min_version': (),
+      'obs': (b, o)
+  },
+                                  dtypes={
+                                      **ints, 'min_version': 'int32'
+                                  })
+  reply = transport.record_spec(types.ActReply, {
+      'group': (),
+      'env_slice': (),
+      'seq': (),
+      'version': (),
+      'actions': (b, k, a),
+      'raw_actions': (b, k, a),
+      'log_probs': (b,)
+  },
+                                dtypes={
+                                    **ints, 'version': 'int32'
+                                })
   return request, reply
 
 
@@ -89,8 +111,8 @@ def param_template(cfg: config_lib.Config, spec: types.EnvSpec):
   """Shapes of the policy parameters, without computing them (the controller touches no accelerator)."""
   network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
   optimizer = trainer_stages.make_optimizer(cfg.algo)
-  state = jax.eval_shape(lambda: trainer_stages.init_train_state(
-      network, optimizer, jax.random.PRNGKey(0), spec.obs_dim, cfg.policy.normalize_observations))
+  state = jax.eval_shape(lambda: trainer_stages.init_train_state(network, optimizer, jax.random.PRNGKey(0), spec.
+                                                                 obs_dim, cfg.policy.normalize_observations))
   return state.params
 
 
@@ -104,22 +126,31 @@ def _roles(cfg: config_lib.Config) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
 
 
 def process_config(cfg: config_lib.Config) -> startup.ProcessConfig:
-  return startup.ProcessConfig(run_dir=cfg.schedule.run_dir, trace_dir=cfg.schedule.trace_dir,
+  return startup.ProcessConfig(run_dir=cfg.schedule.run_dir,
+                               trace_dir=cfg.schedule.trace_dir,
                                platform=cfg.resources.platform,
                                compilation_cache_dir=cfg.schedule.compilation_cache_dir)
 
 
 def _worker_configs(cfg: config_lib.Config):
   process = process_config(cfg)
-  rollout = groups.RolloutConfig(process=process, sim=cfg.sim, policy=cfg.policy, collect=cfg.collect_spec,
-                                 seed=cfg.schedule.seed, group_envs=cfg.group_envs,
-                                 staleness_bound=cfg.schedule.staleness_bound, env_slices=cfg.schedule.env_slices)
+  rollout = groups.RolloutConfig(process=process,
+                                 sim=cfg.sim,
+                                 policy=cfg.policy,
+                                 collect=cfg.collect_spec,
+                                 seed=cfg.schedule.seed,
+                                 group_envs=cfg.group_envs,
+                                 staleness_bound=cfg.schedule.staleness_bound,
+                                 env_slices=cfg.schedule.env_slices)
   generation = None
   if not cfg.schedule.colocate_generation:
-    generation = generation_worker.GenerationConfig(
-        process=process, sim=cfg.sim, policy=cfg.policy, seed=cfg.schedule.seed,
-        num_requesters=cfg.schedule.num_groups * cfg.schedule.env_slices, slice_envs=cfg.slice_envs,
-        total_envs=cfg.sim.num_envs)
+    generation = generation_worker.GenerationConfig(process=process,
+                                                    sim=cfg.sim,
+                                                    policy=cfg.policy,
+                                                    seed=cfg.schedule.seed,
+                                                    num_requesters=cfg.schedule.num_groups * cfg.schedule.env_slices,
+                                                    slice_envs=cfg.slice_envs,
+                                                    total_envs=cfg.sim.num_envs)
   return driver.trainer_config(cfg, process), rollout, generation
 
 
@@ -135,8 +166,17 @@ def make_topology(cfg: config_lib.Config) -> Topology:
   if not cfg.schedule.colocate_generation:
     request, reply = mailbox_specs(cfg, spec)
   trainer, rollout, generation = _worker_configs(cfg)
-  return Topology(env_spec=spec, num_groups=cfg.schedule.num_groups, cpu_roles=cpu_roles, feeder_roles=feeders,
-                  gpu_roles=gpu_roles, planned_roles=planned, segment_spec=segment_spec(cfg, spec),
+  return Topology(env_spec=spec,
+                  num_groups=cfg.schedule.num_groups,
+                  cpu_roles=cpu_roles,
+                  feeder_roles=feeders,
+                  gpu_roles=gpu_roles,
+                  planned_roles=planned,
+                  segment_spec=segment_spec(cfg, spec),
                   segment_capacity=cfg.schedule.num_groups * (cfg.schedule.staleness_bound + 1),
-                  request_spec=request, reply_spec=reply, param_template=param_template(cfg, spec),
-                  trainer=trainer, rollout=rollout, generation=generation)
+                  request_spec=request,
+                  reply_spec=reply,
+                  param_template=param_template(cfg, spec),
+                  trainer=trainer,
+                  rollout=rollout,
+                  generation=generation)

@@ -28,8 +28,10 @@ class RunningStats:
 
 def init_stats(obs_dim: int) -> RunningStats:
   """Empty statistics: mean 0, std 1, so `normalize` is the identity until the first update."""
-  return RunningStats(count=jnp.zeros((), jnp.float32), mean=jnp.zeros((obs_dim,), jnp.float32),
-                      summed_variance=jnp.zeros((obs_dim,), jnp.float32), std=jnp.ones((obs_dim,), jnp.float32))
+  return RunningStats(count=jnp.zeros((), jnp.float32),
+                      mean=jnp.zeros((obs_dim,), jnp.float32),
+                      summed_variance=jnp.zeros((obs_dim,), jnp.float32),
+                      std=jnp.ones((obs_dim,), jnp.float32))
 
 
 def update_stats(stats: RunningStats, obs: Array, mask: Optional[Array] = None) -> RunningStats:

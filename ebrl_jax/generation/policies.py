@@ -70,7 +70,9 @@ class EncoderBlock(nn.Module):
   def __call__(self, x: Array) -> Array:
     d_model = x.shape[-1]
     h = nn.LayerNorm(dtype=self.dtype, name='ln_attn')(x)
-    h = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, dtype=self.dtype, param_dtype=jnp.float32,
+    h = nn.MultiHeadDotProductAttention(num_heads=self.num_heads,
+                                        dtype=self.dtype,
+                                        param_dtype=jnp.float32,
                                         name='attn')(h, h)
     x = x + h
     h = nn.LayerNorm(dtype=self.dtype, name='ln_mlp')(x)
@@ -107,8 +109,8 @@ class TransformerActorCritic(nn.Module):
     x = x + self.param('obs_pos_embed', embed_init, (num_tokens, self.d_model)).astype(self.dtype)
     queries = self.param('action_queries', embed_init, (self.action_chunk, self.d_model))
     value_token = self.param('value_token', embed_init, (1, self.d_model))
-    extra = jnp.broadcast_to(jnp.concatenate([queries, value_token], 0)[None],
-                             (batch, self.action_chunk + 1, self.d_model))
+    extra = jnp.broadcast_to(
+        jnp.concatenate([queries, value_token], 0)[None], (batch, self.action_chunk + 1, self.d_model))
     x = jnp.concatenate([x, extra.astype(self.dtype)], axis=1)  # [B, N + K + 1, D]
     for i in range(self.num_layers):
       x = EncoderBlock(self.num_heads, self.mlp_ratio, self.dtype, name=f'block_{i}')(x)
@@ -120,18 +122,22 @@ class TransformerActorCritic(nn.Module):
     return dist_params, value[:, 0]
 
 
-def make_network(policy_config: PolicyConfig, obs_dim: int, action_dim: int,
-                 dtype: Dtype = jnp.float32) -> nn.Module:
+def make_network(policy_config: PolicyConfig, obs_dim: int, action_dim: int, dtype: Dtype = jnp.float32) -> nn.Module:
   """Builds the network named by `policy_config.kind`. `obs_dim` is accepted for symmetry (flax infers input
   sizes at init); `dtype` is the transformer's compute dtype."""
   del obs_dim
   if policy_config.kind == 'mlp':
     return MLPActorCritic(policy_hidden_sizes=tuple(policy_config.policy_hidden_sizes),
-                          value_hidden_sizes=tuple(policy_config.value_hidden_sizes), action_dim=action_dim,
+                          value_hidden_sizes=tuple(policy_config.value_hidden_sizes),
+                          action_dim=action_dim,
                           action_chunk=policy_config.action_chunk)
   if policy_config.kind == 'transformer':
-    return TransformerActorCritic(d_model=policy_config.d_model, num_layers=policy_config.num_layers,
-                                  num_heads=policy_config.num_heads, mlp_ratio=policy_config.mlp_ratio,
-                                  obs_token_size=policy_config.obs_token_size, action_dim=action_dim,
-                                  action_chunk=policy_config.action_chunk, dtype=dtype)
+    return TransformerActorCritic(d_model=policy_config.d_model,
+                                  num_layers=policy_config.num_layers,
+                                  num_heads=policy_config.num_heads,
+                                  mlp_ratio=policy_config.mlp_ratio,
+                                  obs_token_size=policy_config.obs_token_size,
+                                  action_dim=action_dim,
+                                  action_chunk=policy_config.action_chunk,
+                                  dtype=dtype)
   raise ValueError(f'--policy={policy_config.kind!r} is not valid; allowed values: mlp, transformer.')

@@ -43,12 +43,15 @@ class EvalOutput(NamedTuple):
   values: Array
 
 
-def init_policy_params(network: nn.Module, key: PRNGKey, obs_dim: int,
+def init_policy_params(network: nn.Module,
+                       key: PRNGKey,
+                       obs_dim: int,
                        normalize_observations: bool = True) -> PolicyParams:
   """Initialises network variables (from a dummy `[1, O]` observation) and empty observation statistics."""
   # One compiled init instead of op-by-op dispatch (seconds for a tiny MLP on CPU); nests fine under jit.
   variables = jax.jit(network.init)(key, jnp.zeros((1, obs_dim), jnp.float32))
-  return PolicyParams(normalizer=normalization.init_stats(obs_dim), network=variables,
+  return PolicyParams(normalizer=normalization.init_stats(obs_dim),
+                      network=variables,
                       normalize_observations=normalize_observations)
 
 
@@ -61,7 +64,11 @@ def apply_network(network: nn.Module, params: PolicyParams, obs: Array) -> Tuple
   return dist_params.astype(jnp.float32), values.astype(jnp.float32)
 
 
-def act(network: nn.Module, params: PolicyParams, obs: Array, key: PRNGKey, deterministic: bool = False,
+def act(network: nn.Module,
+        params: PolicyParams,
+        obs: Array,
+        key: PRNGKey,
+        deterministic: bool = False,
         min_std: float = 0.001) -> ActOutput:
   """Samples an action chunk for each observation.
 
@@ -85,7 +92,11 @@ def act(network: nn.Module, params: PolicyParams, obs: Array, key: PRNGKey, dete
   return ActOutput(actions=distribution.postprocess(raw), raw_actions=raw, log_probs=log_probs, values=values)
 
 
-def evaluate(network: nn.Module, params: PolicyParams, obs: Array, raw_actions: Array, key: PRNGKey,
+def evaluate(network: nn.Module,
+             params: PolicyParams,
+             obs: Array,
+             raw_actions: Array,
+             key: PRNGKey,
              min_std: float = 0.001) -> EvalOutput:
   """Scores stored raw actions under `params`: obs [B, O], raw_actions [B, K, A] ->
   EvalOutput(log_probs [B], entropy [B] (one-sample estimate, summed over K and A), values [B])."""

@@ -100,7 +100,7 @@ def attention_mask(query_pos: Array, key_pos: Array, prefix_length: int) -> Arra
 def attend(q: Array, k: Array, v: Array, mask: Array) -> Array:
   """Scaled dot-product attention. q [B, H, S, Dh], k/v [B, H, T, Dh], mask [S, T] or [B, 1, S, T] bool ->
   [B, H, S, Dh]. Scores and softmax in float32 whatever the compute dtype; masked keys get weight exactly 0."""
-  scale = q.shape[-1] ** -0.5
+  scale = q.shape[-1]**-0.5
   scores = jnp.einsum('bhsd,bhtd->bhst', q, k, preferred_element_type=jnp.float32) * scale
   scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
   weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
@@ -148,8 +148,9 @@ class DecoderBlock(nn.Module):
   @nn.compact
   def __call__(self, x, prefix_length, layer_cache, cache_length):
     d = x.shape[-1]
-    h, layer_cache = CachedSelfAttention(self.num_heads, self.dtype, name='attn')(
-        nn.LayerNorm(dtype=self.dtype, name='ln_attn')(x), prefix_length, layer_cache, cache_length)
+    h, layer_cache = CachedSelfAttention(self.num_heads, self.dtype,
+                                         name='attn')(nn.LayerNorm(dtype=self.dtype, name='ln_attn')(x), prefix_length,
+                                                      layer_cache, cache_length)
     x = x + h
     h = nn.LayerNorm(dtype=self.dtype, name='ln_mlp')(x)
     h = nn.gelu(nn.Dense(self.mlp_ratio * d, dtype=self.dtype, name='mlp_in')(h))
@@ -277,7 +278,11 @@ def value(policy: TokenPolicy, variables: Params, obs) -> Array:
   return policy.apply(variables, obs, method=TokenPolicy.value)
 
 
-def decode(policy: TokenPolicy, variables: Params, obs, key: PRNGKey, deterministic: bool = False,
+def decode(policy: TokenPolicy,
+           variables: Params,
+           obs,
+           key: PRNGKey,
+           deterministic: bool = False,
            temperature: float = 1.0) -> DecodeOutput:
   """Samples the K*A action tokens one at a time with the KV cache.
 
@@ -311,8 +316,11 @@ def decode(policy: TokenPolicy, variables: Params, obs, key: PRNGKey, determinis
   tokens = jnp.swapaxes(tokens, 0, 1).reshape(shape)  # scan stacks [M, B]
   log_ps = jnp.swapaxes(log_ps, 0, 1).reshape(shape)
   chex.assert_shape(values, (batch,))
-  return DecodeOutput(tokens=tokens, actions=bins_to_actions(tokens, policy.num_bins), token_log_probs=log_ps,
-                      log_probs=jnp.sum(log_ps, axis=(1, 2)), values=values.astype(jnp.float32))
+  return DecodeOutput(tokens=tokens,
+                      actions=bins_to_actions(tokens, policy.num_bins),
+                      token_log_probs=log_ps,
+                      log_probs=jnp.sum(log_ps, axis=(1, 2)),
+                      values=values.astype(jnp.float32))
 
 
 def evaluate(policy: TokenPolicy, variables: Params, obs, tokens: Array) -> stages.EvalOutput:

@@ -175,8 +175,8 @@ class VisionTransformerActorCritic(nn.Module):
     batch, num_tokens, _ = x.shape
     queries = self.param('action_queries', _EMBED_INIT, (self.action_chunk, self.d_model))
     value_token = self.param('value_token', _EMBED_INIT, (1, self.d_model))
-    extra = jnp.broadcast_to(jnp.concatenate([queries, value_token], 0)[None],
-                             (batch, self.action_chunk + 1, self.d_model))
+    extra = jnp.broadcast_to(
+        jnp.concatenate([queries, value_token], 0)[None], (batch, self.action_chunk + 1, self.d_model))
     x = jnp.concatenate([x, extra.astype(self.dtype)], axis=1)  # [B, P + N + K + 1, D]
     for i in range(self.num_layers):
       x = policies.EncoderBlock(self.num_heads, self.mlp_ratio, self.dtype, name=f'block_{i}')(x)

@@ -59,7 +59,13 @@ class ActServer:
   `transport.Mailbox` whose requests are `types.ActRequest`s of `slice_envs` envs each.
   """
 
-  def __init__(self, mailbox, act: Callable, slice_envs: int, total_envs: int, obs_dim: int, tracer=None,
+  def __init__(self,
+               mailbox,
+               act: Callable,
+               slice_envs: int,
+               total_envs: int,
+               obs_dim: int,
+               tracer=None,
                reply_timeout_s: float = 2.0):
     self._mailbox, self._act, self._m, self._tracer = mailbox, act, slice_envs, tracer
     self._reply_timeout_s = reply_timeout_s
@@ -92,8 +98,12 @@ class ActServer:
     for i, (group, request) in enumerate(requests):
       env_slice = self._mailbox.slice_of(request)
       part = slice(i * self._m, (i + 1) * self._m)
-      reply = types.ActReply(group=np.int32(group), env_slice=np.int32(env_slice), seq=np.int32(request.seq),
-                             version=np.int32(version), actions=actions[part], raw_actions=raw[part],
+      reply = types.ActReply(group=np.int32(group),
+                             env_slice=np.int32(env_slice),
+                             seq=np.int32(request.seq),
+                             version=np.int32(version),
+                             actions=actions[part],
+                             raw_actions=raw[part],
                              log_probs=log_probs[part])
       try:
         self._mailbox.reply(group, reply, timeout=self._reply_timeout_s, env_slice=env_slice)
@@ -108,10 +118,20 @@ class ActServer:
     return bucket
 
   def stats(self) -> Dict[str, Any]:
-    return {'slice_envs': self._m, 'buckets': list(self.buckets), 'batches': sum(self.requests_per_batch.values()),
-            'requests_per_batch': {str(k): v for k, v in sorted(self.requests_per_batch.items())},
-            'batches_per_bucket': {str(k): v for k, v in sorted(self.batches_per_bucket.items())},
-            'rows': self.rows, 'padded_rows': self.padded_rows, 'dropped_replies': self.dropped_replies}
+    return {
+        'slice_envs': self._m,
+        'buckets': list(self.buckets),
+        'batches': sum(self.requests_per_batch.values()),
+        'requests_per_batch': {
+            str(k): v for k, v in sorted(self.requests_per_batch.items())
+        },
+        'batches_per_bucket': {
+            str(k): v for k, v in sorted(self.batches_per_bucket.items())
+        },
+        'rows': self.rows,
+        'padded_rows': self.padded_rows,
+        'dropped_replies': self.dropped_replies
+    }
 
 
 def merge_stats(paths: Sequence[str]) -> Optional[Dict[str, Any]]:
@@ -142,8 +162,8 @@ def generation_main(cfg: GenerationConfig, mailbox: Any, store: Any, stop: Any, 
   tracer = tracing.Tracer(cfg.process.trace_dir, 'generation')
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
   network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
-  server = ActServer(mailbox, gen_stages.make_act(network, cfg.policy.min_std), cfg.slice_envs,
-                     cfg.total_envs, spec.obs_dim, tracer if tracer.enabled else None)
+  server = ActServer(mailbox, gen_stages.make_act(network, cfg.policy.min_std), cfg.slice_envs, cfg.total_envs,
+                     spec.obs_dim, tracer if tracer.enabled else None)
   num_requesters = cfg.num_requesters
   logging.info('generation worker: %d requesters of %d envs; act batches padded to buckets %s (%d programs).',
                num_requesters, cfg.slice_envs, server.buckets, len(server.buckets))

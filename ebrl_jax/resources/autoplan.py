@@ -90,7 +90,11 @@ def group_choices(cfg: config_lib.Config, sim_cores: Optional[int] = None) -> Tu
   return tuple(out)
 
 
-def _calibrate(cfg: config_lib.Config, sizes: List[int], quotas: Tuple[int, ...], worker_env, run_dir: str,
+def _calibrate(cfg: config_lib.Config,
+               sizes: List[int],
+               quotas: Tuple[int, ...],
+               worker_env,
+               run_dir: str,
                repeats: int = 3) -> List[dict]:
   """One spawned process per quota; returns their calibration JSONs. A failed or hung process is an error
   naming the quota and where its output went."""
@@ -99,8 +103,11 @@ def _calibrate(cfg: config_lib.Config, sizes: List[int], quotas: Tuple[int, ...]
   for q in quotas:
     path = os.path.join(run_dir, f'calibration_q{q}.json')
     env = worker_env(q)
-    proc = ctx.Process(target=calibrate.calibrate_main, args=(cfg, sizes, repeats, path), kwargs={'env': env},
-                       name=f'calibrate/q{q}', daemon=True)
+    proc = ctx.Process(target=calibrate.calibrate_main,
+                       args=(cfg, sizes, repeats, path),
+                       kwargs={'env': env},
+                       name=f'calibrate/q{q}',
+                       daemon=True)
     t0 = time.monotonic()
     proc.start()
     proc.join(_CALIBRATION_TIMEOUT_S)
@@ -120,11 +127,14 @@ def _calibrate(cfg: config_lib.Config, sizes: List[int], quotas: Tuple[int, ...]
 def plan_space(cfg: config_lib.Config, mps_active: bool) -> planner.PlanSpace:
   """The choices `--plan` searches for this config (and `--replan` re-searches, with the groups pinned)."""
   choices = group_choices(cfg)
-  return planner.PlanSpace(
-      num_envs=cfg.sim.num_envs, steps_per_iteration=cfg.env_steps_per_iteration // cfg.sim.num_envs,
-      num_groups=choices, group_sizes=tuple(sorted({cfg.sim.num_envs // g for g in choices})),
-      quotas=_QUOTA_GRID if mps_active else (100,), colocate_generation=cfg.schedule.colocate_generation,
-      quota_limit=mps_active, rollout_on_gpu=not cfg.rollout_on_host)
+  return planner.PlanSpace(num_envs=cfg.sim.num_envs,
+                           steps_per_iteration=cfg.env_steps_per_iteration // cfg.sim.num_envs,
+                           num_groups=choices,
+                           group_sizes=tuple(sorted({cfg.sim.num_envs // g for g in choices})),
+                           quotas=_QUOTA_GRID if mps_active else (100,),
+                           colocate_generation=cfg.schedule.colocate_generation,
+                           quota_limit=mps_active,
+                           rollout_on_gpu=not cfg.rollout_on_host)
 
 
 def plan_run(cfg: config_lib.Config, mps_active: bool, worker_env) -> Tuple[config_lib.Config, dict]:
@@ -141,8 +151,9 @@ def plan_run(cfg: config_lib.Config, mps_active: bool, worker_env) -> Tuple[conf
   calibrated_s = None
   if not all(name in store for name in ('sim', 'generation', 'train')):
     t0 = time.monotonic()
-    logging.info('--plan: no stage profiles for this machine and workload in %s; calibrating at quotas %s, '
-                 'group sizes %s.', path, quotas, sizes)
+    logging.info(
+        '--plan: no stage profiles for this machine and workload in %s; calibrating at quotas %s, '
+        'group sizes %s.', path, quotas, sizes)
     for profile in _calibrate(cfg, sizes, quotas, worker_env, cfg.schedule.run_dir):
       calibrate.add_to_store(store, profile)
     store.save(path)
@@ -162,13 +173,24 @@ def plan_run(cfg: config_lib.Config, mps_active: bool, worker_env) -> Tuple[conf
     quota_text = '' if chosen.shared else ','.join(f'{role}={q}' for role, q in sorted(chosen.quotas.items()))
     resources_cfg = dataclasses.replace(cfg.resources, sm_quotas=quota_text)
   new_cfg = dataclasses.replace(cfg, schedule=schedule_cfg, resources=resources_cfg)
-  record = {'num_groups': chosen.num_groups, 'envs_per_group': chosen.envs_per_group,
-            'quotas': chosen.quotas if mps_active and not chosen.shared else None, 'shared': chosen.shared,
-            'predicted_env_steps_per_s': chosen.env_steps_per_s,
-            'predicted_iteration_s': chosen.iteration_s, 'predicted_rollout_s': chosen.rollout_s,
-            'predicted_train_s': chosen.train_s, 'reason': chosen.reason, 'mps': mps_active,
-            'calibrated_s': calibrated_s, 'calibration_quotas': list(quotas) if calibrated_s is not None else [],
-            'profile_store': path, 'fits': {name: store[name].fit_note for name in sorted(store)}}
+  record = {
+      'num_groups': chosen.num_groups,
+      'envs_per_group': chosen.envs_per_group,
+      'quotas': chosen.quotas if mps_active and not chosen.shared else None,
+      'shared': chosen.shared,
+      'predicted_env_steps_per_s': chosen.env_steps_per_s,
+      'predicted_iteration_s': chosen.iteration_s,
+      'predicted_rollout_s': chosen.rollout_s,
+      'predicted_train_s': chosen.train_s,
+      'reason': chosen.reason,
+      'mps': mps_active,
+      'calibrated_s': calibrated_s,
+      'calibration_quotas': list(quotas) if calibrated_s is not None else [],
+      'profile_store': path,
+      'fits': {
+          name: store[name].fit_note for name in sorted(store)
+      }
+  }
   if fused_like is not None:
     record['predicted_sequential_env_steps_per_s'] = fused_like.env_steps_per_s
   return new_cfg, record

@@ -76,18 +76,22 @@ def _mjx_sim_gen(cfg, network, params, envs: int, repeats: int, env) -> Dict[str
 
   @jax.jit
   def sim_unroll(state, actions):
+
     def body(s, a):
       s, res = sim_stages.step_chunk(env, s, a)
       return s, jnp.sum(res.reward)
+
     return jax.lax.scan(body, state, actions)
 
   obs = state.brax_state.obs
 
   @jax.jit
   def gen_unroll(params, obs, key):
+
     def body(acc, step_key):
       out = gen_stages.act(network, params, obs + acc[:, None] * 0.0, step_key, min_std=cfg.policy.min_std)
       return acc + out.log_probs, None
+
     acc, _ = jax.lax.scan(body, jnp.zeros(obs.shape[0]), jax.random.split(key, steps))
     return acc
 
@@ -97,17 +101,22 @@ def _mjx_sim_gen(cfg, network, params, envs: int, repeats: int, env) -> Dict[str
     box['state'], rewards = sim_unroll(box['state'], actions)
     jax.block_until_ready(rewards)
 
-  return {'sim': _timed(run_sim, repeats),
-          'generation': _timed(lambda: jax.block_until_ready(gen_unroll(params, obs, jax.random.PRNGKey(2))),
-                               repeats)}
+  return {
+      'sim': _timed(run_sim, repeats),
+      'generation': _timed(lambda: jax.block_until_ready(gen_unroll(params, obs, jax.random.PRNGKey(2))), repeats)
+  }
 
 
 def _cpu_sim_gen(cfg, network, params, envs: int, repeats: int, threads: int = 0) -> Dict[str, List[float]]:
   k = cfg.policy.action_chunk
   steps = cfg.algo.unroll_length // k
   rng = np.random.default_rng(0)
-  with cpu_env.CpuEnvPool(cfg.sim.task, envs, cfg.sim.episode_length, cfg.sim.action_repeat,
-                          num_threads=threads or cfg.sim.num_threads, seed=0) as pool:
+  with cpu_env.CpuEnvPool(cfg.sim.task,
+                          envs,
+                          cfg.sim.episode_length,
+                          cfg.sim.action_repeat,
+                          num_threads=threads or cfg.sim.num_threads,
+                          seed=0) as pool:
     obs = pool.reset()
     spec = pool.spec
     actions = rng.uniform(-1.0, 1.0, (steps, envs, k, spec.action_dim)).astype(np.float32)
@@ -137,13 +146,21 @@ def _train(cfg, env, network, optimizer, train_state, repeats: int) -> List[floa
   state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(env, jax.random.PRNGKey(3), n, cfg.sim.group_size)
   collect = jax.jit(lambda p, v, s, key: rollout.collect_iteration(env, network, cfg.collect_spec, n, p, v, s, key))
   _, batch, _ = collect(train_state.params, train_state.policy_version, state, jax.random.PRNGKey(4))
-  step = jax.jit(trainer_stages.train_step, static_argnums=(0, 1, 2, 3),
-                 static_argnames=('group_size', 'recompute_proximal'), donate_argnums=(4,))
+  step = jax.jit(trainer_stages.train_step,
+                 static_argnums=(0, 1, 2, 3),
+                 static_argnames=('group_size', 'recompute_proximal'),
+                 donate_argnums=(4,))
   box = {'state': train_state}
 
   def run():
-    box['state'], metrics = step(network, optimizer, cfg.algo, cfg.policy.min_std, box['state'], batch,
-                                 jax.random.PRNGKey(5), group_size=cfg.sim.group_size,
+    box['state'], metrics = step(network,
+                                 optimizer,
+                                 cfg.algo,
+                                 cfg.policy.min_std,
+                                 box['state'],
+                                 batch,
+                                 jax.random.PRNGKey(5),
+                                 group_size=cfg.sim.group_size,
                                  recompute_proximal=cfg.schedule.name == 'async')
     jax.block_until_ready(metrics)
 
@@ -172,8 +189,8 @@ def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5, all_gro
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
   network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
   optimizer = trainer_stages.make_optimizer(cfg.algo)
-  train_state = trainer_stages.init_train_state(network, optimizer, jax.random.PRNGKey(cfg.schedule.seed),
-                                                spec.obs_dim, cfg.policy.normalize_observations)
+  train_state = trainer_stages.init_train_state(network, optimizer, jax.random.PRNGKey(cfg.schedule.seed), spec.obs_dim,
+                                                cfg.policy.normalize_observations)
   unroll_steps = cfg.algo.unroll_length * cfg.sim.action_repeat  # env steps per env in one sim/gen call
   iteration_steps = cfg.env_steps_per_iteration
 
@@ -181,11 +198,18 @@ def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5, all_gro
     med = statistics.median(samples)
     return {'samples_s': samples, 'median_s': med, 'per_env_step_s': med / env_steps, 'env_steps': env_steps}
 
-  out = {'quota': current_quota(), 'device': str(jax.devices()[0].device_kind), 'backend': cfg.sim.backend,
-         'num_params': policies.count_params(train_state.params.network), 'steps_per_iteration': iteration_steps,
-         'groups': {}}
+  out = {
+      'quota': current_quota(),
+      'device': str(jax.devices()[0].device_kind),
+      'backend': cfg.sim.backend,
+      'num_params': policies.count_params(train_state.params.network),
+      'steps_per_iteration': iteration_steps,
+      'groups': {}
+  }
   # One MJX env serves the MJX sim/generation timings and the training batch (collected on MJX for both backends).
-  mjx_env = sim_stages.make_mjx_env(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat,
+  mjx_env = sim_stages.make_mjx_env(cfg.sim.task,
+                                    cfg.sim.episode_length,
+                                    cfg.sim.action_repeat,
                                     auto_reset=not cfg.algo.episodic)
   times, peaks, threads = {}, {}, {}
   for e in sorted({int(e) for e in envs_per_group}):  # smallest first: each peak bounds its own size's
@@ -224,7 +248,11 @@ def add_to_store(store, profile: dict) -> None:
     store.profile('train').add_sample(profile['steps_per_iteration'], q, t)
 
 
-def calibrate_main(cfg, envs_per_group: Sequence[int], repeats: int, out_path: str, env=None,
+def calibrate_main(cfg,
+                   envs_per_group: Sequence[int],
+                   repeats: int,
+                   out_path: str,
+                   env=None,
                    all_groups_threads: bool = False) -> None:
   """Process entry point: applies the worker environment (SM quota, memory share), profiles, writes JSON."""
   startup.apply_worker_env(env)

@@ -109,18 +109,29 @@ class MemoryPlan(NamedTuple):
   def summary(self) -> dict:
     """JSON-able plan for the run summary's extra (MiB, rounded)."""
     mib = lambda b: None if b is None else round(b / MIB, 1)
-    return {'device_total_mib': mib(self.device_total), 'headroom': self.headroom, 'cap': PLAN_CAP,
-            'context_mib': mib(CONTEXT_BYTES), 'note': self.note,
-            'roles': {r: {'footprint_mib': mib(b.footprint), 'budget_mib': mib(b.budget),
-                          'fraction': round(b.fraction, 4), 'source': b.source} for r, b in self.roles.items()}}
+    return {
+        'device_total_mib': mib(self.device_total),
+        'headroom': self.headroom,
+        'cap': PLAN_CAP,
+        'context_mib': mib(CONTEXT_BYTES),
+        'note': self.note,
+        'roles': {
+            r: {
+                'footprint_mib': mib(b.footprint),
+                'budget_mib': mib(b.budget),
+                'fraction': round(b.fraction, 4),
+                'source': b.source
+            } for r, b in self.roles.items()
+        }
+    }
 
   def log(self) -> None:
     if self.device_total is None:
       logging.info('GPU memory: no plan (%s); fractions of the device: %s.', self.note,
                    ', '.join(f'{role} {b.fraction:.3f} ({b.source})' for role, b in self.roles.items()))
       return
-    logging.info('GPU memory plan on %.0f MiB (headroom %.2f, %d MiB context per process):',
-                 self.device_total / MIB, self.headroom, CONTEXT_BYTES // MIB)
+    logging.info('GPU memory plan on %.0f MiB (headroom %.2f, %d MiB context per process):', self.device_total / MIB,
+                 self.headroom, CONTEXT_BYTES // MIB)
     for role, b in self.roles.items():
       logging.info('  %-12s footprint %9.1f MiB  budget %9.1f MiB  fraction %.4f  (%s)', role, b.footprint / MIB,
                    b.budget / MIB, b.fraction, b.source)
@@ -167,8 +178,8 @@ def row_bytes(network, params, obs_dim: int, k: int, action_dim: int) -> Tuple[i
   def measure(rows: int):
     obs = jax.ShapeDtypeStruct((rows, obs_dim), 'float32')
     raw = jax.ShapeDtypeStruct((rows, k, action_dim), 'float32')
-    return (tree_bytes(jax.eval_shape(residuals, params, obs, raw)),
-            _value_sizes(jax.make_jaxpr(loss)(params.network, params, obs, raw).jaxpr))
+    return (tree_bytes(jax.eval_shape(residuals, params, obs,
+                                      raw)), _value_sizes(jax.make_jaxpr(loss)(params.network, params, obs, raw).jaxpr))
 
   (saved4, values4), (saved8, values8) = measure(4), measure(8)
   if len(values4) == len(values8):
@@ -202,11 +213,18 @@ def mjx_state_bytes(task: str, episode_length: int, action_repeat: int) -> Dict[
   client, and JAX's client preallocates most of the GPU before any worker has started.
   """
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  env = dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=os.pathsep.join(
-      filter(None, [root, os.environ.get('PYTHONPATH')])))
+  env = dict(os.environ,
+             JAX_PLATFORMS='cpu',
+             PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get('PYTHONPATH')])))
   try:
-    out = subprocess.run([sys.executable, '-c', _MJX_STATE_PROBE, task, str(episode_length), str(action_repeat)],
-                         env=env, capture_output=True, text=True, timeout=300, check=True)
+    out = subprocess.run(
+        [sys.executable, '-c', _MJX_STATE_PROBE, task,
+         str(episode_length), str(action_repeat)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True)
     data = json.loads(out.stdout.strip().splitlines()[-1])
   except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
     detail = (getattr(e, 'stderr', '') or '')[-500:]
@@ -221,8 +239,8 @@ def footprints(cfg, spec, profile: Optional[dict] = None) -> Dict[str, Footprint
   o, a, k = spec.obs_dim, spec.action_dim, cfg.policy.action_chunk
   network = policies.make_network(cfg.policy, o, a)
   optimizer = trainer_stages.make_optimizer(cfg.algo)
-  state = jax.eval_shape(lambda: trainer_stages.init_train_state(
-      network, optimizer, jax.random.PRNGKey(0), o, cfg.policy.normalize_observations))
+  state = jax.eval_shape(lambda: trainer_stages.init_train_state(network, optimizer, jax.random.PRNGKey(0), o, cfg.
+                                                                 policy.normalize_observations))
   params = tree_bytes(state.params)
   saved_row, largest_row = row_bytes(network, state.params, o, k, a)
   unrolls, t = cfg.segment_shape
@@ -235,16 +253,23 @@ def footprints(cfg, spec, profile: Optional[dict] = None) -> Dict[str, Footprint
     evaluation = envs(cfg.sim.num_eval_envs, False) + act(cfg.sim.num_eval_envs)
   else:
     envs, evaluation = None, act(cfg.sim.num_eval_envs)
-  trainer = {'train_state': tree_bytes(state), 'gradients': 2 * tree_bytes(state.params.network),
-             'batch': 2 * _transition_bytes(t, s, o, k, a) + 4 * 4 * t * s,
-             'activations': max(train_rows * (saved_row + 2 * largest_row), 2 * largest_row * t * s),
-             'evaluation': evaluation}
+  trainer = {
+      'train_state': tree_bytes(state),
+      'gradients': 2 * tree_bytes(state.params.network),
+      'batch': 2 * _transition_bytes(t, s, o, k, a) + 4 * 4 * t * s,
+      'activations': max(train_rows * (saved_row + 2 * largest_row), 2 * largest_row * t * s),
+      'evaluation': evaluation
+  }
   e = cfg.group_envs
   if not cfg.schedule.colocate_generation:
     rollout = {}
   elif envs is not None:
-    rollout = {'params': 2 * params, 'act': act(e), 'env_state': envs(e, not cfg.algo.episodic),
-               'segment': _transition_bytes(t, unrolls * e, o, k, a)}
+    rollout = {
+        'params': 2 * params,
+        'act': act(e),
+        'env_state': envs(e, not cfg.algo.episodic),
+        'segment': _transition_bytes(t, unrolls * e, o, k, a)
+    }
   else:
     rollout = {'params': 2 * params, 'act': act(e)}
   out = {'trainer': trainer, 'rollout': rollout}
@@ -260,8 +285,9 @@ def measured_peaks(profile: dict, cfg, num_params: int) -> Dict[str, int]:
   same = {'backend': cfg.sim.backend, 'num_params': num_params, 'steps_per_iteration': cfg.env_steps_per_iteration}
   differ = [f'{key} {profile.get(key)} vs {want}' for key, want in same.items() if profile.get(key) != want]
   if differ:
-    logging.warning('--memory_profile was measured on another workload (%s: profile vs this run); the plan uses '
-                    'estimates only.', ', '.join(differ))
+    logging.warning(
+        '--memory_profile was measured on another workload (%s: profile vs this run); the plan uses '
+        'estimates only.', ', '.join(differ))
     return {}
   out = {}
   if profile.get('train', {}).get('peak_bytes_in_use'):
@@ -294,7 +320,9 @@ def _no_fit(roles: Mapping[str, RoleBudget], device_total: Optional[int], cfg) -
           f'{r.memory_fractions!r}).')
 
 
-def make_plan(cfg, processes: Sequence[str], device_total: Optional[int],
+def make_plan(cfg,
+              processes: Sequence[str],
+              device_total: Optional[int],
               role_footprints: Optional[Mapping[str, Footprint]] = None) -> MemoryPlan:
   """Budgets of `processes` (roles like 'trainer', 'rollout/0'); raises ValueError naming every footprint, the
   device total and the flags to change when they do not fit. `device_total` None: the equal share (no plan)."""

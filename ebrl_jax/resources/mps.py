@@ -35,8 +35,7 @@ class MpsDaemon:
   def _command(self, stdin: str, env: Dict[str, str]) -> Optional[str]:
     """Sends one command to the control daemon; None if it did not answer in time or failed."""
     try:
-      out = subprocess.run([self._control], input=stdin, capture_output=True, text=True, env=env,
-                           timeout=self._timeout)
+      out = subprocess.run([self._control], input=stdin, capture_output=True, text=True, env=env, timeout=self._timeout)
     except (OSError, subprocess.TimeoutExpired) as e:
       logging.debug('MPS control %r failed: %s', stdin.strip(), e)
       return None
@@ -62,8 +61,7 @@ class MpsDaemon:
       os.makedirs(path, mode=0o700, exist_ok=True)
     env = self._env(self.pipe_dir, self.log_dir)
     try:
-      started = subprocess.run([self._control, '-d'], capture_output=True, text=True, env=env,
-                               timeout=self._timeout)
+      started = subprocess.run([self._control, '-d'], capture_output=True, text=True, env=env, timeout=self._timeout)
     except (OSError, subprocess.TimeoutExpired) as e:
       return self._warn(f'{self._control} -d did not start: {e}')
     if started.returncode != 0:

@@ -125,8 +125,8 @@ class Plan:
     return self.num_groups * self.quotas.get(ROLLOUT, 0) + sum(q for r, q in self.quotas.items() if r != ROLLOUT)
 
   def describe(self) -> str:
-    quotas = ('no quotas (SMs shared)' if self.shared else
-              'quotas ' + ' '.join(f'{role} {self.quotas[role]}%' for role in sorted(self.quotas)))
+    quotas = ('no quotas (SMs shared)' if self.shared else 'quotas ' +
+              ' '.join(f'{role} {self.quotas[role]}%' for role in sorted(self.quotas)))
     return (f'{self.num_groups} group(s) x {self.envs_per_group} envs, {quotas}: '
             f'rollout {self.rollout_s:.3f} s, train {self.train_s:.3f} s, iteration {self.iteration_s:.3f} s '
             f'({self.env_steps_per_s:,.0f} env-steps/s)')
@@ -138,8 +138,12 @@ def _profile(profiles: Mapping, name: str):
   return profiles[name]
 
 
-def evaluate(profiles: Mapping, space: PlanSpace, num_groups: int, quotas: Mapping[str, int],
-             schedule: str = 'async', shared: bool = False) -> Plan:
+def evaluate(profiles: Mapping,
+             space: PlanSpace,
+             num_groups: int,
+             quotas: Mapping[str, int],
+             schedule: str = 'async',
+             shared: bool = False) -> Plan:
   """The model's prediction for one layout and set of quotas, or with no quotas (`shared`, and always without
   MPS; `quotas` is then ignored), see the module docstring; `reason` is empty."""
   if schedule not in SCHEDULES:
@@ -162,13 +166,20 @@ def evaluate(profiles: Mapping, space: PlanSpace, num_groups: int, quotas: Mappi
     if 'generation' in profiles and (space.rollout_on_gpu or not space.colocate_generation):
       gpu_step += profiles['generation'].predict(e, 100)
     gpu_r = space.steps_per_iteration * num_groups * gpu_step
-    combined = (max(rollout_s, train_s, gpu_r + train_s) if schedule == 'async' else
-                max(rollout_s, gpu_r) + train_s)
+    combined = (max(rollout_s, train_s, gpu_r + train_s) if schedule == 'async' else max(rollout_s, gpu_r) + train_s)
   else:
     combined = max(rollout_s, train_s) if schedule == 'async' else rollout_s + train_s
   iteration_s = combined + space.iteration_handoff_s
-  return Plan(schedule, num_groups, e, dict(quotas), space.colocate_generation, rollout_s, train_s, iteration_s,
-              space.num_envs * space.steps_per_iteration / iteration_s, shared=shared)
+  return Plan(schedule,
+              num_groups,
+              e,
+              dict(quotas),
+              space.colocate_generation,
+              rollout_s,
+              train_s,
+              iteration_s,
+              space.num_envs * space.steps_per_iteration / iteration_s,
+              shared=shared)
 
 
 def _feasible(space: PlanSpace, num_groups: int, quotas: Mapping[str, int], schedule: str) -> bool:
@@ -182,11 +193,13 @@ def _feasible(space: PlanSpace, num_groups: int, quotas: Mapping[str, int], sche
 
 def _order(p: Plan, best_s: float) -> tuple:
   near_best = p.iteration_s <= best_s * (1 + _TIE)
-  return (not near_best, p.iteration_s if not near_best else 0.0, p.num_groups, p.total_quota,
-          p.quotas.get(ROLLOUT, 0), p.quotas.get(GENERATION, 0), p.quotas[TRAINER])
+  return (not near_best, p.iteration_s if not near_best else 0.0, p.num_groups, p.total_quota, p.quotas.get(ROLLOUT, 0),
+          p.quotas.get(GENERATION, 0), p.quotas[TRAINER])
 
 
-def candidates(profiles: Mapping, space: PlanSpace, schedule: str = 'async',
+def candidates(profiles: Mapping,
+               space: PlanSpace,
+               schedule: str = 'async',
                fixed: Optional[Mapping[str, int]] = None) -> List[Plan]:
   """Every feasible plan in the space that respects `fixed` (keys: num_groups, envs_per_group or a role)."""
   fixed = dict(fixed or {})
@@ -219,7 +232,9 @@ def candidates(profiles: Mapping, space: PlanSpace, schedule: str = 'async',
   return plans
 
 
-def plan(profiles: Mapping, space: PlanSpace, schedule: str = 'async',
+def plan(profiles: Mapping,
+         space: PlanSpace,
+         schedule: str = 'async',
          fixed: Optional[Mapping[str, int]] = None) -> Plan:
   """The plan with the least predicted iteration time; `reason` compares it with the runner-up (the best plan
   with another number of groups, or else the next plan in order)."""
@@ -263,9 +278,16 @@ class Replanner:
   `change_cost_s`; and (3) at least `min_interval_iterations` passed since the last change (or the start).
   """
 
-  def __init__(self, space: PlanSpace, schedule: str = 'async', fixed: Optional[Mapping[str, int]] = None,
-               plan: Optional[Plan] = None, hysteresis: float = 0.10, min_interval_iterations: int = 20,
-               change_cost_s: float = 60.0, horizon_iterations: int = 200, measured_ema_alpha: float = 0.3,
+  def __init__(self,
+               space: PlanSpace,
+               schedule: str = 'async',
+               fixed: Optional[Mapping[str, int]] = None,
+               plan: Optional[Plan] = None,
+               hysteresis: float = 0.10,
+               min_interval_iterations: int = 20,
+               change_cost_s: float = 60.0,
+               horizon_iterations: int = 200,
+               measured_ema_alpha: float = 0.3,
                start_iteration: int = 0):
     if hysteresis < 0 or min_interval_iterations < 0 or change_cost_s < 0 or horizon_iterations <= 0:
       raise ValueError('Replanner: hysteresis, min_interval_iterations and change_cost_s must be >= 0 and '
@@ -283,19 +305,26 @@ class Replanner:
     self._measured: Optional[float] = None  # EMA under the current plan
     self._measured_before: Optional[float] = None  # EMA under the previous plan, frozen at the last change
 
-  def update(self, profiles: Mapping, iteration: int, measured_iteration_s: Optional[float] = None,
+  def update(self,
+             profiles: Mapping,
+             iteration: int,
+             measured_iteration_s: Optional[float] = None,
              remaining_iterations: Optional[int] = None) -> Optional[Plan]:
     """Re-plans with the updated profiles; returns the new plan if it changed, else None. Logs the decision."""
     if measured_iteration_s is not None:
       a = self.measured_ema_alpha
-      self._measured = measured_iteration_s if self._measured is None else (
-          (1 - a) * self._measured + a * measured_iteration_s)
-    measured_gain = (self._measured_before / self._measured - 1
-                     if self._measured_before is not None and self._measured is not None else None)
+      self._measured = measured_iteration_s if self._measured is None else ((1 - a) * self._measured +
+                                                                            a * measured_iteration_s)
+    measured_gain = (self._measured_before / self._measured -
+                     1 if self._measured_before is not None and self._measured is not None else None)
     best = plan(profiles, self.space, self.schedule, self.fixed)
     if self.plan is None:
       return self._decide(iteration, best, best.iteration_s, best, measured_gain, f'initial plan: {best.reason}')
-    current = evaluate(profiles, self.space, self.plan.num_groups, self.plan.quotas, self.schedule,
+    current = evaluate(profiles,
+                       self.space,
+                       self.plan.num_groups,
+                       self.plan.quotas,
+                       self.schedule,
                        shared=self.plan.shared)
     gain = current.iteration_s / best.iteration_s - 1
     horizon = min(self.horizon_iterations, remaining_iterations if remaining_iterations is not None else 1 << 62)
@@ -316,8 +345,8 @@ class Replanner:
                           f'keep: {since} < {self.min_interval_iterations} iterations since the last change; {text}')
     return self._decide(iteration, best, current.iteration_s, best, measured_gain, f'change: {text}')
 
-  def _decide(self, iteration: int, new: Optional[Plan], current_s: float, best: Plan,
-              measured_gain: Optional[float], reason: str) -> Optional[Plan]:
+  def _decide(self, iteration: int, new: Optional[Plan], current_s: float, best: Plan, measured_gain: Optional[float],
+              reason: str) -> Optional[Plan]:
     decision = Decision(iteration, new is not None, new or self.plan, current_s, best.iteration_s,
                         current_s / best.iteration_s - 1, self._measured, measured_gain, reason)
     self.decisions.append(decision)

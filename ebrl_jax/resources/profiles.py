@@ -63,7 +63,7 @@ def _nnls2(x: np.ndarray, y: np.ndarray) -> Tuple[float, float, float]:
     value = max(0.0, float(x[:, col] @ y) / denom) if denom > 0 else 0.0
     options.append((value, 0.0) if col == 0 else (0.0, value))
   for a, c in options:
-    residual = float(np.sum((x @ np.array([a, c]) - y) ** 2))
+    residual = float(np.sum((x @ np.array([a, c]) - y)**2))
     if best is None or residual < best[2]:
       best = (float(a), float(c), residual)
   return best
@@ -127,8 +127,12 @@ class StageProfile:
             f" * max(1, {p['saturation_quota']:g} / q) from {len(self.samples)} samples ({self.fit_note})")
 
   def to_dict(self) -> dict:
-    return {'samples': [list(s) for s in self.samples], 'correction': self.correction,
-            'num_observations': self.num_observations, 'ema_alpha': self.ema_alpha}
+    return {
+        'samples': [list(s) for s in self.samples],
+        'correction': self.correction,
+        'num_observations': self.num_observations,
+        'ema_alpha': self.ema_alpha
+    }
 
   @classmethod
   def from_dict(cls, name: str, data: dict) -> 'StageProfile':
@@ -168,8 +172,8 @@ class StageProfile:
       if many_batches:
         a, c, residual = _nnls2(x, np.ones_like(t))
       else:
-        c = float(np.sum(x[:, 1]) / np.sum(x[:, 1] ** 2))
-        a, residual = 0.0, float(np.sum((x[:, 1] * c - 1.0) ** 2))
+        c = float(np.sum(x[:, 1]) / np.sum(x[:, 1]**2))
+        a, residual = 0.0, float(np.sum((x[:, 1] * c - 1.0)**2))
       # `<=` with a tolerance: equal residuals (q_sat below every measured quota) go to the largest q_sat.
       if best is None or residual <= best[3] + 1e-12 * len(t):
         best = (a, c, float(q_sat), min(residual, best[3]) if best else residual)
@@ -185,7 +189,10 @@ class ProfileStore:
   File: {"format": ..., "machine": machine_id, "workload": workload_id, "profiles": {name: StageProfile dict}}.
   """
 
-  def __init__(self, machine: str, workload: str, path: Optional[str] = None,
+  def __init__(self,
+               machine: str,
+               workload: str,
+               path: Optional[str] = None,
                profiles: Optional[Dict[str, StageProfile]] = None):
     self.machine = machine
     self.workload = workload
@@ -213,8 +220,14 @@ class ProfileStore:
     return len(self.profiles)
 
   def to_dict(self) -> dict:
-    return {'format': _FORMAT, 'machine': self.machine, 'workload': self.workload,
-            'profiles': {name: p.to_dict() for name, p in sorted(self.profiles.items())}}
+    return {
+        'format': _FORMAT,
+        'machine': self.machine,
+        'workload': self.workload,
+        'profiles': {
+            name: p.to_dict() for name, p in sorted(self.profiles.items())
+        }
+    }
 
   def save(self, path: Optional[str] = None) -> str:
     """Writes the store atomically (a temporary file in the same folder, then os.replace); returns the path."""

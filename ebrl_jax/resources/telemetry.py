@@ -85,8 +85,14 @@ def _close_quietly(f) -> None:
 class Telemetry:
   """Samples in a daemon thread from `start()` to `stop()`; `pids()` names the processes to watch by role."""
 
-  def __init__(self, run_dir: str, pids: Callable[[], Dict[str, int]], period: float = 0.1,
-               trace_dir: str = '', gpu: bool = True, device: Optional[str] = None, name: str = 'telemetry'):
+  def __init__(self,
+               run_dir: str,
+               pids: Callable[[], Dict[str, int]],
+               period: float = 0.1,
+               trace_dir: str = '',
+               gpu: bool = True,
+               device: Optional[str] = None,
+               name: str = 'telemetry'):
     self._path = os.path.join(run_dir, f'{name}.jsonl')
     self.device = visible_gpu() if device is None else device
     self._pids, self._period, self._trace_dir = pids, period, trace_dir

@@ -18,8 +18,14 @@ from ebrl_jax.sim import cpu_env
 
 def make_pool(sim: config_lib.SimConfig, num_envs: int, seed: int, auto_reset: bool) -> cpu_env.CpuEnvPool:
   """`num_envs` native-MuJoCo envs of `sim`'s task on `sim.num_threads` threads."""
-  return cpu_env.CpuEnvPool(sim.task, num_envs, sim.episode_length, sim.action_repeat, sim.num_threads, seed=seed,
-                            group_size=sim.group_size, auto_reset=auto_reset)
+  return cpu_env.CpuEnvPool(sim.task,
+                            num_envs,
+                            sim.episode_length,
+                            sim.action_repeat,
+                            sim.num_threads,
+                            seed=seed,
+                            group_size=sim.group_size,
+                            auto_reset=auto_reset)
 
 
 class SegmentBuffer:
@@ -62,8 +68,15 @@ class CpuCollector:
   NOTE: slices touch disjoint envs, buffer columns and observation rows; the pool allows that concurrently.
   """
 
-  def __init__(self, pool, spec: types.EnvSpec, act_fn, unrolls: int, steps: int, action_chunk: int,
-               episodic: bool, tracer=None):
+  def __init__(self,
+               pool,
+               spec: types.EnvSpec,
+               act_fn,
+               unrolls: int,
+               steps: int,
+               action_chunk: int,
+               episodic: bool,
+               tracer=None):
     self._pool, self._tracer = pool, tracer
     self._n = pool.num_envs
     sliced = isinstance(act_fn, (list, tuple))
@@ -94,13 +107,21 @@ class CpuCollector:
       stats = self._collect_envs(self._act, 0, self._n, params, version, key)
     else:
       m = self._slice_envs
-      futures = [self._executor.submit(self._collect_envs, act, i * m, (i + 1) * m, params, version, key, i)
-                 for i, act in enumerate(self._slice_acts)]
+      futures = [
+          self._executor.submit(self._collect_envs, act, i * m, (i + 1) * m, params, version, key, i)
+          for i, act in enumerate(self._slice_acts)
+      ]
       parts = [f.result() for f in futures]  # re-raises a slice's exception (InterruptedError on stop)
       stats = types.EpisodeStats(*(sum(p[i] for p in parts) for i in range(3)))
     return self.buffer.transition(), stats
 
-  def _collect_envs(self, act_fn, lo: int, hi: int, params, version: int, key,
+  def _collect_envs(self,
+                    act_fn,
+                    lo: int,
+                    hi: int,
+                    params,
+                    version: int,
+                    key,
                     slice_index: Optional[int] = None) -> types.EpisodeStats:
     """The policy/env loop over envs [lo, hi) (the whole pool: `slice_index` None), writing their columns."""
     buf, n, whole = self.buffer, self._n, slice_index is None

@@ -24,8 +24,7 @@ class CpuEvaluator:
   def __init__(self, sim: config_lib.SimConfig, policy: config_lib.PolicyConfig, seed: int, deterministic: bool,
                network):
     self._sim, self._chunk = sim, policy.action_chunk
-    self._pool = cpu_rollout.make_pool(sim, sim.num_eval_envs, keys.env_seed(seed, keys.EVAL_ENV),
-                                       auto_reset=False)
+    self._pool = cpu_rollout.make_pool(sim, sim.num_eval_envs, keys.env_seed(seed, keys.EVAL_ENV), auto_reset=False)
     self._act = gen_stages.make_act(network, policy.min_std, deterministic)
 
   def lower_and_compile(self, params) -> None:
@@ -49,9 +48,14 @@ class MjxEvaluator:
     from ebrl_jax.rollout import mjx as mjx_rollout  # lazy: brax and MJX load only for an MJX run
     from ebrl_jax.sim import stages as sim_stages  # lazy: as above
     env = sim_stages.make_mjx_env(sim.task, sim.episode_length, sim.action_repeat, auto_reset=False)
-    self._eval = jax.jit(functools.partial(
-        mjx_rollout.evaluate_policy, env, network, num_envs=sim.num_eval_envs,
-        num_steps=sim.episode_length // policy.action_chunk, min_std=policy.min_std, deterministic=deterministic))
+    self._eval = jax.jit(
+        functools.partial(mjx_rollout.evaluate_policy,
+                          env,
+                          network,
+                          num_envs=sim.num_eval_envs,
+                          num_steps=sim.episode_length // policy.action_chunk,
+                          min_std=policy.min_std,
+                          deterministic=deterministic))
 
   def lower_and_compile(self, params) -> None:
     self._eval = self._eval.lower(params, jax.random.PRNGKey(0)).compile()
@@ -64,7 +68,6 @@ class MjxEvaluator:
     pass
 
 
-def make_evaluator(sim: config_lib.SimConfig, policy: config_lib.PolicyConfig, seed: int, deterministic: bool,
-                   network):
+def make_evaluator(sim: config_lib.SimConfig, policy: config_lib.PolicyConfig, seed: int, deterministic: bool, network):
   cls = CpuEvaluator if sim.backend == 'mujoco_cpu' else MjxEvaluator
   return cls(sim, policy, seed, deterministic, network)

@@ -59,8 +59,8 @@ class MjxGroup:
     env = sim_stages.make_mjx_env(sim.task, sim.episode_length, sim.action_repeat, auto_reset=not cfg.collect.episodic)
     key = keys.env_reset_key(keys.root(cfg.seed), group)
     self._env_state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(env, key, num_envs, sim.group_size)
-    self._program = jax.jit(functools.partial(mjx_rollout.collect_iteration, env, network, cfg.collect,
-                                              num_envs), donate_argnums=(2,))
+    self._program = jax.jit(functools.partial(mjx_rollout.collect_iteration, env, network, cfg.collect, num_envs),
+                            donate_argnums=(2,))
 
   def collect(self, params, version: int, key):
     self._env_state, batch, stats = self._program(params, jnp.int32(version), self._env_state, key)
@@ -89,8 +89,10 @@ class RemoteAct:
     self.min_version, self._seq = 0, 0
 
   def _ask(self, obs) -> None:
-    request = types.ActRequest(group=np.int32(self._group), env_slice=np.int32(self._slice),
-                               seq=np.int32(self._seq), min_version=np.int32(self.min_version),
+    request = types.ActRequest(group=np.int32(self._group),
+                               env_slice=np.int32(self._slice),
+                               seq=np.int32(self._seq),
+                               min_version=np.int32(self.min_version),
                                obs=np.asarray(obs, np.float32))
     while not self._stop.is_set():
       try:
@@ -131,8 +133,8 @@ class CpuGroup:
       self.remote_acts = [RemoteAct(mailbox, group, stop, s) for s in range(cfg.env_slices)]
       act = self.remote_acts if len(self.remote_acts) > 1 else self.remote_acts[0]
     self.remote = bool(self.remote_acts)
-    self.collector = cpu_rollout.CpuCollector(self._pool, env_spec, act, spec.unrolls, spec.steps,
-                                              spec.action_chunk, spec.episodic, tracer if tracer.enabled else None)
+    self.collector = cpu_rollout.CpuCollector(self._pool, env_spec, act, spec.unrolls, spec.steps, spec.action_chunk,
+                                              spec.episodic, tracer if tracer.enabled else None)
 
   def set_min_version(self, version: int) -> None:
     for remote in self.remote_acts:

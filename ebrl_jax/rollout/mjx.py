@@ -17,8 +17,15 @@ from ebrl_jax.generation import stages as gen_stages
 from ebrl_jax.sim import stages as sim_stages
 
 
-def collect_segment(env: Any, network: Any, params: gen_stages.PolicyParams, policy_version: jax.Array,
-                    env_state: Any, num_steps: int, episodic: bool, key: types.PRNGKey, active: jax.Array,
+def collect_segment(env: Any,
+                    network: Any,
+                    params: gen_stages.PolicyParams,
+                    policy_version: jax.Array,
+                    env_state: Any,
+                    num_steps: int,
+                    episodic: bool,
+                    key: types.PRNGKey,
+                    active: jax.Array,
                     min_std: float = 0.001) -> Tuple[Any, jax.Array, types.Transition, types.EpisodeStats]:
   """Runs `num_steps` policy steps (each an action chunk of K env steps) for every env of `env_state`.
 
@@ -37,14 +44,18 @@ def collect_segment(env: Any, network: Any, params: gen_stages.PolicyParams, pol
     done = res.done.astype(jnp.float32)
     truncation = res.truncation.astype(jnp.float32)
     mask = active if episodic else jnp.ones_like(done)
-    transition = types.Transition(
-        obs=obs, raw_action=out.raw_actions, reward=res.reward * mask,
-        termination=done * (1.0 - truncation), truncation=truncation, next_obs=res.obs,
-        behaviour_log_prob=out.log_probs, mask=mask,
-        policy_version=jnp.full(done.shape, policy_version, jnp.int32))
+    transition = types.Transition(obs=obs,
+                                  raw_action=out.raw_actions,
+                                  reward=res.reward * mask,
+                                  termination=done * (1.0 - truncation),
+                                  truncation=truncation,
+                                  next_obs=res.obs,
+                                  behaviour_log_prob=out.log_probs,
+                                  mask=mask,
+                                  policy_version=jnp.full(done.shape, policy_version, jnp.int32))
     finished = done * mask
     stats = types.EpisodeStats(jnp.sum(res.episode_return * finished), jnp.sum(res.episode_length * finished),
-                         jnp.sum(finished))
+                               jnp.sum(finished))
     if episodic:
       active = active * (1.0 - done)
     return (env_state, active), (transition, stats)
@@ -55,8 +66,13 @@ def collect_segment(env: Any, network: Any, params: gen_stages.PolicyParams, pol
   return env_state, active, segment, stats
 
 
-def evaluate_policy(env: Any, network: Any, params: gen_stages.PolicyParams, key: types.PRNGKey,
-                    num_envs: int, num_steps: int, min_std: float = 0.001,
+def evaluate_policy(env: Any,
+                    network: Any,
+                    params: gen_stages.PolicyParams,
+                    key: types.PRNGKey,
+                    num_envs: int,
+                    num_steps: int,
+                    min_std: float = 0.001,
                     deterministic: bool = True) -> Tuple[jax.Array, jax.Array]:
   """The policy (its mode, or sampled) on `num_envs` fresh envs for one episode each: mean return and length.
 
@@ -67,7 +83,11 @@ def evaluate_policy(env: Any, network: Any, params: gen_stages.PolicyParams, key
 
   def body(carry, step_key):
     env_state, active, ret, length = carry
-    out = gen_stages.act(network, params, env_state.brax_state.obs, step_key, deterministic=deterministic,
+    out = gen_stages.act(network,
+                         params,
+                         env_state.brax_state.obs,
+                         step_key,
+                         deterministic=deterministic,
                          min_std=min_std)
     env_state, res = sim_stages.step_chunk(env, env_state, out.actions)
     ret = ret + res.reward * active

@@ -67,8 +67,12 @@ def _stand_by(worker, store, control, stop, key, phase) -> bool:
   return False
 
 
-def rollout_main(cfg: groups.RolloutConfig, group: int, channels: RolloutChannels, incarnation: int = 0,
-                 env: Optional[dict] = None, control: Optional[feedback_lib.WorkerControl] = None):
+def rollout_main(cfg: groups.RolloutConfig,
+                 group: int,
+                 channels: RolloutChannels,
+                 incarnation: int = 0,
+                 env: Optional[dict] = None,
+                 control: Optional[feedback_lib.WorkerControl] = None):
   """Process entry point for env group `group` (`incarnation`: how many times its worker was restarted or
   swapped). `control` (optional): feedback slots written each iteration, a `retire` event that ends the worker
   after its current iteration, and for a warm standby the `go` it waits on (see controller/replan.py)."""
@@ -94,8 +98,8 @@ def rollout_main(cfg: groups.RolloutConfig, group: int, channels: RolloutChannel
     if control is not None:
       control.feedback[feedback_lib.QUOTA] = float(os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE') or 0)
       if standby:
-        phase('warm standby: ' + ('built, acts come from the generation worker' if remote
-                                  else 'a throw-away collect (compiling it)'))
+        phase('warm standby: ' +
+              ('built, acts come from the generation worker' if remote else 'a throw-away collect (compiling it)'))
         if not _stand_by(worker, store, control, stop, root_key, phase):
           return
     phase('first collect' + (' (acts come from the generation worker)' if remote else ' (compiling it)'))
@@ -118,11 +122,11 @@ def rollout_main(cfg: groups.RolloutConfig, group: int, channels: RolloutChannel
       with tracer.span('rollout/collect', iteration=iteration, version=params_version):
         transition, stats = worker.collect(params, params_version, roll_key)
       t_collect = time.monotonic() - t_collect
-      record = types.SegmentRecord(
-          transition=types.Transition(*(np.asarray(x) for x in transition)),
-          group=np.array([group], np.int32), iteration=np.array([iteration], np.int32),
-          incarnation=np.array([incarnation], np.int32),
-          episode_stats=types.EpisodeStats(*(np.float32(x) for x in stats)))
+      record = types.SegmentRecord(transition=types.Transition(*(np.asarray(x) for x in transition)),
+                                   group=np.array([group], np.int32),
+                                   iteration=np.array([iteration], np.int32),
+                                   incarnation=np.array([incarnation], np.int32),
+                                   episode_stats=types.EpisodeStats(*(np.float32(x) for x in stats)))
       with tracer.span('rollout/put_segment'):
         # A retiring worker still delivers the segment it finished: only the run's stop abandons it.
         while not stop.is_set():

@@ -29,8 +29,7 @@ class Feedback:
   """A worker's feedback slots: a `multiprocessing.RawArray` for processes, a list for threads."""
 
   def __init__(self, use_processes: bool):
-    self.values: Any = (multiprocessing.get_context('spawn').RawArray('d', _SLOTS) if use_processes
-                        else [0.0] * _SLOTS)
+    self.values: Any = (multiprocessing.get_context('spawn').RawArray('d', _SLOTS) if use_processes else [0.0] * _SLOTS)
 
   def __getitem__(self, slot: int) -> float:
     return float(self.values[slot])

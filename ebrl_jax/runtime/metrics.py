@@ -106,8 +106,12 @@ class MetricsLogger:
   TensorBoard (tensorboardX) events go to `<run_dir>/tb`. The progress bar (tqdm) counts env steps.
   """
 
-  def __init__(self, run_dir: str, total_env_steps: int, progress_bar: bool = True,
-               initial_env_steps: int = 0, check_finite: tuple = ('loss', 'return')):
+  def __init__(self,
+               run_dir: str,
+               total_env_steps: int,
+               progress_bar: bool = True,
+               initial_env_steps: int = 0,
+               check_finite: tuple = ('loss', 'return')):
     os.makedirs(run_dir, exist_ok=True)
     self._jsonl = open(os.path.join(run_dir, 'metrics.jsonl'), 'a', buffering=1)
     self._start = time.monotonic()
@@ -122,8 +126,12 @@ class MetricsLogger:
     self._bar = None
     if progress_bar:
       from tqdm import auto as tqdm_auto  # pylint: disable=g-import-not-at-top
-      self._bar = tqdm_auto.tqdm(total=total_env_steps, initial=initial_env_steps, unit='step',
-                                 unit_scale=True, dynamic_ncols=True, mininterval=1.0,
+      self._bar = tqdm_auto.tqdm(total=total_env_steps,
+                                 initial=initial_env_steps,
+                                 unit='step',
+                                 unit_scale=True,
+                                 dynamic_ncols=True,
+                                 mininterval=1.0,
                                  disable=None)  # None: no bar when stderr is not a terminal
     self._last_steps = initial_env_steps
     self.history: list = []

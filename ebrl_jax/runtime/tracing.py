@@ -43,8 +43,15 @@ class Tracer:
   def add(self, name: str, start_us: int, duration_us: int, **args) -> None:
     if not self.enabled:
       return
-    event = {'name': name, 'cat': name.split('/')[0], 'ph': 'X', 'ts': start_us, 'dur': duration_us,
-             'pid': self._pid, 'tid': threading.get_ident() % 100_000}
+    event = {
+        'name': name,
+        'cat': name.split('/')[0],
+        'ph': 'X',
+        'ts': start_us,
+        'dur': duration_us,
+        'pid': self._pid,
+        'tid': threading.get_ident() % 100_000
+    }
     if args:
       event['args'] = args
     with self._lock:

@@ -64,11 +64,18 @@ class CpuEnvPool:
   (see `ebrl_jax.sim.render`).
   """
 
-  def __init__(self, task: str, num_envs: int, episode_length: int, action_repeat: int = 1,
-               num_threads: int = 0, seed: int = 0, group_size: int = 1, auto_reset: bool = True,
+  def __init__(self,
+               task: str,
+               num_envs: int,
+               episode_length: int,
+               action_repeat: int = 1,
+               num_threads: int = 0,
+               seed: int = 0,
+               group_size: int = 1,
+               auto_reset: bool = True,
                camera: Optional[render.CameraObs] = None):
-    for field, value in (('num_envs', num_envs), ('episode_length', episode_length),
-                         ('action_repeat', action_repeat), ('group_size', group_size)):
+    for field, value in (('num_envs', num_envs), ('episode_length', episode_length), ('action_repeat', action_repeat),
+                         ('group_size', group_size)):
       if value <= 0:
         raise ValueError(f'CpuEnvPool: {field}={value} must be > 0.')
     if num_envs % group_size:
@@ -84,7 +91,8 @@ class CpuEnvPool:
     self._datas = [mujoco.MjData(self.model) for _ in range(num_envs)]
     self._fields = self._task.data_fields
     self._frame: Dict[str, np.ndarray] = {
-        f: np.zeros((num_envs,) + getattr(self._datas[0], f).shape) for f in self._fields}
+        f: np.zeros((num_envs,) + getattr(self._datas[0], f).shape) for f in self._fields
+    }
     self._steps = np.zeros(num_envs, np.int64)
     self._return = np.zeros(num_envs, np.float64)
     self._length = np.zeros(num_envs, np.int64)
@@ -174,8 +182,10 @@ class CpuEnvPool:
       _step_slice(*args, ids, ctrl, *tail)
       return
     bounds = np.linspace(0, ids.size, min(self.num_threads, ids.size) + 1).astype(int)
-    futures = [self._executor.submit(_step_slice, *args, ids[lo:hi], ctrl[lo:hi], *tail)
-               for lo, hi in zip(bounds[:-1], bounds[1:])]
+    futures = [
+        self._executor.submit(_step_slice, *args, ids[lo:hi], ctrl[lo:hi], *tail)
+        for lo, hi in zip(bounds[:-1], bounds[1:])
+    ]
     for fut in futures:
       fut.result()  # re-raises a worker's exception
 
@@ -236,8 +246,11 @@ class CpuEnvPool:
     ep_return[keep], ep_length[keep] = self._return[ids[keep]], self._length[ids[keep]]
     if self._pixels is not None:  # a frame for each env stepped here; an auto-reset one holds its reset stack
       self._pixels.push(ids[stepped & ~(done & self.auto_reset)], self._datas)
-    return types.StepResult(obs=self._obs(ids), reward=reward.astype(np.float32), done=done.astype(np.float32),
-                            truncation=truncation.astype(np.float32), episode_return=ep_return.astype(np.float32),
+    return types.StepResult(obs=self._obs(ids),
+                            reward=reward.astype(np.float32),
+                            done=done.astype(np.float32),
+                            truncation=truncation.astype(np.float32),
+                            episode_return=ep_return.astype(np.float32),
                             episode_length=ep_length.astype(np.int32))
 
   def pixels(self, env_ids: Optional[Sequence[int]] = None) -> np.ndarray:

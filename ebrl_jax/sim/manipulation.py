@@ -36,13 +36,24 @@ OBS_DIM = 31
 CUBE_HALF = 0.025  # the cube's half size = height of its centre at rest and of the target site
 
 PARAMS: Mapping[str, float] = dict(
-    reach_weight=0.5, push_weight=1.0, ctrl_cost_weight=0.01, success_bonus=1.0, success_radius=0.05,
+    reach_weight=0.5,
+    push_weight=1.0,
+    ctrl_cost_weight=0.01,
+    success_bonus=1.0,
+    success_radius=0.05,
     table_half=0.5,
     # Reset: arm joints init_q + U(-arm_noise, arm_noise), arm velocities U(-arm_vel_noise, arm_vel_noise);
     # cube centre and target uniform in their boxes (disjoint in y, so no episode starts solved), cube yaw
     # U(-cube_yaw, cube_yaw); the cube and the target start at rest.
-    arm_noise=0.1, arm_vel_noise=0.01, cube_x=0.1, cube_y_lo=-0.05, cube_y_hi=0.05, cube_yaw=np.pi / 4,
-    target_x=0.15, target_y_lo=0.12, target_y_hi=0.25)
+    arm_noise=0.1,
+    arm_vel_noise=0.01,
+    cube_x=0.1,
+    cube_y_lo=-0.05,
+    cube_y_hi=0.05,
+    cube_yaw=np.pi / 4,
+    target_x=0.15,
+    target_y_lo=0.12,
+    target_y_hi=0.25)
 NUM_UNIFORMS = 11  # uniform draws per reset: 3 arm pos, 3 arm vel, cube x, y, yaw, target x, y
 
 
@@ -73,10 +84,12 @@ def reset_from_uniform(u, init_q, p: Mapping[str, float], xp=np):
   arm = init_q[ARM_Q] + span(u[..., 0:3], -p['arm_noise'], p['arm_noise'])
   arm_vel = span(u[..., 3:6], -p['arm_vel_noise'], p['arm_vel_noise'])
   cube_xy = xp.stack([span(u[..., 6], -p['cube_x'], p['cube_x']),
-                      span(u[..., 7], p['cube_y_lo'], p['cube_y_hi'])], axis=-1)
+                      span(u[..., 7], p['cube_y_lo'], p['cube_y_hi'])],
+                     axis=-1)
   half_yaw = 0.5 * span(u[..., 8], -p['cube_yaw'], p['cube_yaw'])
-  target = xp.stack([span(u[..., 9], -p['target_x'], p['target_x']),
-                     span(u[..., 10], p['target_y_lo'], p['target_y_hi'])], axis=-1)
+  target = xp.stack(
+      [span(u[..., 9], -p['target_x'], p['target_x']),
+       span(u[..., 10], p['target_y_lo'], p['target_y_hi'])], axis=-1)
   zero = xp.zeros_like(half_yaw)
   quat = xp.stack([xp.cos(half_yaw), zero, zero, xp.sin(half_yaw)], axis=-1)  # a turn about z
   qpos = xp.concatenate([arm, target, cube_xy, (zero + CUBE_HALF)[..., None], quat], axis=-1)
@@ -90,8 +103,11 @@ def observation(f, xp=np):
   sites = f['site_xpos']
   tip, target, cube = sites[..., SITE_FINGERTIP, :], sites[..., SITE_TARGET, :], sites[..., SITE_CUBE, :]
   qpos, qvel = f['qpos'], f['qvel']
-  return xp.concatenate([qpos[..., ARM_Q], qvel[..., ARM_V], tip, cube, qpos[..., CUBE_QUAT_Q], qvel[..., CUBE_V],
-                         target, cube - tip, target - cube], axis=-1)
+  return xp.concatenate([
+      qpos[..., ARM_Q], qvel[..., ARM_V], tip, cube, qpos[..., CUBE_QUAT_Q], qvel[..., CUBE_V], target, cube - tip,
+      target - cube
+  ],
+                        axis=-1)
 
 
 def reward_terms(after, action, p: Mapping[str, float], xp=np) -> PushCubeTerms:
@@ -99,14 +115,16 @@ def reward_terms(after, action, p: Mapping[str, float], xp=np) -> PushCubeTerms:
   tip, target, cube = sites[..., SITE_FINGERTIP, :], sites[..., SITE_TARGET, :], sites[..., SITE_CUBE, :]
   push_dist = xp.linalg.norm(target - cube, axis=-1)
   off_table = xp.any(xp.abs(cube[..., :2]) > p['table_half'], axis=-1)
-  return PushCubeTerms(reach_dist=xp.linalg.norm(cube - tip, axis=-1), push_dist=push_dist,
-                       ctrl_cost=xp.sum(xp.square(action), axis=-1), success=push_dist < p['success_radius'],
+  return PushCubeTerms(reach_dist=xp.linalg.norm(cube - tip, axis=-1),
+                       push_dist=push_dist,
+                       ctrl_cost=xp.sum(xp.square(action), axis=-1),
+                       success=push_dist < p['success_radius'],
                        done=off_table)
 
 
 def reward(terms: PushCubeTerms, p: Mapping[str, float], xp=np):
-  return (-p['reach_weight'] * terms.reach_dist - p['push_weight'] * terms.push_dist
-          - p['ctrl_cost_weight'] * terms.ctrl_cost + xp.where(terms.success, p['success_bonus'], 0.0))
+  return (-p['reach_weight'] * terms.reach_dist - p['push_weight'] * terms.push_dist -
+          p['ctrl_cost_weight'] * terms.ctrl_cost + xp.where(terms.success, p['success_bonus'], 0.0))
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -52,10 +52,13 @@ class PushCube(brax_base.PipelineEnv):
     frame = _frame(pipeline_state)
     terms = manipulation.reward_terms(frame, action, self._params, xp=jnp)
     reward = manipulation.reward(terms, self._params, xp=jnp)
-    state.metrics.update(reach_dist=terms.reach_dist, push_dist=terms.push_dist,
+    state.metrics.update(reach_dist=terms.reach_dist,
+                         push_dist=terms.push_dist,
                          success=terms.success.astype(jnp.float32))
-    return state.replace(pipeline_state=pipeline_state, obs=manipulation.observation(frame, xp=jnp),
-                         reward=reward, done=terms.done.astype(jnp.float32))
+    return state.replace(pipeline_state=pipeline_state,
+                         obs=manipulation.observation(frame, xp=jnp),
+                         reward=reward,
+                         done=terms.done.astype(jnp.float32))
 
 
 brax_envs.register_environment(BRAX_NAME, PushCube)

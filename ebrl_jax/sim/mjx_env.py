@@ -52,8 +52,7 @@ class FreezeWhenDoneWrapper(brax_base.Wrapper):
 
 
 @functools.lru_cache(maxsize=None)
-def make_mjx_env(task: str, episode_length: int, action_repeat: int = 1,
-                 auto_reset: bool = True) -> brax_base.Wrapper:
+def make_mjx_env(task: str, episode_length: int, action_repeat: int = 1, auto_reset: bool = True) -> brax_base.Wrapper:
   """The wrapped batch env: `reset(keys [B, 2])`, `step(state, actions [B, A])` (Brax's API)."""
   task_def = registry.load(task)
   if episode_length <= 0 or action_repeat <= 0:

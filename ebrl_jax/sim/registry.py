@@ -27,8 +27,8 @@ SOLVER_NEWTON = 2
 DISABLE_EULERDAMP = 1 << 15
 # What Brax's ant and humanoid apply with `sys.tree_replace` for backend='mjx' (the others apply nothing).
 # NOTE: `disableflags` is *replaced*, not or-ed, as Brax does.
-_MJX_NEWTON_1 = (('solver', SOLVER_NEWTON), ('disableflags', DISABLE_EULERDAMP), ('iterations', 1),
-                 ('ls_iterations', 4))
+_MJX_NEWTON_1 = (('solver', SOLVER_NEWTON), ('disableflags', DISABLE_EULERDAMP), ('iterations', 1), ('ls_iterations',
+                                                                                                     4))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -120,8 +120,11 @@ def env_spec(name: str, episode_length: int, action_repeat: int = 1) -> types.En
   if episode_length <= 0 or action_repeat <= 0:
     raise ValueError(f'episode_length={episode_length} and action_repeat={action_repeat} must be > 0.')
   dt = _timestep(task.xml_path) * task.n_frames * action_repeat
-  return types.EnvSpec(task=name, obs_dim=task.obs_dim, action_dim=task.action_dim,
-                       episode_length=episode_length, dt=dt)
+  return types.EnvSpec(task=name,
+                       obs_dim=task.obs_dim,
+                       action_dim=task.action_dim,
+                       episode_length=episode_length,
+                       dt=dt)
 
 
 def _params(**kw) -> Mapping[str, float]:
@@ -133,37 +136,55 @@ _WALKER_PARAMS = dict(forward_reward_weight=1.0, ctrl_cost_weight=1e-3, healthy_
 
 _TASKS = (
     TaskDef('ant', 'ant', 'ant.xml', 5, 27, 8, _MJX_NEWTON_1,
-            _params(ctrl_cost_weight=0.5, healthy_reward=1.0, healthy_z_min=0.2, healthy_z_max=1.0),
-            _BASIC, False, tasks.reset_ant, tasks.obs_ant, tasks.reward_ant),
+            _params(ctrl_cost_weight=0.5, healthy_reward=1.0, healthy_z_min=0.2, healthy_z_max=1.0), _BASIC, False,
+            tasks.reset_ant, tasks.obs_ant, tasks.reward_ant),
     TaskDef('halfcheetah', 'halfcheetah', 'half_cheetah.xml', 5, 17, 6, (),
-            _params(forward_reward_weight=1.0, ctrl_cost_weight=0.1),
-            _BASIC, False, tasks.reset_halfcheetah, tasks.obs_halfcheetah, tasks.reward_halfcheetah),
-    TaskDef('hopper', 'hopper', 'hopper.xml', 4, 11, 3, (),
-            _params(**_WALKER_PARAMS, healthy_z_min=0.7, healthy_z_max=float('inf'), healthy_angle_min=-0.2,
-                    healthy_angle_max=0.2, healthy_state_min=-100.0, healthy_state_max=100.0),
-            _BASIC, False, tasks.reset_hopper, tasks.obs_planar_walker, tasks.reward_planar_walker),
-    TaskDef('walker2d', 'walker2d', 'walker2d.xml', 4, 17, 6, (),
-            _params(**_WALKER_PARAMS, healthy_z_min=0.8, healthy_z_max=2.0, healthy_angle_min=-1.0,
-                    healthy_angle_max=1.0),
-            _BASIC, False, tasks.reset_walker2d, tasks.obs_planar_walker, tasks.reward_planar_walker),
-    TaskDef('humanoid', 'humanoid', 'humanoid.xml', 5, 244, 17, _MJX_NEWTON_1,
-            _params(forward_reward_weight=1.25, ctrl_cost_weight=0.1, healthy_reward=5.0, healthy_z_min=1.0,
-                    healthy_z_max=2.0),
-            ('qpos', 'qvel', 'xpos', 'xipos', 'ximat', 'cvel', 'subtree_com', 'qfrc_actuator'), True,
-            tasks.reset_humanoid, tasks.obs_humanoid, tasks.reward_humanoid),
-    TaskDef('pusher', 'pusher', 'pusher.xml', 5, 23, 7, (),
-            _params(ctrl_cost_weight=0.1, near_weight=0.5),
+            _params(forward_reward_weight=1.0, ctrl_cost_weight=0.1), _BASIC, False, tasks.reset_halfcheetah,
+            tasks.obs_halfcheetah, tasks.reward_halfcheetah),
+    TaskDef(
+        'hopper', 'hopper', 'hopper.xml', 4, 11, 3, (),
+        _params(**_WALKER_PARAMS,
+                healthy_z_min=0.7,
+                healthy_z_max=float('inf'),
+                healthy_angle_min=-0.2,
+                healthy_angle_max=0.2,
+                healthy_state_min=-100.0,
+                healthy_state_max=100.0), _BASIC, False, tasks.reset_hopper, tasks.obs_planar_walker,
+        tasks.reward_planar_walker),
+    TaskDef(
+        'walker2d', 'walker2d', 'walker2d.xml', 4, 17, 6, (),
+        _params(**_WALKER_PARAMS, healthy_z_min=0.8, healthy_z_max=2.0, healthy_angle_min=-1.0, healthy_angle_max=1.0),
+        _BASIC, False, tasks.reset_walker2d, tasks.obs_planar_walker, tasks.reward_planar_walker),
+    TaskDef(
+        'humanoid', 'humanoid', 'humanoid.xml', 5, 244, 17, _MJX_NEWTON_1,
+        _params(forward_reward_weight=1.25,
+                ctrl_cost_weight=0.1,
+                healthy_reward=5.0,
+                healthy_z_min=1.0,
+                healthy_z_max=2.0), ('qpos', 'qvel', 'xpos', 'xipos', 'ximat', 'cvel', 'subtree_com', 'qfrc_actuator'),
+        True, tasks.reset_humanoid, tasks.obs_humanoid, tasks.reward_humanoid),
+    TaskDef('pusher', 'pusher', 'pusher.xml', 5, 23, 7, (), _params(ctrl_cost_weight=0.1, near_weight=0.5),
             ('qpos', 'qvel', 'xipos'), True, tasks.reset_pusher, tasks.obs_pusher, tasks.reward_pusher),
     TaskDef('reacher', 'reacher', 'reacher.xml', 2, 11, 2, (), _params(),
-            ('qpos', 'qvel', 'xpos', 'xmat', 'cvel', 'subtree_com'), False,
-            tasks.reset_reacher, tasks.obs_reacher, tasks.reward_reacher),
-    TaskDef('inverted_pendulum', 'inverted_pendulum', 'inverted_pendulum.xml', 2, 4, 1, (),
-            _params(max_pole_angle=0.2), ('qpos', 'qvel'), True,
-            tasks.reset_inverted_pendulum, tasks.obs_inverted_pendulum, tasks.reward_inverted_pendulum),
+            ('qpos', 'qvel', 'xpos', 'xmat', 'cvel', 'subtree_com'), False, tasks.reset_reacher, tasks.obs_reacher,
+            tasks.reward_reacher),
+    TaskDef('inverted_pendulum', 'inverted_pendulum', 'inverted_pendulum.xml', 2, 4, 1, (), _params(max_pole_angle=0.2),
+            ('qpos', 'qvel'), True, tasks.reset_inverted_pendulum, tasks.obs_inverted_pendulum,
+            tasks.reward_inverted_pendulum),
     # The project's own manipulation task: 4 physics steps of 5 ms per env step, 250 steps (5 s) an episode.
-    TaskDef('push_cube', 'ebrl_push_cube', '', 4, manipulation.OBS_DIM, manipulation.NU, (), manipulation.PARAMS,
-            ('qpos', 'qvel', 'site_xpos'), False, manipulation.reset_push_cube, manipulation.obs_push_cube,
-            manipulation.reward_push_cube, default_episode_length=250, asset_path=manipulation.XML_PATH,
+    TaskDef('push_cube',
+            'ebrl_push_cube',
+            '',
+            4,
+            manipulation.OBS_DIM,
+            manipulation.NU, (),
+            manipulation.PARAMS, ('qpos', 'qvel', 'site_xpos'),
+            False,
+            manipulation.reset_push_cube,
+            manipulation.obs_push_cube,
+            manipulation.reward_push_cube,
+            default_episode_length=250,
+            asset_path=manipulation.XML_PATH,
             brax_module='ebrl_jax.sim.manipulation_mjx'),
 )
 

@@ -87,9 +87,11 @@ def gl_backend() -> str:
 
 
 # Headless backends: the shared libraries PyOpenGL loads for each, and the Debian packages that ship them.
-GL_LIBRARIES = {'egl': ('libEGL.so.1 and libOpenGL.so.0', 'apt libegl1 libegl-mesa0 libgl1-mesa-dri libopengl0, '
-                        'or the NVIDIA driver'),
-                'osmesa': ('libOSMesa.so', 'apt libosmesa6')}
+GL_LIBRARIES = {
+    'egl': ('libEGL.so.1 and libOpenGL.so.0', 'apt libegl1 libegl-mesa0 libgl1-mesa-dri libopengl0, '
+            'or the NVIDIA driver'),
+    'osmesa': ('libOSMesa.so', 'apt libosmesa6')
+}
 
 
 def needs_headless_gl() -> bool:
@@ -180,9 +182,11 @@ class PixelRenderer:
     """One frame per data: [len(datas), H, W, C] uint8, split over the render threads."""
     out = np.empty((len(datas), self.camera.height, self.camera.width, self.camera.channels), np.uint8)
     bounds = np.linspace(0, len(datas), len(self._renderers) + 1).astype(int)
-    futures = [thread.submit(self._render_into, renderer, datas[lo:hi], out[lo:hi])
-               for thread, renderer, lo, hi in zip(self._threads, self._renderers, bounds[:-1], bounds[1:])
-               if hi > lo]
+    futures = [
+        thread.submit(self._render_into, renderer, datas[lo:hi], out[lo:hi])
+        for thread, renderer, lo, hi in zip(self._threads, self._renderers, bounds[:-1], bounds[1:])
+        if hi > lo
+    ]
     for fut in futures:
       fut.result()  # re-raises a render thread's exception
     return out

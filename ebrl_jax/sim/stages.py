@@ -46,7 +46,8 @@ def reset(env, key: types.PRNGKey, num_envs: int, group_size: int = 1) -> EnvGro
     keys = jax.random.key_data(keys)  # Brax's wrappers expect raw [B, 2] keys
   keys = jnp.repeat(keys, group_size, axis=0)
   brax_state = strong_types(env.reset(keys))
-  return EnvGroupState(brax_state=brax_state, episode_return=jnp.zeros(num_envs, jnp.float32),
+  return EnvGroupState(brax_state=brax_state,
+                       episode_return=jnp.zeros(num_envs, jnp.float32),
                        episode_length=jnp.zeros(num_envs, jnp.int32))
 
 
@@ -64,9 +65,12 @@ def step(env, state: EnvGroupState, actions: jax.Array) -> Tuple[EnvGroupState, 
   done = brax_state.done.astype(jnp.float32)
   episode_return = state.episode_return + reward
   episode_length = state.episode_length + jnp.where(frozen, 0, env.action_repeat).astype(jnp.int32)
-  result = types.StepResult(obs=brax_state.obs, reward=reward, done=done,
+  result = types.StepResult(obs=brax_state.obs,
+                            reward=reward,
+                            done=done,
                             truncation=brax_state.info['truncation'].astype(jnp.float32),
-                            episode_return=episode_return, episode_length=episode_length)
+                            episode_return=episode_return,
+                            episode_length=episode_length)
   if is_auto_reset(env):
     episode_return = jnp.where(done > 0, 0.0, episode_return)
     episode_length = jnp.where(done > 0, 0, episode_length)
@@ -84,21 +88,24 @@ def step_chunk(env, state: EnvGroupState, actions: jax.Array) -> Tuple[EnvGroupS
   num_envs = state.episode_return.shape[0]
   zeros = jnp.zeros(num_envs, jnp.float32)
   init = (state, jnp.zeros(num_envs, bool),
-          types.StepResult(obs=state.brax_state.obs, reward=zeros, done=zeros, truncation=zeros,
-                           episode_return=state.episode_return, episode_length=state.episode_length))
+          types.StepResult(obs=state.brax_state.obs,
+                           reward=zeros,
+                           done=zeros,
+                           truncation=zeros,
+                           episode_return=state.episode_return,
+                           episode_length=state.episode_length))
 
   def body(carry, action):
     state, stopped, acc = carry
     new_state, res = step(env, state, action)
     state = where_envs(stopped, state, new_state)
     live = ~stopped
-    acc = types.StepResult(
-        obs=state.brax_state.obs,
-        reward=acc.reward + jnp.where(live, res.reward, 0.0),
-        done=jnp.where(live, res.done, acc.done),
-        truncation=jnp.where(live, res.truncation, acc.truncation),
-        episode_return=jnp.where(live, res.episode_return, acc.episode_return),
-        episode_length=jnp.where(live, res.episode_length, acc.episode_length))
+    acc = types.StepResult(obs=state.brax_state.obs,
+                           reward=acc.reward + jnp.where(live, res.reward, 0.0),
+                           done=jnp.where(live, res.done, acc.done),
+                           truncation=jnp.where(live, res.truncation, acc.truncation),
+                           episode_return=jnp.where(live, res.episode_return, acc.episode_return),
+                           episode_length=jnp.where(live, res.episode_length, acc.episode_length))
     return (state, stopped | (res.done > 0), acc), None
 
   (state, _, result), _ = jax.lax.scan(body, init, jnp.swapaxes(actions, 0, 1))

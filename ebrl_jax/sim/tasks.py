@@ -52,7 +52,9 @@ def make_consts(model, n_frames: int, params: Mapping[str, float]) -> ModelConst
       body_mass=np.array(model.body_mass),
       body_inertia=np.array(model.body_inertia),
       body_rootid=np.array(model.body_rootid),
-      body_id={k: v for k, v in names.items() if k},
+      body_id={
+          k: v for k, v in names.items() if k
+      },
       nv=int(model.nv),
       params=params,
   )
@@ -150,8 +152,11 @@ def obs_humanoid(f, c):
   vel = _point_velocity(f, links, xipos, c)
   com_vel = mass[None, :, None] * vel / mass.sum()
   com_velocity = np.concatenate([com_vel, f['cvel'][:, 1:, :3]], axis=-1)
-  return np.concatenate([f['qpos'][:, 2:], f['qvel'], com_inertia.reshape(n, -1), com_velocity.reshape(n, -1),
-                         f['qfrc_actuator']], axis=-1)
+  return np.concatenate(
+      [f['qpos'][:, 2:], f['qvel'],
+       com_inertia.reshape(n, -1),
+       com_velocity.reshape(n, -1), f['qfrc_actuator']],
+      axis=-1)
 
 
 def obs_pusher(f, c):
@@ -172,8 +177,9 @@ def obs_reacher(f, c):
   # NOTE: Brax shifts body1's origin velocity by the *unrotated* offset (0.11, 0, 0); reproduced as is.
   origin_vel = _point_velocity(f, np.array(2), f['xpos'][:, 2], c)
   tip_vel = origin_vel - np.cross(_REACHER_TIP, f['cvel'][:, 2, :3])
-  return np.concatenate([np.cos(theta), np.sin(theta), f['qpos'][:, 2:], tip_vel[:, :2],
-                         _reacher_tip_to_target(f)], axis=-1)
+  return np.concatenate(
+      [np.cos(theta), np.sin(theta), f['qpos'][:, 2:], tip_vel[:, :2],
+       _reacher_tip_to_target(f)], axis=-1)
 
 
 def obs_inverted_pendulum(f, c):
@@ -214,8 +220,8 @@ def reward_planar_walker(before, after, ctrl, c):
   if 'healthy_state_min' in p:
     state = np.concatenate([after['qpos'][:, 2:], after['qvel']], axis=-1)
     healthy &= np.all((state > p['healthy_state_min']) & (state < p['healthy_state_max']), axis=-1)
-  reward = (p['forward_reward_weight'] * _forward_velocity(before, after, c) + p['healthy_reward']
-            - _ctrl_cost(ctrl, c))
+  reward = (p['forward_reward_weight'] * _forward_velocity(before, after, c) + p['healthy_reward'] -
+            _ctrl_cost(ctrl, c))
   return reward, ~healthy
 
 

@@ -36,7 +36,8 @@ class Checkpointer:
   def __init__(self, directory: str, max_to_keep: int = 3, async_save: bool = False):
     self.directory = os.path.abspath(os.path.expanduser(directory))
     self._async_save = async_save
-    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
+                                           create=True,
                                            enable_async_checkpointing=async_save,
                                            cleanup_tmp_directories=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
@@ -51,8 +52,10 @@ class Checkpointer:
     self._manager.wait_until_finished()  # one save in flight at most; surfaces a failed async save
     threads_before = set(threading.enumerate())
     try:
-      saved = self._manager.save(int(step), args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                                    extra=ocp.args.JsonSave(extra)), force=True)
+      saved = self._manager.save(int(step),
+                                 args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                         extra=ocp.args.JsonSave(extra)),
+                                 force=True)
       if not self._async_save:
         self._manager.wait_until_finished()
     except BaseException:
@@ -70,8 +73,10 @@ class Checkpointer:
     """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-      pending = [t for t in set(threading.enumerate()) - threads_before
-                 if t is not threading.current_thread() and (t.is_alive() or t.ident is None)]
+      pending = [
+          t for t in set(threading.enumerate()) - threads_before
+          if t is not threading.current_thread() and (t.is_alive() or t.ident is None)
+      ]
       if not pending:
         return
       for thread in pending:
@@ -104,8 +109,9 @@ class Checkpointer:
         raise FileNotFoundError(f'No checkpoint in {self.directory} (no committed step directory found).')
     elif step not in self.all_steps():
       raise FileNotFoundError(f'No checkpoint for step {step} in {self.directory}; have {list(self.all_steps())}.')
-    restored = self._manager.restore(int(step), args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(template_state), extra=ocp.args.JsonRestore()))
+    restored = self._manager.restore(int(step),
+                                     args=ocp.args.Composite(state=ocp.args.StandardRestore(template_state),
+                                                             extra=ocp.args.JsonRestore()))
     return restored.state, dict(restored.extra or {}), int(step)
 
   def close(self) -> None:

@@ -41,7 +41,11 @@ class TrainerConfig:
 
 
 def trainer_config(cfg: config_lib.Config, process: startup.ProcessConfig) -> TrainerConfig:
-  return TrainerConfig(process=process, sim=cfg.sim, policy=cfg.policy, algo=cfg.algo, schedule=cfg.schedule,
+  return TrainerConfig(process=process,
+                       sim=cfg.sim,
+                       policy=cfg.policy,
+                       algo=cfg.algo,
+                       schedule=cfg.schedule,
                        env_steps_per_iteration=cfg.env_steps_per_iteration)
 
 
@@ -100,8 +104,8 @@ def _restore(cfg: TrainerConfig, checkpointer, train_state):
   logging.info('Resumed from env step %d (iteration %d) of a %s run.', extra['env_steps'], extra['iterations'],
                extra.get('schedule', '?'))
   if extra.get('schedule') not in (None, cfg.schedule.name):
-    logging.warning('The checkpoint was written by --schedule=%s; continuing with --schedule=%s.',
-                    extra['schedule'], cfg.schedule.name)
+    logging.warning('The checkpoint was written by --schedule=%s; continuing with --schedule=%s.', extra['schedule'],
+                    cfg.schedule.name)
   return train_state, int(extra['env_steps']), int(extra['iterations'])
 
 
@@ -115,8 +119,8 @@ def run_training(cfg: TrainerConfig, make_source) -> RunSummary:
     if reason is None:
       raise
     run_dir = os.path.abspath(cfg.process.run_dir)
-    raise errors.DiskFull(f'the disk holding {run_dir} is full ({reason}); the run stopped. '
-                          + storage.resume_advice(run_dir)) from e
+    raise errors.DiskFull(f'the disk holding {run_dir} is full ({reason}); the run stopped. ' +
+                          storage.resume_advice(run_dir)) from e
 
 
 @dataclasses.dataclass
@@ -146,9 +150,13 @@ def _iteration_plan(cfg: TrainerConfig) -> Tuple[int, int, int]:
 def _evaluate(cfg, source, train_state, root_key, progress: _Progress, logger, start: float) -> float:
   eval_metrics = source.evaluate(train_state.params, keys.eval_key(root_key, progress.iterations))
   eval_return = eval_metrics['eval/episode_return']
-  progress.eval_curve.append({'env_steps': progress.env_steps, 'wall_s': round(time.monotonic() - start, 3),
-                              'train_s': round(progress.train_wall, 3), 'return': eval_return,
-                              'unix': round(time.time(), 3)})
+  progress.eval_curve.append({
+      'env_steps': progress.env_steps,
+      'wall_s': round(time.monotonic() - start, 3),
+      'train_s': round(progress.train_wall, 3),
+      'return': eval_return,
+      'unix': round(time.time(), 3)
+  })
   logger.log(progress.env_steps, eval_metrics)
   target = cfg.schedule.target_return
   if target is not None and progress.target_hit is None and eval_return >= target:
@@ -159,11 +167,13 @@ def _evaluate(cfg, source, train_state, root_key, progress: _Progress, logger, s
 def _maybe_checkpoint(cfg, checkpointer, train_state, progress: _Progress, total_iterations: int) -> None:
   if checkpointer is None or progress.iterations <= progress.last_saved:
     return
-  if (progress.eval_index % cfg.schedule.checkpoint_every == 0 or progress.iterations >= total_iterations
-      or progress.target_hit is not None):
-    checkpointer.save(progress.iterations, train_state, {'env_steps': progress.env_steps,
-                                                         'iterations': progress.iterations,
-                                                         'schedule': cfg.schedule.name})
+  if (progress.eval_index % cfg.schedule.checkpoint_every == 0 or progress.iterations >= total_iterations or
+      progress.target_hit is not None):
+    checkpointer.save(progress.iterations, train_state, {
+        'env_steps': progress.env_steps,
+        'iterations': progress.iterations,
+        'schedule': cfg.schedule.name
+    })
     progress.last_saved = progress.iterations
 
 
@@ -205,15 +215,25 @@ def _close(source, logger, checkpointer) -> None:
 def _summary(cfg, progress: _Progress, start: float, num_params: int, extra: dict) -> RunSummary:
   hit = progress.target_hit
   curve = progress.eval_curve
-  return RunSummary(
-      env_steps=progress.env_steps, iterations=progress.iterations, wall_s=time.monotonic() - start,
-      compile_s=progress.compile_s, train_wall_s=progress.train_wall,
-      env_steps_per_s=progress.steps_this_session / max(progress.train_wall, 1e-9),
-      final_eval_return=curve[-1]['return'], best_eval_return=max(e['return'] for e in curve),
-      target_return=cfg.schedule.target_return, env_steps_to_target=hit[0] if hit else None,
-      wall_s_to_target=hit[1] if hit else None, train_s_to_target=hit[2] if hit else None,
-      eval_curve=curve, num_params=num_params, schedule=cfg.schedule.name, backend=cfg.sim.backend,
-      task=cfg.sim.task, device=str(jax.devices()[0].device_kind), extra=extra)
+  return RunSummary(env_steps=progress.env_steps,
+                    iterations=progress.iterations,
+                    wall_s=time.monotonic() - start,
+                    compile_s=progress.compile_s,
+                    train_wall_s=progress.train_wall,
+                    env_steps_per_s=progress.steps_this_session / max(progress.train_wall, 1e-9),
+                    final_eval_return=curve[-1]['return'],
+                    best_eval_return=max(e['return'] for e in curve),
+                    target_return=cfg.schedule.target_return,
+                    env_steps_to_target=hit[0] if hit else None,
+                    wall_s_to_target=hit[1] if hit else None,
+                    train_s_to_target=hit[2] if hit else None,
+                    eval_curve=curve,
+                    num_params=num_params,
+                    schedule=cfg.schedule.name,
+                    backend=cfg.sim.backend,
+                    task=cfg.sim.task,
+                    device=str(jax.devices()[0].device_kind),
+                    extra=extra)
 
 
 def train(cfg: TrainerConfig, make_source) -> RunSummary:
@@ -235,10 +255,11 @@ def train(cfg: TrainerConfig, make_source) -> RunSummary:
   train_state, env_steps, iterations = _restore(cfg, checkpointer, train_state)
   per_iteration, total_iterations, per_eval = _iteration_plan(cfg)
   logging.info('%s/%s: %s, %d params, %d env steps per iteration, %d iterations (%d per evaluation).',
-               cfg.schedule.name, cfg.sim.backend, cfg.sim.task, num_params, per_iteration, total_iterations,
-               per_eval)
+               cfg.schedule.name, cfg.sim.backend, cfg.sim.task, num_params, per_iteration, total_iterations, per_eval)
   source = make_source(cfg, spec, network, optimizer)
-  logger = metrics_lib.MetricsLogger(run_dir, total_iterations * per_iteration, cfg.schedule.progress_bar,
+  logger = metrics_lib.MetricsLogger(run_dir,
+                                     total_iterations * per_iteration,
+                                     cfg.schedule.progress_bar,
                                      initial_env_steps=env_steps)
   progress = _Progress(env_steps=env_steps, iterations=iterations, last_saved=iterations)
   try:

@@ -81,8 +81,8 @@ def _evaluate_segments(network: nn.Module, params: gen_stages.PolicyParams, batc
 LOG_RATIO_LIMIT = 20.0
 
 
-def clipped_surrogate(log_probs: Array, proximal_log_prob: Array, behaviour_log_prob: Array,
-                       advantages: Array, mask: Array, algo: AlgoConfig) -> Tuple[Array, Metrics]:
+def clipped_surrogate(log_probs: Array, proximal_log_prob: Array, behaviour_log_prob: Array, advantages: Array,
+                      mask: Array, algo: AlgoConfig) -> Tuple[Array, Metrics]:
   """Decoupled PPO objective -mean(w * min(r A, clip(r) A)), r = pi/pi_prox, w = clip(pi_prox/pi_behav).
 
   NOTE: log-ratios are clamped to +-LOG_RATIO_LIMIT before `exp`. With a tanh-Gaussian whose scale can shrink to
@@ -123,15 +123,15 @@ def ppo_loss(network: nn.Module, params: gen_stages.PolicyParams, batch: Transit
   chex.assert_equal_shape([batch.reward, proximal_log_prob, batch.mask, batch.termination, batch.truncation])
   out = _evaluate_segments(network, params, batch, key, min_std)
   _, bootstrap_value = gen_stages.apply_network(network, params, batch.next_obs[-1])
-  vs, advantages = compute_gae(batch.reward * algo.reward_scaling, out.values, bootstrap_value,
-                               batch.termination, batch.truncation, algo.discount, algo.gae_lambda)
+  vs, advantages = compute_gae(batch.reward * algo.reward_scaling, out.values, bootstrap_value, batch.termination,
+                               batch.truncation, algo.discount, algo.gae_lambda)
   mask = batch.mask.astype(jnp.float32)
   if algo.normalize_advantage:
     mean = masked_mean(advantages, mask)
     std = jnp.sqrt(masked_mean(jnp.square(advantages - mean), mask))
     advantages = (advantages - mean) / (std + ADVANTAGE_EPS)
-  policy_loss, metrics = clipped_surrogate(out.log_probs, proximal_log_prob, batch.behaviour_log_prob,
-                                            advantages, mask, algo)
+  policy_loss, metrics = clipped_surrogate(out.log_probs, proximal_log_prob, batch.behaviour_log_prob, advantages, mask,
+                                           algo)
   value_loss = algo.value_cost * masked_mean(jnp.square(vs - out.values), mask)
   entropy = masked_mean(out.entropy, mask)
   entropy_loss = -algo.entropy_cost * entropy
@@ -149,8 +149,7 @@ def grpo_loss(network: nn.Module, params: gen_stages.PolicyParams, batch: Transi
   out = _evaluate_segments(network, params, batch, key, min_std)
   mask = batch.mask.astype(jnp.float32)
   adv = jnp.broadcast_to(advantages[None], batch.reward.shape)
-  policy_loss, metrics = clipped_surrogate(out.log_probs, proximal_log_prob, batch.behaviour_log_prob,
-                                            adv, mask, algo)
+  policy_loss, metrics = clipped_surrogate(out.log_probs, proximal_log_prob, batch.behaviour_log_prob, adv, mask, algo)
   entropy = masked_mean(out.entropy, mask)
   entropy_loss = -algo.entropy_cost * entropy
   total = policy_loss + entropy_loss

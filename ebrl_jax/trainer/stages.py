@@ -45,20 +45,24 @@ def make_optimizer(algo: AlgoConfig) -> optax.GradientTransformation:
   return optax.chain(optax.clip_by_global_norm(algo.max_grad_norm), adam)
 
 
-def init_train_state(network: nn.Module, optimizer: optax.GradientTransformation, key: PRNGKey, obs_dim: int,
+def init_train_state(network: nn.Module,
+                     optimizer: optax.GradientTransformation,
+                     key: PRNGKey,
+                     obs_dim: int,
                      normalize_observations: bool = True) -> TrainState:
   params = gen_stages.init_policy_params(network, key, obs_dim, normalize_observations)
-  return TrainState(params=params, opt_state=optimizer.init(params.network),
-                    num_updates=jnp.zeros((), jnp.int32), policy_version=jnp.zeros((), jnp.int32))
+  return TrainState(params=params,
+                    opt_state=optimizer.init(params.network),
+                    num_updates=jnp.zeros((), jnp.int32),
+                    policy_version=jnp.zeros((), jnp.int32))
 
 
-def _proximal_log_prob(network: nn.Module, params: gen_stages.PolicyParams, batch: Transition,
-                       min_std: float) -> Array:
+def _proximal_log_prob(network: nn.Module, params: gen_stages.PolicyParams, batch: Transition, min_std: float) -> Array:
   """[T, S] log-probs of the stored raw actions under `params` (the proximal policy)."""
   t, s = batch.reward.shape
   out = gen_stages.evaluate(network, params, batch.obs.reshape((t * s,) + batch.obs.shape[2:]),
-                            batch.raw_action.reshape((t * s,) + batch.raw_action.shape[2:]),
-                            jax.random.PRNGKey(0), min_std)  # the entropy (and its key) is unused
+                            batch.raw_action.reshape((t * s,) + batch.raw_action.shape[2:]), jax.random.PRNGKey(0),
+                            min_std)  # the entropy (and its key) is unused
   return jax.lax.stop_gradient(out.log_probs.reshape(t, s))
 
 
@@ -73,8 +77,8 @@ def _shuffle_into_minibatches(key: PRNGKey, time_major: Any, per_segment: Array,
     x = x.reshape((x.shape[0], num_minibatches, s // num_minibatches) + x.shape[2:])
     return jnp.swapaxes(x, 0, 1)
 
-  return (jax.tree_util.tree_map(split_time_major, time_major),
-          jnp.take(per_segment, perm, axis=0).reshape(num_minibatches, -1))
+  return (jax.tree_util.tree_map(split_time_major, time_major), jnp.take(per_segment, perm,
+                                                                         axis=0).reshape(num_minibatches, -1))
 
 
 def _minibatch_loss(network_params, network, algo, min_std, params, minibatch, key):
@@ -106,8 +110,15 @@ def _sgd_epoch(network, optimizer, algo, min_std, carry, key, data):
   return jax.lax.scan(minibatch_step, carry, ((batch, proximal, advantages), keys))
 
 
-def train_step(network: nn.Module, optimizer: optax.GradientTransformation, algo: AlgoConfig, min_std: float,
-               state: TrainState, batch: Transition, key: PRNGKey, *, group_size: int = 1,
+def train_step(network: nn.Module,
+               optimizer: optax.GradientTransformation,
+               algo: AlgoConfig,
+               min_std: float,
+               state: TrainState,
+               batch: Transition,
+               key: PRNGKey,
+               *,
+               group_size: int = 1,
                recompute_proximal: bool = True) -> Tuple[TrainState, Dict[str, Array]]:
   """One training iteration on `batch` (leading axes [T, S]).
 
@@ -145,10 +156,12 @@ def train_step(network: nn.Module, optimizer: optax.GradientTransformation, algo
   def epoch(carry, k):
     return _sgd_epoch(network, optimizer, algo, min_std, carry, k, ((batch, proximal), advantages))
 
-  (params, opt_state), metrics = jax.lax.scan(
-      epoch, (params, state.opt_state), jax.random.split(key, algo.num_updates_per_batch))
+  (params, opt_state), metrics = jax.lax.scan(epoch, (params, state.opt_state),
+                                              jax.random.split(key, algo.num_updates_per_batch))
   num_steps = algo.num_updates_per_batch * algo.num_minibatches
-  new_state = state.replace(params=params, opt_state=opt_state, num_updates=state.num_updates + num_steps,
+  new_state = state.replace(params=params,
+                            opt_state=opt_state,
+                            num_updates=state.num_updates + num_steps,
                             policy_version=state.policy_version + 1)
   return new_state, jax.tree_util.tree_map(jnp.mean, metrics)
 
@@ -156,5 +169,11 @@ def train_step(network: nn.Module, optimizer: optax.GradientTransformation, algo
 def make_train_fn(network: nn.Module, optimizer: optax.GradientTransformation, algo: AlgoConfig, min_std: float,
                   group_size: int, recompute_proximal: bool):
   """`train_step` jitted with the train state donated: `(train_state, batch, key) -> (train_state, metrics)`."""
-  return jax.jit(functools.partial(train_step, network, optimizer, algo, min_std, group_size=group_size,
-                                   recompute_proximal=recompute_proximal), donate_argnums=(0,))
+  return jax.jit(functools.partial(train_step,
+                                   network,
+                                   optimizer,
+                                   algo,
+                                   min_std,
+                                   group_size=group_size,
+                                   recompute_proximal=recompute_proximal),
+                 donate_argnums=(0,))

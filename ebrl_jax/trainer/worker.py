@@ -53,15 +53,25 @@ class ChannelSource:
     self._cfg, self._spec, self._ch = cfg, spec, channels
     self._num_groups = cfg.schedule.num_groups
     self._bound = cfg.schedule.staleness_bound
-    self._train = trainer_stages.make_train_fn(network, optimizer, cfg.algo, cfg.policy.min_std, cfg.sim.group_size,
+    self._train = trainer_stages.make_train_fn(network,
+                                               optimizer,
+                                               cfg.algo,
+                                               cfg.policy.min_std,
+                                               cfg.sim.group_size,
                                                recompute_proximal=self._bound > 0)
     self._root_key = keys.root(cfg.schedule.seed)
-    self._evaluator = evaluation.make_evaluator(cfg.sim, cfg.policy, cfg.schedule.seed,
-                                                cfg.schedule.deterministic_eval, network)
+    self._evaluator = evaluation.make_evaluator(cfg.sim, cfg.policy, cfg.schedule.seed, cfg.schedule.deterministic_eval,
+                                                network)
     self.tracer = tracing.Tracer(cfg.process.trace_dir, 'trainer')
     self._seen: Dict[tuple, int] = {}
-    self.counts = {'segments_consumed': 0, 'segments_dropped_stale': 0, 'segments_duplicated': 0,
-                   'wait_s': 0.0, 'train_s': 0.0, 'max_staleness_seen': 0}
+    self.counts = {
+        'segments_consumed': 0,
+        'segments_dropped_stale': 0,
+        'segments_duplicated': 0,
+        'wait_s': 0.0,
+        'train_s': 0.0,
+        'max_staleness_seen': 0
+    }
     self._startup_s: Optional[float] = None  # the session's first iteration, once done (see take_startup_s)
     self._startup_taken = False
 
@@ -149,10 +159,13 @@ class ChannelSource:
     """Keeps the batch that produced a non-finite loss next to the run, for a post-mortem (the driver then
     stops the run when it logs the metric)."""
     path = os.path.join(self._cfg.process.run_dir, f'nonfinite_batch_v{version}.npz')
-    np.savez(path, **batch._asdict(), groups=np.array([int(r.group[0]) for r in records]),
+    np.savez(path,
+             **batch._asdict(),
+             groups=np.array([int(r.group[0]) for r in records]),
              iterations=np.array([int(r.iteration[0]) for r in records]))
-    logging.error('trainer: non-finite metrics at version %d (%s); batch saved to %s.', version,
-                  {k: float(v) for k, v in metrics.items()}, path)
+    logging.error('trainer: non-finite metrics at version %d (%s); batch saved to %s.', version, {
+        k: float(v) for k, v in metrics.items()
+    }, path)
 
   def evaluate(self, params, key) -> Dict[str, float]:
     self._phase('the first evaluation')  # no-op once training has started

@@ -50,9 +50,15 @@ def make_param_store(kind: str, template: Any, registry: Optional[ShmRegistry] =
   return _PARAM_STORES[kind](template, **({'registry': registry} if registry is not None else {}))
 
 
-def make_mailbox(kind: str, request_spec: RecordSpec, reply_spec: RecordSpec, num_groups: int,
-                 capacity: Optional[int] = None, registry: Optional[ShmRegistry] = None,
-                 group_field: str = 'group', num_slices: int = 1, slice_field: Optional[str] = None) -> Mailbox:
+def make_mailbox(kind: str,
+                 request_spec: RecordSpec,
+                 reply_spec: RecordSpec,
+                 num_groups: int,
+                 capacity: Optional[int] = None,
+                 registry: Optional[ShmRegistry] = None,
+                 group_field: str = 'group',
+                 num_slices: int = 1,
+                 slice_field: Optional[str] = None) -> Mailbox:
   """One request channel (capacity defaults to one request per requester, `num_groups * num_slices`) and one
   reply channel of capacity 1 per requester (group, or (group, slice) when `num_slices` > 1)."""
   requesters = num_groups * num_slices
@@ -63,5 +69,6 @@ def make_mailbox(kind: str, request_spec: RecordSpec, reply_spec: RecordSpec, nu
 
 __all__ = [
     'ArraySpec', 'Channel', 'ChannelClosed', 'Empty', 'KINDS', 'Mailbox', 'ParamStore', 'RecordSpec', 'ShmChannel',
-    'ShmParamStore', 'ShmRegistry', 'ThreadChannel', 'ThreadParamStore', 'attach', 'default_registry',
-    'make_channel', 'make_mailbox', 'make_param_store', 'record_spec', 'register', 'spec_of']
+    'ShmParamStore', 'ShmRegistry', 'ThreadChannel', 'ThreadParamStore', 'attach', 'default_registry', 'make_channel',
+    'make_mailbox', 'make_param_store', 'record_spec', 'register', 'spec_of'
+]

@@ -106,8 +106,10 @@ class ParamStore(abc.ABC):
   def version(self) -> int:
     """Version of the newest publish, -1 before the first. Cheap: poll it, then call `latest()` when it moves."""
 
-  def wait_for_version(self, min_version: int, timeout: Optional[float] = None, poll_s: float = 1e-3
-                       ) -> Tuple[int, Any]:
+  def wait_for_version(self,
+                       min_version: int,
+                       timeout: Optional[float] = None,
+                       poll_s: float = 1e-3) -> Tuple[int, Any]:
     """Polls until `version() >= min_version`, then returns `latest()`. Raises TimeoutError."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while self.version() < min_version:
@@ -132,8 +134,12 @@ class Mailbox:
   reply channels need capacity 1. `replies` is ordered group-major: the channel of (g, s) is g * num_slices + s.
   """
 
-  def __init__(self, requests: Channel, replies: Sequence[Channel], group_field: str = 'group',
-               num_slices: int = 1, slice_field: Optional[str] = None):
+  def __init__(self,
+               requests: Channel,
+               replies: Sequence[Channel],
+               group_field: str = 'group',
+               num_slices: int = 1,
+               slice_field: Optional[str] = None):
     for field in filter(None, (group_field, slice_field)):
       if field not in requests.spec or requests.spec[field].shape != ():
         raise ValueError(f'request spec {requests.spec} needs a scalar integer field {field!r}.')

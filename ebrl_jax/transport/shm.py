@@ -184,13 +184,19 @@ class ShmChannel(base.Channel):
     header = align_up((_RINGS + 2 * n) * 8)
     self._hdr = np.ndarray((_RINGS + 2 * n,), np.int64, buffer=shm.buf)
     self._views = [
-        tuple(np.ndarray(s.shape, s.dtype, buffer=shm.buf, offset=header + i * self.spec.nbytes + self.spec.offsets[k])
-              for k, s in self.spec.items())
-        for i in range(n)]
+        tuple(
+            np.ndarray(s.shape, s.dtype, buffer=shm.buf, offset=header + i * self.spec.nbytes + self.spec.offsets[k])
+            for k, s in self.spec.items())
+        for i in range(n)
+    ]
 
   def __getstate__(self):
-    return dict(name=self.name, spec=self.spec, capacity=self.capacity, free_sem=self._free_sem,
-                fill_sem=self._fill_sem, lock=self._lock)
+    return dict(name=self.name,
+                spec=self.spec,
+                capacity=self.capacity,
+                free_sem=self._free_sem,
+                fill_sem=self._fill_sem,
+                lock=self._lock)
 
   def __setstate__(self, state):
     self.spec, self.capacity = state['spec'], state['capacity']

@@ -77,7 +77,8 @@ class RecordSpec(collections.abc.Mapping):
     if tuple(fields) != paths:
       raise ValueError(f'fields {list(fields)} must be exactly the fields of {record_type.__name__}: {list(paths)}.')
     self._fields: Dict[str, ArraySpec] = {
-        k: (v if isinstance(v, ArraySpec) else ArraySpec(*v)) for k, v in fields.items()}
+        k: (v if isinstance(v, ArraySpec) else ArraySpec(*v)) for k, v in fields.items()
+    }
     offsets, offset = {}, 0
     for name, spec in self._fields.items():
       offsets[name] = offset
@@ -95,8 +96,8 @@ class RecordSpec(collections.abc.Mapping):
     return len(self._fields)
 
   def __eq__(self, other) -> bool:
-    return (isinstance(other, RecordSpec) and self.record_type is other.record_type
-            and self._fields == other._fields and self.nested == other.nested)
+    return (isinstance(other, RecordSpec) and self.record_type is other.record_type and
+            self._fields == other._fields and self.nested == other.nested)
 
   def __hash__(self):
     return hash((self.record_type, tuple(self._fields.items()), tuple(self.nested.items())))
@@ -138,8 +139,8 @@ class RecordSpec(collections.abc.Mapping):
     it = iter(leaves)
 
     def make(record_type: Type, prefix: str):
-      return record_type(*(make(self.nested[prefix + n], prefix + n + '.') if prefix + n in self.nested
-                           else next(it) for n in record_type._fields))
+      return record_type(*(make(self.nested[prefix + n], prefix + n + '.') if prefix + n in self.nested else next(it)
+                           for n in record_type._fields))
 
     return make(self.record_type, '')
 
@@ -148,7 +149,9 @@ class RecordSpec(collections.abc.Mapping):
     return self.build(np.zeros(s.shape, s.dtype) for s in self._fields.values())
 
 
-def record_spec(record_type: Type, shapes: Mapping[str, Any], dtypes: Mapping[str, Any] | None = None,
+def record_spec(record_type: Type,
+                shapes: Mapping[str, Any],
+                dtypes: Mapping[str, Any] | None = None,
                 default_dtype: str = 'float32') -> RecordSpec:
   """RecordSpec from a NamedTuple class and per-field shapes.
 

@@ -42,12 +42,14 @@ class _TargetReached(Exception):
 
 def device_put_replicated(x, devices):
   """What brax 0.14.2 expects of `jax.device_put_replicated`: x stacked once per device, slice i on device i."""
+
   def replicate(leaf):
     stacked = jnp.stack([jnp.asarray(leaf)] * len(devices))
     if len(devices) == 1:
       return jax.device_put(stacked, devices[0])
     sharding = jax.sharding.PmapSharding.default(stacked.shape, 0, devices)
     return jax.device_put(stacked, sharding)
+
   return jax.tree.map(replicate, x)
 
 
@@ -58,10 +60,11 @@ def check_supported(cfg: config_lib.Config) -> None:
     problems.append(f'--algo={cfg.algo.name} (Brax runs ppo)')
   if cfg.policy.kind != 'mlp':
     problems.append(f'--policy={cfg.policy.kind} (Brax runs its MLP)')
-  elif (tuple(cfg.policy.policy_hidden_sizes) != _BRAX_POLICY_HIDDEN
-        or tuple(cfg.policy.value_hidden_sizes) != _BRAX_VALUE_HIDDEN):
-    problems.append(f'--policy_hidden_sizes={cfg.policy.policy_hidden_sizes} / --value_hidden_sizes={cfg.policy.value_hidden_sizes} '
-                    f'(Brax defaults are {_BRAX_POLICY_HIDDEN} / {_BRAX_VALUE_HIDDEN})')
+  elif (tuple(cfg.policy.policy_hidden_sizes) != _BRAX_POLICY_HIDDEN or
+        tuple(cfg.policy.value_hidden_sizes) != _BRAX_VALUE_HIDDEN):
+    problems.append(
+        f'--policy_hidden_sizes={cfg.policy.policy_hidden_sizes} / --value_hidden_sizes={cfg.policy.value_hidden_sizes} '
+        f'(Brax defaults are {_BRAX_POLICY_HIDDEN} / {_BRAX_VALUE_HIDDEN})')
   if cfg.sim.backend != 'mjx':
     problems.append(f'--backend={cfg.sim.backend} (Brax trains on its mjx envs)')
   if problems:
@@ -79,9 +82,12 @@ def run(cfg: config_lib.Config) -> dict:
   curve, start = [], time.monotonic()
 
   def progress(step, metrics):
-    curve.append({'env_steps': int(step), 'wall_s': round(time.monotonic() - start, 3),
-                  'return': float(metrics['eval/episode_reward']),
-                  'sps': float(metrics.get('training/sps', 0.0))})
+    curve.append({
+        'env_steps': int(step),
+        'wall_s': round(time.monotonic() - start, 3),
+        'return': float(metrics['eval/episode_reward']),
+        'sps': float(metrics.get('training/sps', 0.0))
+    })
     logging.info('brax: step %d return %.1f wall %.1f s', step, curve[-1]['return'], curve[-1]['wall_s'])
     if target is not None and curve[-1]['return'] >= target and step > 0:
       raise _TargetReached()
@@ -89,13 +95,25 @@ def run(cfg: config_lib.Config) -> dict:
   saved = getattr(jax, 'device_put_replicated', None)
   jax.device_put_replicated = device_put_replicated
   try:
-    ppo.train(environment=env, num_timesteps=sc.num_timesteps, num_evals=sc.num_evals,
-              reward_scaling=a.reward_scaling, episode_length=s.episode_length, normalize_observations=True,
-              action_repeat=s.action_repeat, unroll_length=a.unroll_length, num_minibatches=a.num_minibatches,
-              num_updates_per_batch=a.num_updates_per_batch, discounting=a.discount,
-              learning_rate=a.learning_rate, entropy_cost=a.entropy_cost, num_envs=s.num_envs,
-              num_eval_envs=s.num_eval_envs, batch_size=a.batch_size, seed=sc.seed,
-              deterministic_eval=sc.deterministic_eval, progress_fn=progress)
+    ppo.train(environment=env,
+              num_timesteps=sc.num_timesteps,
+              num_evals=sc.num_evals,
+              reward_scaling=a.reward_scaling,
+              episode_length=s.episode_length,
+              normalize_observations=True,
+              action_repeat=s.action_repeat,
+              unroll_length=a.unroll_length,
+              num_minibatches=a.num_minibatches,
+              num_updates_per_batch=a.num_updates_per_batch,
+              discounting=a.discount,
+              learning_rate=a.learning_rate,
+              entropy_cost=a.entropy_cost,
+              num_envs=s.num_envs,
+              num_eval_envs=s.num_eval_envs,
+              batch_size=a.batch_size,
+              seed=sc.seed,
+              deterministic_eval=sc.deterministic_eval,
+              progress_fn=progress)
   except _TargetReached:
     pass
   finally:
@@ -113,15 +131,28 @@ def run(cfg: config_lib.Config) -> dict:
   compile_s = curve[0]['wall_s']
   returns = [c['return'] for c in curve]
   return {
-      'env_steps': env_steps, 'wall_s': wall, 'compile_s': compile_s,
-      'train_wall_s': env_steps / sps if sps else None, 'env_steps_per_s': sps,
-      'final_eval_return': returns[-1], 'best_eval_return': max(returns), 'target_return': target,
+      'env_steps': env_steps,
+      'wall_s': wall,
+      'compile_s': compile_s,
+      'train_wall_s': env_steps / sps if sps else None,
+      'env_steps_per_s': sps,
+      'final_eval_return': returns[-1],
+      'best_eval_return': max(returns),
+      'target_return': target,
       'env_steps_to_target': hit['env_steps'] if hit else None,
       'wall_s_to_target': hit['wall_s'] if hit else None,
       'train_s_to_target': hit['env_steps'] / sps if hit and sps else None,
-      'eval_curve': [{k: c[k] for k in ('env_steps', 'wall_s', 'return')} for c in curve],
-      'schedule': 'brax', 'backend': 'mjx', 'task': s.task, 'device': str(jax.devices()[0].device_kind),
-      'extra': {'trainer': 'brax.training.agents.ppo', 'sps_per_eval': [c['sps'] for c in curve]},
+      'eval_curve': [{
+          k: c[k] for k in ('env_steps', 'wall_s', 'return')
+      } for c in curve],
+      'schedule': 'brax',
+      'backend': 'mjx',
+      'task': s.task,
+      'device': str(jax.devices()[0].device_kind),
+      'extra': {
+          'trainer': 'brax.training.agents.ppo',
+          'sps_per_eval': [c['sps'] for c in curve]
+      },
   }
 
 
@@ -130,7 +161,8 @@ def main(argv):
   try:
     cfg = ebrl_main.config_from_flags()
     from ebrl_jax.runtime import startup  # pylint: disable=g-import-not-at-top
-    startup.configure_jax(cfg.resources.platform, cfg.schedule.compilation_cache_dir)  # the same persistent compilation cache as our runs, so seeds after the first
+    startup.configure_jax(cfg.resources.platform, cfg.schedule.compilation_cache_dir
+                         )  # the same persistent compilation cache as our runs, so seeds after the first
     summary = run(cfg)
   except ValueError as e:
     raise app.UsageError(str(e)) from None

@@ -46,7 +46,7 @@ def _spread(values: list):
   if not values:
     return None, None, 0
   mean = sum(values) / len(values)
-  sd = (sum((v - mean) ** 2 for v in values) / (len(values) - 1)) ** 0.5 if len(values) > 1 else None
+  sd = (sum((v - mean)**2 for v in values) / (len(values) - 1))**0.5 if len(values) > 1 else None
   return mean, sd, len(values)
 
 

@@ -62,8 +62,7 @@ def load(path: str) -> Dict[str, List[dict]]:
     runs = {'ebrl_jax fused': [data['ebrl_jax_fused']]}
     if 'brax_ppo' in data:  # Brax's run has its own fields; take what the table and plot need
       brax = data['brax_ppo']
-      runs['Brax PPO'] = [dict(brax, env_steps=brax['eval_curve'][-1]['env_steps'] if brax.get('eval_curve') else
-                               None)]
+      runs['Brax PPO'] = [dict(brax, env_steps=brax['eval_curve'][-1]['env_steps'] if brax.get('eval_curve') else None)]
   else:
     raise ResultError(f'{path}: no field "runs" (bench results) nor "ebrl_jax_fused" (the W1 comparison)')
   for label, summaries in runs.items():
@@ -121,10 +120,12 @@ FOOTNOTE = ('Rates are means ± sample standard deviation over seeds. † end to
 def table(results: Dict[str, Dict[str, List[dict]]], extras: Dict[str, Dict[str, dict]] = None) -> str:
   """One row per (file, label): means over seeds; time to target over the seeds that reached it (count shown)."""
   extras = extras or {}
-  lines = ['| result | run | seeds | env steps/s | steady env steps/s | rollout env steps/s | compile s | '
-           'reached target | wall s to target | env steps to target | best return | SM activity % | '
-           'steady SM activity % | overlap eff. | env steps lost per quota change |',
-           '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |']
+  lines = [
+      '| result | run | seeds | env steps/s | steady env steps/s | rollout env steps/s | compile s | '
+      'reached target | wall s to target | env steps to target | best return | SM activity % | '
+      'steady SM activity % | overlap eff. | env steps lost per quota change |',
+      '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |'
+  ]
   for path, runs in results.items():
     for label, seeds in runs.items():
       x = extras.get(path, {}).get(label, {})
@@ -163,17 +164,24 @@ def plot_sm_activity(path: str, telemetry_paths: List[str]) -> str:
     if not records:
       raise ResultError(f'{tel_path}: no record has "sm_activity_pct"')
     t0 = records[0]['t']
-    ax.plot([r['t'] - t0 for r in records], [r['sm_activity_pct'] for r in records], lw=0.6, color='k',
+    ax.plot([r['t'] - t0 for r in records], [r['sm_activity_pct'] for r in records],
+            lw=0.6,
+            color='k',
             label='SM activity %')
-    ax.plot([r['t'] - t0 for r in records], [r.get('sm_occupancy_pct', float('nan')) for r in records], lw=0.6,
-            color='tab:gray', alpha=0.6, label='SM occupancy %')
+    ax.plot([r['t'] - t0 for r in records], [r.get('sm_occupancy_pct', float('nan')) for r in records],
+            lw=0.6,
+            color='tab:gray',
+            alpha=0.6,
+            label='SM occupancy %')
     gpu = next((c for c in os.path.basename(tel_path).split('_') if c.startswith('gpu')), '')
     for label, runs in data.get('runs', {}).items():
       for r in runs if isinstance(runs, list) else [runs]:
         if gpu and f'gpu{r.get("gpu")}' != gpu.split('.')[0]:
           continue
         if r.get('start_unix', 0) <= records[-1]['t'] and r.get('end_unix', 0) >= records[0]['t']:
-          ax.axvspan(r['start_unix'] - t0, r['end_unix'] - t0, alpha=0.15,
+          ax.axvspan(r['start_unix'] - t0,
+                     r['end_unix'] - t0,
+                     alpha=0.15,
                      color=colors[labels.index(label) % len(colors)])
           ax.text(max(r['start_unix'] - t0, 0) + 1, 95, label, fontsize=7, va='top')
     ax.set_ylim(0, 100)
@@ -236,15 +244,22 @@ def plot(path: str, runs: Dict[str, List[dict]]) -> str:
     for ax, key, scale in ((axes[0], 'wall_s', 1.0), (axes[1], 'env_steps', 1e-6)):
       for s in seeds:
         xs = [p[key] * scale for p in s['eval_curve']]
-        ax.plot(xs, [p['return'] for p in s['eval_curve']], color=color, lw=2 if len(seeds) == 1 else 0.8,
-                alpha=1.0 if len(seeds) == 1 else 0.5, label=label if len(seeds) == 1 else None)
+        ax.plot(xs, [p['return'] for p in s['eval_curve']],
+                color=color,
+                lw=2 if len(seeds) == 1 else 0.8,
+                alpha=1.0 if len(seeds) == 1 else 0.5,
+                label=label if len(seeds) == 1 else None)
       if len(seeds) > 1:  # the mean over seeds at each evaluation index they share
         n = min(len(s['eval_curve']) for s in seeds)
         xs = [_mean([s['eval_curve'][j][key] for s in seeds]) * scale for j in range(n)]
         ys = [_mean([s['eval_curve'][j]['return'] for s in seeds]) for j in range(n)]
         ax.plot(xs, ys, color=color, lw=2, label=f'{label} (mean of {len(seeds)})')
     rate = figures.end_to_end(seeds)
-    axes[2].bar(i, rate['mean'] or 0.0, yerr=rate['sd'], capsize=4, color=color,
+    axes[2].bar(i,
+                rate['mean'] or 0.0,
+                yerr=rate['sd'],
+                capsize=4,
+                color=color,
                 hatch='//' if rate['counts_first_iteration'] else None)
   axes[0].set_xlabel('wall-clock seconds (start-up included)')
   axes[1].set_xlabel('env steps (millions)')
@@ -269,10 +284,14 @@ def main(argv=None) -> int:
   parser.add_argument('results', nargs='+', help='result JSON files')
   parser.add_argument('--md', help='also write the Markdown table to this file')
   parser.add_argument('--no_plots', action='store_true')
-  parser.add_argument('--telemetry', action='append', default=[],
+  parser.add_argument('--telemetry',
+                      action='append',
+                      default=[],
                       help='telemetry JSONL(.gz) of the bench (one per GPU): plots SM activity over time beside '
-                           'the first result, as <result>_sm.png')
-  parser.add_argument('--trace', action='append', default=[],
+                      'the first result, as <result>_sm.png')
+  parser.add_argument('--trace',
+                      action='append',
+                      default=[],
                       help='a merged trace.json of a run: plots its stage timeline as <trace>_timeline.png')
   parser.add_argument('--window_s', type=float, default=3.0, help='seconds of timeline to plot')
   args = parser.parse_args(argv)

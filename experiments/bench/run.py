@@ -54,17 +54,21 @@ _PROFILE_FROM = flags.DEFINE_string(
     'stage_profile_from', None, 'Instead of --stage_profile: take the stage profile of this earlier result of the same '
     'flagfile (its stage sizes follow --num_envs and --num_groups, which must match; run length need not). With '
     '--merge: give the merged result this profile (a result, or a bare stage_profile.py --profile_out file).')
-_MERGE = flags.DEFINE_list('merge', [], 'Instead of running: merge these result files of one workload (same '
-                           'flagfile and flags; seeds or labels run in separate invocations) into --out.')
-_TELEMETRY = flags.DEFINE_list('telemetry', [], 'With --merge: telemetry logs (telemetry_gpu<N>.jsonl[.gz]) of the '
-                               'merged runs, for the SM activity over each run\'s steady window where a kept run '
-                               'lacks it.')
+_MERGE = flags.DEFINE_list(
+    'merge', [], 'Instead of running: merge these result files of one workload (same '
+    'flagfile and flags; seeds or labels run in separate invocations) into --out.')
+_TELEMETRY = flags.DEFINE_list(
+    'telemetry', [], 'With --merge: telemetry logs (telemetry_gpu<N>.jsonl[.gz]) of the '
+    'merged runs, for the SM activity over each run\'s steady window where a kept run '
+    'lacks it.')
 _QUICK = flags.DEFINE_bool('quick', False, 'Tiny CPU workload (native MuJoCo pendulum) that exercises the harness.')
 
 SCHEDULES = ('fused', 'sync', 'async', 'brax')
 QUICK_FLAGFILE = 'experiments/quickstart.flags'
-QUICK_EXTRA = ['--num_envs=16', '--batch_size=16', '--num_minibatches=4', '--num_timesteps=6400', '--num_evals=2',
-               '--num_eval_envs=4', '--episode_length=200', '--num_groups=2', '--compilation_cache_dir=']
+QUICK_EXTRA = [
+    '--num_envs=16', '--batch_size=16', '--num_minibatches=4', '--num_timesteps=6400', '--num_evals=2',
+    '--num_eval_envs=4', '--episode_length=200', '--num_groups=2', '--compilation_cache_dir='
+]
 # Figures every run reports (BENCHMARKS.md): end-to-end throughput, compile time, time to target, returns.
 FIGURES = ('env_steps', 'env_steps_per_s', 'compile_s', 'wall_s', 'train_wall_s', 'final_eval_return',
            'best_eval_return', 'env_steps_to_target', 'wall_s_to_target', 'train_s_to_target')
@@ -113,7 +117,9 @@ def _gpm_window(tel: Optional[telemetry.Telemetry], start: float, end: float) ->
 def _nvidia_smi(query: str) -> List[str]:
   try:
     out = subprocess.run(['nvidia-smi', f'--query-gpu={query}', '--format=csv,noheader'],
-                         capture_output=True, text=True, timeout=20)
+                         capture_output=True,
+                         text=True,
+                         timeout=20)
   except (OSError, subprocess.SubprocessError):
     return []
   return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
@@ -121,8 +127,12 @@ def _nvidia_smi(query: str) -> List[str]:
 
 def machine() -> dict:
   """Where the results come from: platform, Python, CPU count, each GPU's name and driver."""
-  return {'platform': platform.platform(), 'python': platform.python_version(), 'cpu_count': os.cpu_count(),
-          'gpu': '; '.join(_nvidia_smi('name,driver_version')) or None}
+  return {
+      'platform': platform.platform(),
+      'python': platform.python_version(),
+      'cpu_count': os.cpu_count(),
+      'gpu': '; '.join(_nvidia_smi('name,driver_version')) or None
+  }
 
 
 def commit() -> str:
@@ -176,8 +186,14 @@ def _run_one(cmd: List[str], run_dir: str, env: dict, tel: Optional[telemetry.Te
   finally:
     _LIVE.discard(popen)
   end = time.time()
-  result = {'command': ' '.join(cmd[1:]), 'returncode': popen.returncode, 'start_unix': start, 'end_unix': end,
-            'process_wall_s': end - start, 'gpm': _gpm_window(tel, start, end)}
+  result = {
+      'command': ' '.join(cmd[1:]),
+      'returncode': popen.returncode,
+      'start_unix': start,
+      'end_unix': end,
+      'process_wall_s': end - start,
+      'gpm': _gpm_window(tel, start, end)
+  }
   # The whole output (the controller's and every worker's, which inherit its streams) beside the run: the JSON
   # keeps a failed run's tail only, and where a stalled run waited is usually further up.
   try:
@@ -224,7 +240,8 @@ def backfill_steady_gpm(runs: Dict[str, List[dict]], telemetry_paths: List[str])
     if 'gpm_steady' in run or window is None:
       continue
     best = max((steady_gpm(records, window) for gpu, records in logs if gpu in (None, str(run.get('gpu')))),
-               key=lambda g: g['samples'], default=None)
+               key=lambda g: g['samples'],
+               default=None)
     if best is not None and best['samples']:
       run['gpm_steady'] = best
       filled += 1
@@ -252,8 +269,9 @@ def aggregate(runs: Dict[str, List[dict]]) -> Dict[str, dict]:
     figures['env_steps_per_s_counts_first_iteration'] = e2e['counts_first_iteration']
     figures['sm_activity_pct'] = _mean([r['gpm'].get('sm_activity_pct') for r in seeds if 'summary' in r])
     # The same over the steady window (second to last evaluation), where start-up does not dilute it.
-    figures['steady_sm_activity_pct'] = _mean([(r.get('gpm_steady') or {}).get('sm_activity_pct')
-                                               for r in seeds if 'summary' in r])
+    figures['steady_sm_activity_pct'] = _mean([
+        (r.get('gpm_steady') or {}).get('sm_activity_pct') for r in seeds if 'summary' in r
+    ])
     pace = run_figures.steady(done)
     figures['steady_env_steps_per_s'] = pace['mean']
     figures['steady_env_steps_per_s_sd'] = pace['sd']
@@ -305,8 +323,13 @@ def stage_bounds(profile: dict) -> dict:
       if groups > 1 and fits and entry['sim']['per_env_step_s'] / groups < t_sim:
         t_sim, sim_groups = entry['sim']['per_env_step_s'] / groups, groups
   per_step = [t_sim, whole['generation']['per_env_step_s'], profile['train']['per_env_step_s']]
-  return {'envs_per_call': size, 'sim_groups': sim_groups, 'sim_per_env_step_s': t_sim,
-          'ceiling_steps_per_s': 1.0 / max(per_step), 'sequential_floor_steps_per_s': 1.0 / sum(per_step)}
+  return {
+      'envs_per_call': size,
+      'sim_groups': sim_groups,
+      'sim_per_env_step_s': t_sim,
+      'ceiling_steps_per_s': 1.0 / max(per_step),
+      'sequential_floor_steps_per_s': 1.0 / sum(per_step)
+  }
 
 
 def overlap_efficiency(figures: Dict[str, dict], labels, profile: dict) -> Dict[str, dict]:
@@ -317,14 +340,16 @@ def overlap_efficiency(figures: Dict[str, dict], labels, profile: dict) -> Dict[
   out = {}
   for label, _, _ in labels:
     achieved = figures[label]['env_steps_per_s']
-    out[label] = dict(bounds, overlap_efficiency=achieved / bounds['ceiling_steps_per_s'] if achieved else None,
+    out[label] = dict(bounds,
+                      overlap_efficiency=achieved / bounds['ceiling_steps_per_s'] if achieved else None,
                       vs_sequential_floor=achieved / bounds['sequential_floor_steps_per_s'] if achieved else None)
   return out
 
 
 def _stage_profile(flagfile: str, extra: List[str], path: str, env: dict) -> dict:
-  cmd = [sys.executable, '-m', 'experiments.bench.stage_profile', f'--flagfile={flagfile}', f'--profile_out={path}',
-         *extra]
+  cmd = [
+      sys.executable, '-m', 'experiments.bench.stage_profile', f'--flagfile={flagfile}', f'--profile_out={path}', *extra
+  ]
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=_TIMEOUT.value)
   if proc.returncode or not os.path.exists(path):
     raise RuntimeError(f'stage profile failed ({" ".join(cmd[1:])}):\n{(proc.stdout + proc.stderr)[-3000:]}')
@@ -431,11 +456,20 @@ def merge(paths: List[str], telemetry: List[str] = ()) -> dict:
         raise ValueError(f'--merge: {path} has labels.{label}={value!r}, an earlier file has '
                          f'{labels_seen[label]!r}.')
       labels_seen.setdefault(label, value)
-  out = dict(first, runs={}, seeds=[], labels=labels_seen,
-             # a file that is itself a merge lists its own parts, so the record goes back to the invocations
-             merged_from=[part for p, r in zip(paths, results) for part in r.get('merged_from') or [
-                 {'file': os.path.basename(p), 'commit': r.get('commit'), 'seeds': r.get('seeds'),
-                  'labels': list(r.get('labels', {}))}]])
+  out = dict(
+      first,
+      runs={},
+      seeds=[],
+      labels=labels_seen,
+      # a file that is itself a merge lists its own parts, so the record goes back to the invocations
+      merged_from=[
+          part for p, r in zip(paths, results) for part in r.get('merged_from') or [{
+              'file': os.path.basename(p),
+              'commit': r.get('commit'),
+              'seeds': r.get('seeds'),
+              'labels': list(r.get('labels', {}))
+          }]
+      ])
   out['replaced'] = [gone for r in results for gone in r.get('replaced', [])]
   for path, r in zip(paths, results):
     out['seeds'] += [s for s in r.get('seeds', []) if s not in out['seeds']]
@@ -453,8 +487,13 @@ def merge(paths: List[str], telemetry: List[str] = ()) -> dict:
           kept.append(run)
         elif 'summary' in run:  # a rerun takes its failed attempt's place; the record says so
           gone = kept[earlier[0]]
-          out['replaced'].append({'label': label, 'seed': seed, 'by_file': os.path.basename(path),
-                                  'returncode': gone.get('returncode'), 'why': _why_failed(gone)})
+          out['replaced'].append({
+              'label': label,
+              'seed': seed,
+              'by_file': os.path.basename(path),
+              'returncode': gone.get('returncode'),
+              'why': _why_failed(gone)
+          })
           kept[earlier[0]] = run
         # else failed again: the earlier failed attempt stays
     if 'stage_profile' in r and 'stage_profile' not in out:
@@ -499,9 +538,22 @@ def main(argv):
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   run_root = os.path.splitext(_OUT.value)[0] + '_runs'
-  result = {'commit': commit(), 'flagfile': flagfile, 'extra_flags': extra, 'quick': _QUICK.value,
-            'seeds': _SEEDS.value, 'labels': {label: {'schedule': sched, 'flags': list(f)} for label, sched, f in labels},
-            'gpus': [s[0] for s in slots if s is not None], 'machine': machine(), 'runs': {}}
+  result = {
+      'commit': commit(),
+      'flagfile': flagfile,
+      'extra_flags': extra,
+      'quick': _QUICK.value,
+      'seeds': _SEEDS.value,
+      'labels': {
+          label: {
+              'schedule': sched,
+              'flags': list(f)
+          } for label, sched, f in labels
+      },
+      'gpus': [s[0] for s in slots if s is not None],
+      'machine': machine(),
+      'runs': {}
+  }
   os.makedirs(run_root, exist_ok=True)
   # Device-wide figures only (no pids), one sampler per GPU: each run's own telemetry covers its processes.
   tels = {}

@@ -41,10 +41,11 @@ def main(argv):
   with open(_OUT.value) as f:
     profile = json.load(f)
   for e, g in profile['groups'].items():
-    print(f'E={e}: t_sim {g["sim"]["per_env_step_s"]*1e9:.1f} ns, t_gen {g["generation"]["per_env_step_s"]*1e9:.1f} ns, '
-          f't_train {profile["train"]["per_env_step_s"]*1e9:.1f} ns per env step; floor '
-          f'{g["sequential_floor_steps_per_s"]:.0f}, ceiling {g["overlap_ceiling_steps_per_s"]:.0f} env steps/s',
-          flush=True)
+    print(
+        f'E={e}: t_sim {g["sim"]["per_env_step_s"]*1e9:.1f} ns, t_gen {g["generation"]["per_env_step_s"]*1e9:.1f} ns, '
+        f't_train {profile["train"]["per_env_step_s"]*1e9:.1f} ns per env step; floor '
+        f'{g["sequential_floor_steps_per_s"]:.0f}, ceiling {g["overlap_ceiling_steps_per_s"]:.0f} env steps/s',
+        flush=True)
 
 
 if __name__ == '__main__':

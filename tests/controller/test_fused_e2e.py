@@ -10,14 +10,23 @@ from ebrl_jax.runtime import metrics as metrics_lib
 
 
 def _config(run_dir, **overrides):
-  sim = dict(task='inverted_pendulum', backend='mujoco_cpu', num_envs=32, episode_length=1000, num_eval_envs=8,
+  sim = dict(task='inverted_pendulum',
+             backend='mujoco_cpu',
+             num_envs=32,
+             episode_length=1000,
+             num_eval_envs=8,
              num_threads=1)
   algo = dict(batch_size=32, num_minibatches=8, unroll_length=5, num_updates_per_batch=4)
-  schedule = dict(num_timesteps=51_200, num_evals=4, seed=0, run_dir=str(run_dir), compilation_cache_dir='',
+  schedule = dict(num_timesteps=51_200,
+                  num_evals=4,
+                  seed=0,
+                  run_dir=str(run_dir),
+                  compilation_cache_dir='',
                   progress_bar=False)
   for section, values in overrides.items():
     {'sim': sim, 'algo': algo, 'schedule': schedule}[section].update(values)
-  return config_lib.Config(sim=config_lib.SimConfig(**sim), algo=config_lib.AlgoConfig(**algo),
+  return config_lib.Config(sim=config_lib.SimConfig(**sim),
+                           algo=config_lib.AlgoConfig(**algo),
                            schedule=config_lib.ScheduleConfig(**schedule))
 
 
@@ -39,7 +48,8 @@ def test_ppo_learns_the_pendulum_on_native_mujoco(tmp_path):
 
 
 def test_grpo_learns_with_group_resets(tmp_path):
-  cfg = _config(tmp_path / 'grpo', sim=dict(num_envs=16, group_size=4, episode_length=200),
+  cfg = _config(tmp_path / 'grpo',
+                sim=dict(num_envs=16, group_size=4, episode_length=200),
                 algo=dict(name='grpo', num_minibatches=4, learning_rate=1e-3),
                 schedule=dict(num_timesteps=16 * 200 * 12, num_evals=3))
   summary = controller.run(cfg)
@@ -69,7 +79,8 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
 
 
 def test_mjx_backend_runs_the_fused_program(tmp_path):
-  cfg = _config(tmp_path / 'mjx', sim=dict(backend='mjx', num_envs=8, num_eval_envs=2, episode_length=50),
+  cfg = _config(tmp_path / 'mjx',
+                sim=dict(backend='mjx', num_envs=8, num_eval_envs=2, episode_length=50),
                 algo=dict(batch_size=8, num_minibatches=2, num_updates_per_batch=1),
                 schedule=dict(num_timesteps=160, num_evals=1))
   summary = controller.run(cfg)

@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-
 from ebrl_jax import config as config_lib
 from ebrl_jax import controller
 
@@ -19,12 +18,18 @@ FAKES = os.path.join(ROOT, 'tests', 'fakes')  # stand-ins for nvidia-cuda-mps-co
 
 def _config(run_dir, schedule='sync', transport='thread', num_groups=1, **schedule_kw):
   schedule_kw = {'num_timesteps': 25_600, 'num_evals': 2, **schedule_kw}
-  return config_lib.Config(
-      sim=config_lib.SimConfig(task='inverted_pendulum', num_envs=32, num_eval_envs=8, num_threads=1),
-      algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
-      schedule=config_lib.ScheduleConfig(name=schedule, run_dir=str(run_dir), compilation_cache_dir='',
-                                         progress_bar=False, transport=transport, num_groups=num_groups,
-                                         **schedule_kw))
+  return config_lib.Config(sim=config_lib.SimConfig(task='inverted_pendulum',
+                                                    num_envs=32,
+                                                    num_eval_envs=8,
+                                                    num_threads=1),
+                           algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
+                           schedule=config_lib.ScheduleConfig(name=schedule,
+                                                              run_dir=str(run_dir),
+                                                              compilation_cache_dir='',
+                                                              progress_bar=False,
+                                                              transport=transport,
+                                                              num_groups=num_groups,
+                                                              **schedule_kw))
 
 
 def test_sync_with_one_group_replays_fused_exactly(tmp_path):
@@ -47,13 +52,20 @@ def test_sync_with_one_group_replays_fused_exactly_on_mjx(tmp_path):
   from ebrl_jax.trainer import checkpoint, stages  # pylint: disable=g-import-not-at-top
 
   def run(schedule):
-    cfg = config_lib.Config(
-        sim=config_lib.SimConfig(task='inverted_pendulum', backend='mjx', num_envs=8, num_eval_envs=4,
-                                 episode_length=40),
-        algo=config_lib.AlgoConfig(batch_size=8, num_minibatches=2),
-        schedule=config_lib.ScheduleConfig(name=schedule, run_dir=str(tmp_path / schedule), compilation_cache_dir='',
-                                           progress_bar=False, transport='thread', num_groups=1,
-                                           num_timesteps=320, num_evals=2))
+    cfg = config_lib.Config(sim=config_lib.SimConfig(task='inverted_pendulum',
+                                                     backend='mjx',
+                                                     num_envs=8,
+                                                     num_eval_envs=4,
+                                                     episode_length=40),
+                            algo=config_lib.AlgoConfig(batch_size=8, num_minibatches=2),
+                            schedule=config_lib.ScheduleConfig(name=schedule,
+                                                               run_dir=str(tmp_path / schedule),
+                                                               compilation_cache_dir='',
+                                                               progress_bar=False,
+                                                               transport='thread',
+                                                               num_groups=1,
+                                                               num_timesteps=320,
+                                                               num_evals=2))
     return cfg, controller.run(cfg)
 
   (cfg, fused), (_, sync) = run('fused'), run('sync')
@@ -90,11 +102,16 @@ def test_async_processes_learn_with_bounded_staleness(tmp_path):
 
 def _launch(run_dir, *flags, env=None):
   env = dict(os.environ, JAX_PLATFORMS='cpu', **(env or {}))
-  return subprocess.Popen(
-      [sys.executable, '-m', 'ebrl_jax.main', '--task=inverted_pendulum', '--num_envs=32', '--batch_size=32',
-       '--num_minibatches=8', '--num_eval_envs=8', '--num_threads=1', '--compilation_cache_dir=',
-       '--noprogress_bar', f'--run_dir={run_dir}', *flags],
-      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  return subprocess.Popen([
+      sys.executable, '-m', 'ebrl_jax.main', '--task=inverted_pendulum', '--num_envs=32', '--batch_size=32',
+      '--num_minibatches=8', '--num_eval_envs=8', '--num_threads=1', '--compilation_cache_dir=', '--noprogress_bar',
+      f'--run_dir={run_dir}', *flags
+  ],
+                          cwd=ROOT,
+                          env=env,
+                          stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT,
+                          text=True)
 
 
 def _assert_workers_gone(workers):
@@ -141,10 +158,13 @@ def _our_segments(controller_pid):
   return [n for n in os.listdir('/dev/shm') if n.startswith(f'ebrl_{controller_pid}_')]
 
 
-@pytest.mark.parametrize('role,flags', [
-    ('rollout/0', ()),
-    ('generation', ('--nocolocate_generation',)),  # sim, generation and training in three kinds of process
-], ids=['rollout_worker', 'generation_worker'])
+@pytest.mark.parametrize(
+    'role,flags',
+    [
+        ('rollout/0', ()),
+        ('generation', ('--nocolocate_generation',)),  # sim, generation and training in three kinds of process
+    ],
+    ids=['rollout_worker', 'generation_worker'])
 def test_killed_worker_is_restarted_without_losing_or_duplicating_segments(tmp_path, role, flags):
   run_dir = tmp_path / 'fault'
   proc = _launch(run_dir, '--schedule=async', '--num_groups=2', '--num_timesteps=38400', '--num_evals=6', *flags)
@@ -190,19 +210,25 @@ def test_ctrl_c_leaves_no_process_and_no_shared_memory(tmp_path):
   assert 'MPS is not available' in out
   _assert_workers_gone(workers)
   # The checkpoint written before the interrupt still restores: resume continues its step count.
-  summary = controller.run(config_lib.Config(
-      sim=config_lib.SimConfig(task='inverted_pendulum', num_envs=32, num_eval_envs=8, num_threads=1),
-      algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
-      schedule=config_lib.ScheduleConfig(name='sync', transport='thread', num_groups=1, num_timesteps=1,
-                                         num_evals=1, run_dir=str(run_dir), resume=True,
-                                         compilation_cache_dir='', progress_bar=False)))
+  summary = controller.run(
+      config_lib.Config(sim=config_lib.SimConfig(task='inverted_pendulum', num_envs=32, num_eval_envs=8, num_threads=1),
+                        algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
+                        schedule=config_lib.ScheduleConfig(name='sync',
+                                                           transport='thread',
+                                                           num_groups=1,
+                                                           num_timesteps=1,
+                                                           num_evals=1,
+                                                           run_dir=str(run_dir),
+                                                           resume=True,
+                                                           compilation_cache_dir='',
+                                                           progress_bar=False)))
   assert summary.env_steps >= 1280 * 2
 
 
 def test_trace_dir_writes_a_timeline_of_every_process(tmp_path):
   trace_dir = tmp_path / 'trace'
-  summary = controller.run(_config(tmp_path / 'traced', schedule='async', transport='shm', num_groups=2,
-                                   trace_dir=str(trace_dir)))
+  summary = controller.run(
+      _config(tmp_path / 'traced', schedule='async', transport='shm', num_groups=2, trace_dir=str(trace_dir)))
   trace = json.load(open(trace_dir / 'trace.json'))
   events = trace['traceEvents']
   names = {e['args']['name'] for e in events if e.get('ph') == 'M'}
@@ -222,8 +248,9 @@ def test_killed_trainer_stops_the_run_with_its_checkpoint_intact(tmp_path):
   run_dir = tmp_path / 'trainer_dies'
   proc = _launch(run_dir, '--schedule=async', '--num_groups=2', '--num_timesteps=10000000', '--num_evals=2000')
   try:
-    assert _wait_for(lambda: os.path.isdir(run_dir / 'checkpoints') and
-                     any(n.isdigit() for n in os.listdir(run_dir / 'checkpoints')), 240, proc)
+    assert _wait_for(
+        lambda: os.path.isdir(run_dir / 'checkpoints') and any(n.isdigit()
+                                                               for n in os.listdir(run_dir / 'checkpoints')), 240, proc)
     workers = json.load(open(run_dir / 'workers.json'))
     os.kill(workers['workers']['trainer'], signal.SIGKILL)
     out, _ = proc.communicate(timeout=120)
@@ -284,8 +311,9 @@ def test_a_stalled_start_up_is_reported_worker_by_worker(tmp_path, monkeypatch, 
   assert len(final) == 1
   assert 'rollout/0: compiling a very slow program' in final[0]
   # The trainer is somewhere in its own start-up, by then most likely waiting for the group's first segment.
-  assert re.search(r'trainer: (initialising|building|publishing|the first evaluation|waiting for the first '
-                   r'segments \(0 of 1 groups in\))', final[0]), final[0]
+  assert re.search(
+      r'trainer: (initialising|building|publishing|the first evaluation|waiting for the first '
+      r'segments \(0 of 1 groups in\))', final[0]), final[0]
 
 
 def test_phase_reports_write_on_change_stop_after_done_and_never_raise(tmp_path):
@@ -310,14 +338,25 @@ def test_mps_daemon_death_stops_the_run_and_resume_continues(tmp_path, monkeypat
   stops every worker, frees shared memory, keeps the checkpoint, and says to resume; --resume then continues.
   A stand-in NVML reports a 16 GiB GPU, so both runs make a memory plan."""
   run_dir, dead, calls = tmp_path / 'mps_dies', tmp_path / 'daemon_dead', tmp_path / 'mps_calls.log'
-  env = {'PATH': f'{FAKES}:{os.environ["PATH"]}', 'PYTHONPATH': os.pathsep.join([FAKES, ROOT]),
-         'FAKE_MPS_DEAD': str(dead), 'FAKE_MPS_LOG': str(calls), 'EBRL_FAKE_GPU_MIB': '16384',
-         'CUDA_MPS_PIPE_DIRECTORY': ''}
-  proc = _launch(run_dir, '--schedule=async', '--num_groups=2', '--use_mps', '--num_evals=2000',
-                 '--num_timesteps=10000000', env=env)
+  env = {
+      'PATH': f'{FAKES}:{os.environ["PATH"]}',
+      'PYTHONPATH': os.pathsep.join([FAKES, ROOT]),
+      'FAKE_MPS_DEAD': str(dead),
+      'FAKE_MPS_LOG': str(calls),
+      'EBRL_FAKE_GPU_MIB': '16384',
+      'CUDA_MPS_PIPE_DIRECTORY': ''
+  }
+  proc = _launch(run_dir,
+                 '--schedule=async',
+                 '--num_groups=2',
+                 '--use_mps',
+                 '--num_evals=2000',
+                 '--num_timesteps=10000000',
+                 env=env)
   try:
-    assert _wait_for(lambda: os.path.isdir(run_dir / 'checkpoints') and
-                     any(n.isdigit() for n in os.listdir(run_dir / 'checkpoints')), 240, proc)
+    assert _wait_for(
+        lambda: os.path.isdir(run_dir / 'checkpoints') and any(n.isdigit()
+                                                               for n in os.listdir(run_dir / 'checkpoints')), 240, proc)
     workers = json.load(open(run_dir / 'workers.json'))
     dead.write_text('')
     out, _ = proc.communicate(timeout=120)
@@ -339,8 +378,14 @@ def test_mps_daemon_death_stops_the_run_and_resume_continues(tmp_path, monkeypat
   monkeypatch.syspath_prepend(FAKES)
   monkeypatch.delitem(sys.modules, 'pynvml', raising=False)
   monkeypatch.setenv('EBRL_FAKE_GPU_MIB', '16384')
-  summary = controller.run(_config(run_dir, schedule='sync', transport='thread', num_groups=1,
-                                   num_timesteps=(step + 2) * 1280, num_evals=1, resume=True))
+  summary = controller.run(
+      _config(run_dir,
+              schedule='sync',
+              transport='thread',
+              num_groups=1,
+              num_timesteps=(step + 2) * 1280,
+              num_evals=1,
+              resume=True))
   assert summary.iterations == step + 2 and summary.env_steps == (step + 2) * 1280
   plan = summary.extra['memory_plan']
   assert plan['device_total_mib'] == 16384 and set(plan['roles']) == {'trainer', 'rollout/0'}

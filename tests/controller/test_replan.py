@@ -29,13 +29,20 @@ def _fake_mps(tmp_path, monkeypatch):
 
 
 def _config(tmp_path, transport='shm', num_timesteps=64_000, **resources):
-  return config_lib.Config(
-      sim=config_lib.SimConfig(task='inverted_pendulum', num_envs=32, num_eval_envs=8, num_threads=1),
-      algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
-      schedule=config_lib.ScheduleConfig(name='sync', num_timesteps=num_timesteps, num_evals=2,
-                                         run_dir=str(tmp_path / 'run'), compilation_cache_dir='',
-                                         progress_bar=False, transport=transport, num_groups=2),
-      resources=config_lib.ResourceConfig(**resources))
+  return config_lib.Config(sim=config_lib.SimConfig(task='inverted_pendulum',
+                                                    num_envs=32,
+                                                    num_eval_envs=8,
+                                                    num_threads=1),
+                           algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
+                           schedule=config_lib.ScheduleConfig(name='sync',
+                                                              num_timesteps=num_timesteps,
+                                                              num_evals=2,
+                                                              run_dir=str(tmp_path / 'run'),
+                                                              compilation_cache_dir='',
+                                                              progress_bar=False,
+                                                              transport=transport,
+                                                              num_groups=2),
+                           resources=config_lib.ResourceConfig(**resources))
 
 
 def test_quota_schedule_swaps_each_group_through_a_warm_standby(tmp_path, monkeypatch):
@@ -62,8 +69,13 @@ def test_quota_schedule_swaps_each_group_through_a_warm_standby(tmp_path, monkey
   # The standbys reported their own start-up under their incarnation, and went on to collect.
   from ebrl_jax.runtime import lifecycle  # pylint: disable=g-import-not-at-top
   phases = {name: r['phase'] for name, r in lifecycle.read_phases(cfg.schedule.run_dir).items()}
-  assert phases == {'trainer': 'training', 'rollout/0': 'collecting', 'rollout/1': 'collecting',
-                    'rollout/0#1': 'collecting', 'rollout/1#1': 'collecting'}
+  assert phases == {
+      'trainer': 'training',
+      'rollout/0': 'collecting',
+      'rollout/1': 'collecting',
+      'rollout/0#1': 'collecting',
+      'rollout/1#1': 'collecting'
+  }
 
 
 def test_a_swap_cut_short_by_the_runs_end_is_recorded_as_pending(tmp_path):
@@ -75,8 +87,12 @@ def test_a_swap_cut_short_by_the_runs_end_is_recorded_as_pending(tmp_path):
   swap = replan._Swap(1, None, control, None, control, 30, 40, 100.0, None, 0.0)  # pylint: disable=protected-access
   changer.active.append(swap)
   record = changer.record(now=142.5)
-  assert record['swaps'] == [] and record['pending'] == [
-      {'group': 1, 'new_quota': 40, 'phase': 'standby', 'elapsed_s': 42.5}]
+  assert record['swaps'] == [] and record['pending'] == [{
+      'group': 1,
+      'new_quota': 40,
+      'phase': 'standby',
+      'elapsed_s': 42.5
+  }]
   assert not [n for n in os.listdir('/dev/shm') if n.startswith(f'ebrl_{os.getpid()}_')]
   import multiprocessing  # pylint: disable=g-import-not-at-top
   assert not multiprocessing.active_children()
@@ -96,6 +112,7 @@ def test_a_standby_that_dies_before_it_is_ready_keeps_the_old_worker(tmp_path, c
       self.swapped_in.append(args)
 
   class _Dead:
+
     def is_alive(self):
       return False
 
@@ -145,6 +162,7 @@ class _FakeWorkers:
 
 
 class _FakeChanger:
+
   def __init__(self):
     self.changes = []
 
@@ -153,9 +171,16 @@ class _FakeChanger:
 
 
 def _trigger(tmp_path, hysteresis):
-  cfg = _config(tmp_path, num_timesteps=1_280_000, use_mps=True, plan=True, replan=True,
-                sm_quotas='rollout=10,trainer=50', replan_period_s=0.001, replan_hysteresis=hysteresis,
-                replan_min_interval=0, replan_change_cost_s=0.0)
+  cfg = _config(tmp_path,
+                num_timesteps=1_280_000,
+                use_mps=True,
+                plan=True,
+                replan=True,
+                sm_quotas='rollout=10,trainer=50',
+                replan_period_s=0.001,
+                replan_hysteresis=hysteresis,
+                replan_min_interval=0,
+                replan_change_cost_s=0.0)
   store, workers = _store(cfg), _FakeWorkers(2)
   trigger = replan.ReplanTrigger(cfg, workers, store, replan.make_replanner(cfg, store), total_iterations=1000)
   return cfg, store, workers, trigger

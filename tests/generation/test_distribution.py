@@ -14,11 +14,11 @@ def test_log_prob_hand_values():
   np.testing.assert_allclose(dist.log_prob(jnp.zeros(1), jnp.ones(1), jnp.zeros(1)), -0.9189385, rtol=1e-6)
   # loc 0.5, scale 2, raw 1: z = 0.25, log N = -0.03125 - log 2 - 0.9189385 = -1.6433357;
   # tanh(1) = 0.7615942, log(1 - 0.5800257) = log(0.4199743) = -0.8675616; log p = -1.6433357 + 0.8675616.
-  np.testing.assert_allclose(dist.log_prob(jnp.array([0.5]), jnp.array([2.0]), jnp.array([1.0])),
-                             -0.7757741, rtol=1e-5)
+  np.testing.assert_allclose(dist.log_prob(jnp.array([0.5]), jnp.array([2.0]), jnp.array([1.0])), -0.7757741, rtol=1e-5)
   # Two action dims sum: -0.9189385 + -0.7757741 = -1.6947126.
   np.testing.assert_allclose(dist.log_prob(jnp.array([0.0, 0.5]), jnp.array([1.0, 2.0]), jnp.array([0.0, 1.0])),
-                             -1.6947126, rtol=1e-5)
+                             -1.6947126,
+                             rtol=1e-5)
 
 
 def test_log_prob_matches_numerical_change_of_variables():
@@ -40,7 +40,7 @@ def test_log_det_jacobian_is_finite_where_tanh_saturates():
   np.testing.assert_allclose(ldj, [1.3862944 - 60.0, 1.3862944 - 40.0], rtol=1e-6)
   # The naive form is -inf there: this is why the stable form is used.
   with np.errstate(divide="ignore"):
-    assert np.isneginf(np.log(1.0 - np.tanh(np.float32(20.0)) ** 2))
+    assert np.isneginf(np.log(1.0 - np.tanh(np.float32(20.0))**2))
 
 
 def test_split_params_and_mode():
@@ -55,7 +55,7 @@ def test_entropy_is_gaussian_entropy_plus_sampled_jacobian():
   loc, scale = jnp.array([0.1, -0.2]), jnp.array([0.5, 1.5])
   raw = dist.sample_raw(loc, scale, key)
   # H = sum_a [0.5 + 0.5 log(2 pi) + log scale_a + log(1 - tanh(raw_a)^2)] with the same sample.
-  expected = np.sum(0.5 + 0.9189385 + np.log(scale) + np.log(1.0 - np.tanh(raw) ** 2))
+  expected = np.sum(0.5 + 0.9189385 + np.log(scale) + np.log(1.0 - np.tanh(raw)**2))
   np.testing.assert_allclose(dist.entropy(loc, scale, key), expected, rtol=1e-5)
   # The estimate is unbiased: its average approaches E[-log p(tanh U)] estimated from the same samples.
   keys = jax.random.split(key, 20000)
@@ -73,5 +73,7 @@ def test_matches_brax_normal_tanh():
   np.testing.assert_allclose(dist.log_prob(loc, scale, raw), d.log_prob(params, raw), rtol=1e-5, atol=1e-5)
   key = jax.random.PRNGKey(2)
   np.testing.assert_allclose(dist.entropy(loc, scale, key), d.entropy(params, key), rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(dist.sample_raw(loc, scale, key), d.sample_no_postprocessing(params, key),
-                             rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(dist.sample_raw(loc, scale, key),
+                             d.sample_no_postprocessing(params, key),
+                             rtol=1e-6,
+                             atol=1e-6)

@@ -25,7 +25,8 @@ def test_matches_numpy_over_several_batches():
   np.testing.assert_allclose(stats.std, everything.std(0), rtol=1e-5)  # population std, as Brax
   x = jnp.asarray(batches[0][0])
   np.testing.assert_allclose(norm.normalize(stats, x), (batches[0][0] - everything.mean(0)) / everything.std(0),
-                             rtol=1e-4, atol=1e-5)
+                             rtol=1e-4,
+                             atol=1e-5)
 
 
 def test_mask_drops_observations():

@@ -38,17 +38,24 @@ def test_mlp_init_is_lecun_uniform_with_zero_bias():
   assert not np.any(params['policy']['hidden_0']['bias'])
 
 
-@pytest.mark.parametrize('d,layers,k,expected', [
-    # ~1M: blocks 5*(12*128^2 + 13*128) = 991,360; + 640 + 7*128 + 128 + 128 + 256 + 2064 + 129 = 995,601.
-    (128, 5, 1, 995_601),
-    # ~25M: blocks 8*(12*512^2 + 13*512) = 25,219,072; + 2560 + 3584 + 4*512 + 512 + 1024 + 8208 + 513.
-    (512, 8, 4, 25_237_521),
-    # ~100M: blocks 8*(12*1024^2 + 13*1024) = 100,769,792; + 5120 + 7168 + 8192 + 1024 + 2048 + 16400 + 1025.
-    (1024, 8, 8, 100_810_769),
-])
+@pytest.mark.parametrize(
+    'd,layers,k,expected',
+    [
+        # ~1M: blocks 5*(12*128^2 + 13*128) = 991,360; + 640 + 7*128 + 128 + 128 + 256 + 2064 + 129 = 995,601.
+        (128, 5, 1, 995_601),
+        # ~25M: blocks 8*(12*512^2 + 13*512) = 25,219,072; + 2560 + 3584 + 4*512 + 512 + 1024 + 8208 + 513.
+        (512, 8, 4, 25_237_521),
+        # ~100M: blocks 8*(12*1024^2 + 13*1024) = 100,769,792; + 5120 + 7168 + 8192 + 1024 + 2048 + 16400 + 1025.
+        (1024, 8, 8, 100_810_769),
+    ])
 def test_transformer_param_counts(d, layers, k, expected):
-  cfg = PolicyConfig(kind='transformer', d_model=d, num_layers=layers, num_heads=8, mlp_ratio=4,
-                     obs_token_size=4, action_chunk=k)
+  cfg = PolicyConfig(kind='transformer',
+                     d_model=d,
+                     num_layers=layers,
+                     num_heads=8,
+                     mlp_ratio=4,
+                     obs_token_size=4,
+                     action_chunk=k)
   net = policies.make_network(cfg, OBS, ACT)
   shapes = jax.eval_shape(net.init, jax.random.PRNGKey(0), jnp.zeros((1, OBS)))  # no allocation
   assert transformer_param_count(d, layers, 4, 4, OBS, k, ACT) == expected
@@ -56,8 +63,14 @@ def test_transformer_param_counts(d, layers, k, expected):
 
 
 def test_transformer_shapes_and_bf16_compute():
-  net = policies.TransformerActorCritic(d_model=32, num_layers=2, num_heads=4, mlp_ratio=2, obs_token_size=5,
-                                        action_dim=3, action_chunk=4, dtype=jnp.bfloat16)
+  net = policies.TransformerActorCritic(d_model=32,
+                                        num_layers=2,
+                                        num_heads=4,
+                                        mlp_ratio=2,
+                                        obs_token_size=5,
+                                        action_dim=3,
+                                        action_chunk=4,
+                                        dtype=jnp.bfloat16)
   params = jax.jit(net.init)(jax.random.PRNGKey(0), jnp.zeros((1, 11)))  # 11 -> padded to 15 -> 3 tokens
   assert params['params']['obs_pos_embed'].shape == (3, 32)
   assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))

@@ -20,8 +20,15 @@ evaluate_jit = jax.jit(tp.evaluate, static_argnums=(0,))
 
 
 def _policy(dtype=jnp.float32, k=K, a=A, **kw):
-  return tp.TokenPolicy(action_dim=a, action_chunk=k, num_bins=BINS, d_model=16, num_layers=2, num_heads=2,
-                        mlp_ratio=2, dtype=dtype, **kw)
+  return tp.TokenPolicy(action_dim=a,
+                        action_chunk=k,
+                        num_bins=BINS,
+                        d_model=16,
+                        num_layers=2,
+                        num_heads=2,
+                        mlp_ratio=2,
+                        dtype=dtype,
+                        **kw)
 
 
 def _setup(policy=None, batch=B, noise=0.5):
@@ -100,8 +107,9 @@ def test_teacher_forced_pass_is_causal_in_the_action_tokens():
   policy, variables, obs = _setup()
   tokens = jnp.zeros((B, K, A), jnp.int32)
   changed = tokens.at[:, 0, 1].set(5)  # t_1 (k = 0, a = 1)
-  diff = jnp.max(jnp.abs(forward_jit(policy, variables, obs, changed)[0] - forward_jit(policy, variables, obs,
-                                                                                   tokens)[0]), axis=(0, 2))
+  diff = jnp.max(
+      jnp.abs(forward_jit(policy, variables, obs, changed)[0] - forward_jit(policy, variables, obs, tokens)[0]),
+      axis=(0, 2))
   np.testing.assert_array_equal(diff[:2], 0.0)  # logits of t_0 and t_1 cannot see t_1
   assert np.all(diff[2:] > 0)  # t_2 .. t_5 do
 
@@ -171,8 +179,9 @@ def test_bfloat16_compute_is_finite_and_close_to_float32():
   out = decode_jit(bf16, variables, obs, jax.random.PRNGKey(3))
   assert np.all(np.isfinite(out.log_probs)) and out.log_probs.dtype == jnp.float32
   # The bf16 cache path and the bf16 full pass agree to bf16 rounding.
-  np.testing.assert_allclose(tp.log_prob_and_entropy(forward_jit(bf16, variables, obs, out.tokens)[0],
-                                                     out.tokens)[0], out.log_probs, atol=0.1)
+  np.testing.assert_allclose(tp.log_prob_and_entropy(forward_jit(bf16, variables, obs, out.tokens)[0], out.tokens)[0],
+                             out.log_probs,
+                             atol=0.1)
 
 
 def test_rejects_width_not_divisible_by_heads():

@@ -20,8 +20,15 @@ def _obs(channels=6, state_dim=5, key=0):
 
 
 def _vit(dtype=jnp.float32, k=2):
-  return vision.VisionTransformerActorCritic(d_model=16, num_layers=1, num_heads=2, mlp_ratio=2, patch_size=4,
-                                             action_dim=3, action_chunk=k, obs_token_size=4, dtype=dtype)
+  return vision.VisionTransformerActorCritic(d_model=16,
+                                             num_layers=1,
+                                             num_heads=2,
+                                             mlp_ratio=2,
+                                             patch_size=4,
+                                             action_dim=3,
+                                             action_chunk=k,
+                                             obs_token_size=4,
+                                             dtype=dtype)
 
 
 def test_pixels_to_float_range_and_rejects_float():
@@ -102,7 +109,10 @@ def test_vit_actor_critic_contract_matches_gaussian_heads():
 
 
 def test_cnn_actor_critic_shapes():
-  net = vision.CNNActorCritic(action_dim=3, stage_channels=(4, 8), feature_dim=8, policy_hidden_sizes=(8,),
+  net = vision.CNNActorCritic(action_dim=3,
+                              stage_channels=(4, 8),
+                              feature_dim=8,
+                              policy_hidden_sizes=(8,),
                               value_hidden_sizes=(8,))
   obs = _obs(channels=vision.pixel_channels(2, depth=True))
   dist_params, value = jax.jit(net.apply)(jax.jit(net.init)(jax.random.PRNGKey(0), obs), obs)
@@ -112,7 +122,10 @@ def test_cnn_actor_critic_shapes():
 @pytest.mark.parametrize('which', ['cnn', 'vit'])
 def test_gradients_finite_and_nonzero(which):
   if which == 'cnn':
-    net = vision.CNNActorCritic(action_dim=3, stage_channels=(4, 8), feature_dim=8, policy_hidden_sizes=(8,),
+    net = vision.CNNActorCritic(action_dim=3,
+                                stage_channels=(4, 8),
+                                feature_dim=8,
+                                policy_hidden_sizes=(8,),
                                 value_hidden_sizes=(8,))
   else:
     net = _vit()

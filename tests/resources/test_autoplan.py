@@ -11,14 +11,25 @@ from ebrl_jax.resources import profiles
 
 
 def _cfg(tmp_path, schedule='async', sm_quotas='', **resources):
-  return config_lib.Config(
-      sim=config_lib.SimConfig(task='inverted_pendulum', num_envs=32, num_eval_envs=8, num_threads=1),
-      algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
-      schedule=config_lib.ScheduleConfig(name=schedule, num_timesteps=12_800, num_evals=2,
-                                         run_dir=str(tmp_path / 'run'), compilation_cache_dir='',
-                                         progress_bar=False, transport='shm', num_groups=2),
-      resources=config_lib.ResourceConfig(plan=True, profile_dir=str(tmp_path / 'profiles'), use_mps=bool(sm_quotas)
-                                          or resources.pop('use_mps', False), sm_quotas=sm_quotas, **resources))
+  return config_lib.Config(sim=config_lib.SimConfig(task='inverted_pendulum',
+                                                    num_envs=32,
+                                                    num_eval_envs=8,
+                                                    num_threads=1),
+                           algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
+                           schedule=config_lib.ScheduleConfig(name=schedule,
+                                                              num_timesteps=12_800,
+                                                              num_evals=2,
+                                                              run_dir=str(tmp_path / 'run'),
+                                                              compilation_cache_dir='',
+                                                              progress_bar=False,
+                                                              transport='shm',
+                                                              num_groups=2),
+                           resources=config_lib.ResourceConfig(plan=True,
+                                                               profile_dir=str(tmp_path / 'profiles'),
+                                                               use_mps=bool(sm_quotas) or
+                                                               resources.pop('use_mps', False),
+                                                               sm_quotas=sm_quotas,
+                                                               **resources))
 
 
 def _fill(cfg, sim_s, gen_s, train_s):
@@ -106,10 +117,12 @@ def test_cpu_run_calibrates_once_then_starts_from_the_saved_profiles(tmp_path):
 def test_native_mujoco_group_choices_leave_each_group_its_threads():
   # 512 envs, 3 threads per group, 2 env slices: every count in (1, 2, 4, 8) splits evenly; with 12 sim cores only
   # up to 4 groups get 3 threads each (8 x 3 = 24 > 12); one group always fits.
-  cfg = config_lib.Config(
-      sim=config_lib.SimConfig(num_envs=512, num_threads=3, num_eval_envs=4),
-      algo=config_lib.AlgoConfig(batch_size=512, num_minibatches=1),
-      schedule=config_lib.ScheduleConfig(name='async', num_groups=4, colocate_generation=False, env_slices=2))
+  cfg = config_lib.Config(sim=config_lib.SimConfig(num_envs=512, num_threads=3, num_eval_envs=4),
+                          algo=config_lib.AlgoConfig(batch_size=512, num_minibatches=1),
+                          schedule=config_lib.ScheduleConfig(name='async',
+                                                             num_groups=4,
+                                                             colocate_generation=False,
+                                                             env_slices=2))
   assert autoplan.group_choices(cfg, sim_cores=12) == (1, 2, 4)
   assert autoplan.group_choices(cfg, sim_cores=2) == (1,)
   assert autoplan.group_choices(dataclasses.replace(cfg, sim=dataclasses.replace(cfg.sim, num_threads=0)),

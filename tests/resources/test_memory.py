@@ -29,12 +29,13 @@ def _small_allowances(monkeypatch):
 
 
 def _config(num_envs=32, batch_size=32, hidden=(4,), colocate_generation=True, **resources):
-  return config_lib.Config(
-      sim=config_lib.SimConfig(num_envs=num_envs, num_eval_envs=16),
-      policy=config_lib.PolicyConfig(policy_hidden_sizes=hidden, value_hidden_sizes=hidden),
-      algo=config_lib.AlgoConfig(batch_size=batch_size, num_minibatches=8),
-      schedule=config_lib.ScheduleConfig(name='async', num_groups=2, colocate_generation=colocate_generation),
-      resources=config_lib.ResourceConfig(**resources))
+  return config_lib.Config(sim=config_lib.SimConfig(num_envs=num_envs, num_eval_envs=16),
+                           policy=config_lib.PolicyConfig(policy_hidden_sizes=hidden, value_hidden_sizes=hidden),
+                           algo=config_lib.AlgoConfig(batch_size=batch_size, num_minibatches=8),
+                           schedule=config_lib.ScheduleConfig(name='async',
+                                                              num_groups=2,
+                                                              colocate_generation=colocate_generation),
+                           resources=config_lib.ResourceConfig(**resources))
 
 
 def test_footprint_parts_by_hand():
@@ -85,20 +86,22 @@ def test_footprint_scales_with_envs_batch_and_params():
 def test_mjx_footprint_traces_envs_in_a_child_and_starts_no_accelerator_client():
   """MJX env state grows with the group's envs; the controller's JAX never starts a backend (on a GPU it would
   preallocate most of the memory the workers are to get)."""
-  code = (
-      'import json, sys\n'
-      'sys.path.insert(0, sys.argv[1])\n'
-      'from jax._src import xla_bridge\n'
-      'from ebrl_jax import config, sim\n'
-      'from ebrl_jax.resources import memory\n'
-      'spec = sim.env_spec("inverted_pendulum", 1000, 1)\n'
-      'out = {}\n'
-      'for n in (32, 64, 128):\n'
-      '  cfg = config.Config(sim=config.SimConfig(num_envs=n, backend="mjx"), algo=config.AlgoConfig(\n'
-      '      batch_size=128, num_minibatches=8), schedule=config.ScheduleConfig(name="async", num_groups=2))\n'
-      '  out[n] = memory.footprints(cfg, spec)["rollout"].parts\n'
-      'print(json.dumps({"parts": out, "backend": xla_bridge.backends_are_initialized()}))\n')
-  proc = subprocess.run([sys.executable, '-c', code, ROOT], capture_output=True, text=True, timeout=300,
+  code = ('import json, sys\n'
+          'sys.path.insert(0, sys.argv[1])\n'
+          'from jax._src import xla_bridge\n'
+          'from ebrl_jax import config, sim\n'
+          'from ebrl_jax.resources import memory\n'
+          'spec = sim.env_spec("inverted_pendulum", 1000, 1)\n'
+          'out = {}\n'
+          'for n in (32, 64, 128):\n'
+          '  cfg = config.Config(sim=config.SimConfig(num_envs=n, backend="mjx"), algo=config.AlgoConfig(\n'
+          '      batch_size=128, num_minibatches=8), schedule=config.ScheduleConfig(name="async", num_groups=2))\n'
+          '  out[n] = memory.footprints(cfg, spec)["rollout"].parts\n'
+          'print(json.dumps({"parts": out, "backend": xla_bridge.backends_are_initialized()}))\n')
+  proc = subprocess.run([sys.executable, '-c', code, ROOT],
+                        capture_output=True,
+                        text=True,
+                        timeout=300,
                         env=dict(os.environ, JAX_PLATFORMS=''))
   assert proc.returncode == 0, proc.stderr[-2000:]
   result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -123,8 +126,12 @@ def test_a_plan_that_fits():
   assert tiny.roles['trainer'].budget == memory.MIN_POOL_BYTES  # 1.5 MiB: XLA's pool gets its floor
   summary = plan.summary()
   assert summary['device_total_mib'] == 16384 and summary['context_mib'] == 500
-  assert summary['roles']['trainer'] == {'footprint_mib': 2048, 'budget_mib': 3072, 'fraction': 0.1875,
-                                         'source': 'estimate'}
+  assert summary['roles']['trainer'] == {
+      'footprint_mib': 2048,
+      'budget_mib': 3072,
+      'fraction': 0.1875,
+      'source': 'estimate'
+  }
 
 
 def test_a_plan_that_does_not_fit_names_each_footprint_the_total_and_the_flags():
@@ -141,13 +148,17 @@ def test_a_plan_that_does_not_fit_names_each_footprint_the_total_and_the_flags()
 
 def test_fractions_fixed_by_hand_and_measured_peaks():
   cfg = _config(memory_fractions='trainer=0.5')
-  plan = memory.make_plan(cfg, ROLES, 16 * GIB, {'trainer': _fp(2048),
-                                                 'rollout': memory.Footprint({'all': 512 * MIB}, 1024 * MIB)})
+  plan = memory.make_plan(cfg, ROLES, 16 * GIB, {
+      'trainer': _fp(2048),
+      'rollout': memory.Footprint({'all': 512 * MIB}, 1024 * MIB)
+  })
   assert plan.roles['trainer'] == memory.RoleBudget(2048 * MIB, 8 * GIB, 0.5, '--memory_fractions')
   assert plan.roles['rollout/0'] == memory.RoleBudget(1024 * MIB, 1536 * MIB, 0.09375, 'measured')
   with pytest.raises(ValueError, match=r'trainer: footprint 2048 MiB -> budget 14746 MiB \(--memory_fractions\)'):
-    memory.make_plan(_config(memory_fractions='trainer=0.9'), ROLES, 16 * GIB,
-                     {'trainer': _fp(2048), 'rollout': _fp(512)})
+    memory.make_plan(_config(memory_fractions='trainer=0.9'), ROLES, 16 * GIB, {
+        'trainer': _fp(2048),
+        'rollout': _fp(512)
+    })
 
 
 def test_without_a_gpu_each_process_keeps_an_equal_share():
@@ -174,13 +185,18 @@ class _FakeMps:
 def test_worker_env_one_fraction_variable_and_the_mps_limit_only_under_mps():
   plan = memory.make_plan(_config(), ROLES, 16 * GIB, {'trainer': _fp(2048), 'rollout': _fp(1024)})
   cfg = _config(use_mps=True, sm_quotas='trainer=40', pin_cpus=False)
+
   def placement(cfg, mps_daemon, plan):
     return supervisor.Placement(cfg, topology.make_topology(cfg), mps_daemon, plan)
 
   with_mps = placement(cfg, _FakeMps(), plan).env('trainer')
-  assert with_mps == {'EBRL_ROLE': 'trainer', 'XLA_PYTHON_CLIENT_MEM_FRACTION': '0.1875',
-                      'CUDA_MPS_PINNED_DEVICE_MEM_LIMIT': '0=3572M',  # budget 3072 + 500 MiB context
-                      'CUDA_MPS_PIPE_DIRECTORY': '/run/mps/pipe', 'CUDA_MPS_ACTIVE_THREAD_PERCENTAGE': '40'}
+  assert with_mps == {
+      'EBRL_ROLE': 'trainer',
+      'XLA_PYTHON_CLIENT_MEM_FRACTION': '0.1875',
+      'CUDA_MPS_PINNED_DEVICE_MEM_LIMIT': '0=3572M',  # budget 3072 + 500 MiB context
+      'CUDA_MPS_PIPE_DIRECTORY': '/run/mps/pipe',
+      'CUDA_MPS_ACTIVE_THREAD_PERCENTAGE': '40'
+  }
   without = placement(_config(pin_cpus=False), None, plan).env('rollout/1')
   assert without == {'EBRL_ROLE': 'rollout/1', 'XLA_PYTHON_CLIENT_MEM_FRACTION': '0.0938'}
   for env in (with_mps, without):
@@ -213,8 +229,19 @@ def test_plan_for_run_on_a_faked_gpu_with_and_without_a_profile(fake_nvml, tmp_p
   with pytest.raises(ValueError, match='--memory_profile=/no/such.json cannot be read'):
     memory.plan_for_run(_config(memory_profile='/no/such.json'), PENDULUM, ROLES)
   cfg = _config()
-  profile = {'backend': 'mujoco_cpu', 'num_params': 55, 'steps_per_iteration': cfg.env_steps_per_iteration,
-             'train': {'peak_bytes_in_use': 1024 * MIB}, 'groups': {'16': {'peak_bytes_in_use': 300 * MIB}}}
+  profile = {
+      'backend': 'mujoco_cpu',
+      'num_params': 55,
+      'steps_per_iteration': cfg.env_steps_per_iteration,
+      'train': {
+          'peak_bytes_in_use': 1024 * MIB
+      },
+      'groups': {
+          '16': {
+              'peak_bytes_in_use': 300 * MIB
+          }
+      }
+  }
   path = tmp_path / 'profile.json'
   path.write_text(json.dumps(profile))
   measured = memory.plan_for_run(_config(memory_profile=str(path)), PENDULUM, ROLES)

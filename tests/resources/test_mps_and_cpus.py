@@ -35,9 +35,11 @@ def test_start_gives_workers_a_private_pipe_and_quota_and_stop_quits_it(tmp_path
   assert daemon.start() is True and daemon.started_here
   pipe = str(tmp_path / 'run' / 'mps' / 'pipe')
   assert stat.S_IMODE(os.stat(pipe).st_mode) == 0o700
-  assert daemon.worker_env(30) == {'CUDA_MPS_PIPE_DIRECTORY': pipe,
-                                   'CUDA_MPS_LOG_DIRECTORY': str(tmp_path / 'run' / 'mps' / 'log'),
-                                   'CUDA_MPS_ACTIVE_THREAD_PERCENTAGE': '30'}
+  assert daemon.worker_env(30) == {
+      'CUDA_MPS_PIPE_DIRECTORY': pipe,
+      'CUDA_MPS_LOG_DIRECTORY': str(tmp_path / 'run' / 'mps' / 'log'),
+      'CUDA_MPS_ACTIVE_THREAD_PERCENTAGE': '30'
+  }
   daemon.stop()
   daemon.stop()  # a second stop sends nothing more
   calls = log.read_text().splitlines()
@@ -73,14 +75,26 @@ def test_core_plan_by_hand():
   # 16 cores, 4 CPU-simulating groups, trainer + generation: feeders take the last two cores (14, 15); the
   # 14 others split 4/4/3/3 in contiguous blocks.
   plan = cpus.plan_cores(range(16), ['rollout/0', 'rollout/1', 'rollout/2', 'rollout/3'], ['trainer', 'generation'])
-  assert plan == {'trainer': [14], 'generation': [15], 'rollout/0': [0, 1, 2, 3], 'rollout/1': [4, 5, 6, 7],
-                  'rollout/2': [8, 9, 10], 'rollout/3': [11, 12, 13]}
+  assert plan == {
+      'trainer': [14],
+      'generation': [15],
+      'rollout/0': [0, 1, 2, 3],
+      'rollout/1': [4, 5, 6, 7],
+      'rollout/2': [8, 9, 10],
+      'rollout/3': [11, 12, 13]
+  }
   # 2 cores, 2 groups + trainer: fewer cores than roles, so they share round-robin.
   assert cpus.plan_cores([0, 1], ['rollout/0', 'rollout/1'], ['trainer']) == {
-      'rollout/0': [0], 'rollout/1': [1], 'trainer': [0]}
+      'rollout/0': [0],
+      'rollout/1': [1],
+      'trainer': [0]
+  }
   # MJX: every role feeds the GPU; 8 cores over 3 feeders -> 2 each.
   assert cpus.plan_cores(range(8), [], ['trainer', 'rollout/0', 'rollout/1']) == {
-      'trainer': [0, 1], 'rollout/0': [2, 3], 'rollout/1': [4, 5]}
+      'trainer': [0, 1],
+      'rollout/0': [2, 3],
+      'rollout/1': [4, 5]
+  }
   with pytest.raises(ValueError, match='at least one core'):
     cpus.plan_cores([], ['rollout/0'], [])
   assert startup.decode_cores(startup.encode_cores([3, 5])) == [3, 5]
@@ -111,10 +125,9 @@ def test_feeders_take_their_core_after_startup_and_simulators_at_once(monkeypatc
   from ebrl_jax.controller import topology  # pylint: disable=g-import-not-at-top
   from ebrl_jax.resources import memory  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(cpus, 'available_cores', lambda: list(range(6)))
-  cfg = config_lib.Config(
-      sim=config_lib.SimConfig(num_envs=32, num_eval_envs=4),
-      algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
-      schedule=config_lib.ScheduleConfig(name='async', num_groups=2, colocate_generation=False))
+  cfg = config_lib.Config(sim=config_lib.SimConfig(num_envs=32, num_eval_envs=4),
+                          algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
+                          schedule=config_lib.ScheduleConfig(name='async', num_groups=2, colocate_generation=False))
   plan = memory.make_plan(cfg, ['trainer', 'generation'], None)
   placement = supervisor.Placement(cfg, topology.make_topology(cfg), None, plan)
   # 6 cores: generation and trainer one each (the last two), the two rollouts two each.

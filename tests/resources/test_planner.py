@@ -20,8 +20,10 @@ def _profile(name, a, c, q_sat, batches, quotas=tuple(range(10, 101, 10))):
 # sim: one group's rollout step. t(E, q) = (0.2 + 0.8 E / 2048) max(1, 25 / q): 1 s for 2048 envs at >= 25 %;
 #   E = 4096: 1.8 s, E = 2048: 1.0 s, E = 1024: 0.6 s (times 25 / q below 25 %).
 # train: 1 s at 100 %, time proportional to 1 / q (q_sat = 100): t = 100 / q_t.
-PROFILES = {'sim': _profile('sim', 0.2, 0.8 / 2048, 25.0, (1024, 2048, 4096)),
-            'train': _profile('train', 1.0, 0.0, 100.0, (4096, 8192))}
+PROFILES = {
+    'sim': _profile('sim', 0.2, 0.8 / 2048, 25.0, (1024, 2048, 4096)),
+    'train': _profile('train', 1.0, 0.0, 100.0, (4096, 8192))
+}
 SPACE = planner.PlanSpace(num_envs=4096, steps_per_iteration=1, num_groups=(1, 2, 4))
 
 
@@ -76,10 +78,15 @@ def test_separate_generation_process():
   # 10 ms hand-off a step. q_g=25: gen = 8 ms.
   #   G=2: step = max(10 + 8 + 10, 2 * 8) = 28 ms -> T_r = 0.28 s; async T = max(0.28, 0.1) = 0.28.
   #   G=4: step = max(28, 4 * 8 = 32) = 32 ms: the generation process is the bottleneck -> 0.32 s.
-  profiles = {'sim': _profile('sim', 0.01, 0.0, 1.0, (512, 1024)),
-              'generation': _profile('generation', 0.004, 0.0, 50.0, (512, 1024)),
-              'train': _profile('train', 0.1, 0.0, 1.0, (64, 128))}
-  space = planner.PlanSpace(num_envs=2048, steps_per_iteration=10, num_groups=(2, 4), colocate_generation=False,
+  profiles = {
+      'sim': _profile('sim', 0.01, 0.0, 1.0, (512, 1024)),
+      'generation': _profile('generation', 0.004, 0.0, 50.0, (512, 1024)),
+      'train': _profile('train', 0.1, 0.0, 1.0, (64, 128))
+  }
+  space = planner.PlanSpace(num_envs=2048,
+                            steps_per_iteration=10,
+                            num_groups=(2, 4),
+                            colocate_generation=False,
                             step_handoff_s=0.01)
   quotas = {'rollout': 20, 'generation': 25, 'trainer': 15}
   assert planner.evaluate(profiles, space, 2, quotas).iteration_s == pytest.approx(0.28)
@@ -99,8 +106,10 @@ RE_SPACE = planner.PlanSpace(num_envs=2048, num_groups=(1, 2), quotas=(50, 100))
 
 
 def _re_profiles(a, c):
-  return {'sim': _profile('sim', a, c, 50.0, (1024, 2048), quotas=(25, 50, 100)),
-          'train': _profile('train', 1.0, 0.0, 1.0, (2048, 4096), quotas=(50, 100))}
+  return {
+      'sim': _profile('sim', a, c, 50.0, (1024, 2048), quotas=(25, 50, 100)),
+      'train': _profile('train', 1.0, 0.0, 1.0, (2048, 4096), quotas=(50, 100))
+  }
 
 
 def _replanner(profiles, **kw):
@@ -163,10 +172,15 @@ def test_rollouts_on_cpu_take_no_quota():
   #     T = 0.24 s (G=4: max(24, 16) ms, a tie, goes to fewer groups).
   #   the same profiles with rollouts counted (2 * q_r >= 20): q_g + q_t <= 80; q_g = q_t = 40 -> gen 5 ms,
   #     step 25 ms -> 0.25 s, train 0.25 s: T = 0.25 s (q_g = 50, q_t = 30: 0.333; q_g = 30, q_t = 50: 0.267).
-  profiles = {'sim': _profile('sim', 0.01, 0.0, 1.0, (512, 1024)),
-              'generation': _profile('generation', 0.004, 0.0, 50.0, (512, 1024)),
-              'train': _profile('train', 0.2, 0.0, 50.0, (64, 128))}
-  common = dict(num_envs=2048, steps_per_iteration=10, num_groups=(2, 4), colocate_generation=False,
+  profiles = {
+      'sim': _profile('sim', 0.01, 0.0, 1.0, (512, 1024)),
+      'generation': _profile('generation', 0.004, 0.0, 50.0, (512, 1024)),
+      'train': _profile('train', 0.2, 0.0, 50.0, (64, 128))
+  }
+  common = dict(num_envs=2048,
+                steps_per_iteration=10,
+                num_groups=(2, 4),
+                colocate_generation=False,
                 step_handoff_s=0.01)
   host = planner.PlanSpace(rollout_on_gpu=False, **common)
   assert host.roles == ('generation', 'trainer')
@@ -191,10 +205,15 @@ def test_no_quotas_is_a_candidate_and_wins_where_quotas_starve_the_trainer():
   #   q_g=30 -> 1.667 ms, T_r = 0.1167, q_t=70 -> 0.1429.
   # No quotas: gen 1 ms, T_r = 10 * 11 ms = 0.11 s, T_t = 0.1, the GPU's work added up gpu_r + T_t =
   #   10 * 1 * 1 ms + 0.1 = 0.11: T = max(0.11, 0.1, 0.11) = 0.11 s, which beats 0.125.
-  profiles = {'sim': _profile('sim', 0.01, 0.0, 1.0, (512, 1024)),
-              'generation': _profile('generation', 0.001, 0.0, 50.0, (512, 1024)),
-              'train': _profile('train', 0.1, 0.0, 100.0, (10240,))}
-  space = planner.PlanSpace(num_envs=1024, steps_per_iteration=10, num_groups=(1,), colocate_generation=False,
+  profiles = {
+      'sim': _profile('sim', 0.01, 0.0, 1.0, (512, 1024)),
+      'generation': _profile('generation', 0.001, 0.0, 50.0, (512, 1024)),
+      'train': _profile('train', 0.1, 0.0, 100.0, (10240,))
+  }
+  space = planner.PlanSpace(num_envs=1024,
+                            steps_per_iteration=10,
+                            num_groups=(1,),
+                            colocate_generation=False,
                             rollout_on_gpu=False)
   best = planner.plan(profiles, space, 'async')
   assert best.shared and best.quotas == {'generation': 100, 'trainer': 100}

@@ -116,9 +116,11 @@ def test_other_machine_workload_or_missing_file_gives_an_empty_store(tmp_path):
   assert len(ProfileStore.load(path, MACHINE, workload_id('ant', 'mjx', 8192, 'mlp:32x4'))) == 0
 
 
-@pytest.mark.parametrize('text', ['{"format": ', '[1, 2]', '{"format": "ebrl_jax.resources.profiles/1", '
-                                  '"machine": "%s", "workload": "%s", "profiles": {"sim": {"samples": [[1, 2]]}}}'
-                                  % (MACHINE, WORKLOAD)])
+@pytest.mark.parametrize('text', [
+    '{"format": ', '[1, 2]',
+    '{"format": "ebrl_jax.resources.profiles/1", '
+    '"machine": "%s", "workload": "%s", "profiles": {"sim": {"samples": [[1, 2]]}}}' % (MACHINE, WORKLOAD)
+])
 def test_malformed_file_is_a_value_error_naming_it(tmp_path, text):
   path = tmp_path / 'broken.json'
   path.write_text(text)

@@ -22,12 +22,18 @@ def test_cpu_seconds_grow_with_work_and_vanish_with_the_process():
 def test_samples_a_busy_and_an_idle_process(tmp_path):
   busy = subprocess.Popen([sys.executable, '-c', 'import time\nt = time.time()\nwhile time.time() - t < 3: pass'])
   idle = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(3)'])
+
   def cpu_s(pid):  # the process's user + system CPU seconds, from the kernel
     fields = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
 
   try:
-    tel = telemetry.Telemetry(str(tmp_path), lambda: {'busy': busy.pid, 'idle': idle.pid}, period=0.1,
+    tel = telemetry.Telemetry(str(tmp_path),
+                              lambda: {
+                                  'busy': busy.pid,
+                                  'idle': idle.pid
+                              },
+                              period=0.1,
                               trace_dir=str(tmp_path / 'trace')).start()
     c0, t0 = cpu_s(busy.pid), time.monotonic()
     time.sleep(1.5)

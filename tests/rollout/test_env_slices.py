@@ -57,15 +57,15 @@ class _FakeAct:
 
 
 def _mailbox():
-  cfg = config_lib.Config(
-      sim=config_lib.SimConfig(task='inverted_pendulum', num_envs=GROUPS * SLICES * M),
-      algo=config_lib.AlgoConfig(batch_size=16, num_minibatches=1),
-      schedule=config_lib.ScheduleConfig(name='async', num_groups=GROUPS, colocate_generation=False,
-                                         env_slices=SLICES))
+  cfg = config_lib.Config(sim=config_lib.SimConfig(task='inverted_pendulum', num_envs=GROUPS * SLICES * M),
+                          algo=config_lib.AlgoConfig(batch_size=16, num_minibatches=1),
+                          schedule=config_lib.ScheduleConfig(name='async',
+                                                             num_groups=GROUPS,
+                                                             colocate_generation=False,
+                                                             env_slices=SLICES))
   spec = types.EnvSpec('fake', O, A, 100, 0.01)
   request_spec, reply_spec = topology.mailbox_specs(cfg, spec)
-  return transport.make_mailbox('thread', request_spec, reply_spec, GROUPS, num_slices=SLICES,
-                                slice_field='env_slice')
+  return transport.make_mailbox('thread', request_spec, reply_spec, GROUPS, num_slices=SLICES, slice_field='env_slice')
 
 
 def _obs(group, env_slice):
@@ -74,8 +74,11 @@ def _obs(group, env_slice):
 
 
 def _request(group, env_slice, seq=1, min_version=0):
-  return types.ActRequest(group=np.int32(group), env_slice=np.int32(env_slice), seq=np.int32(seq),
-                          min_version=np.int32(min_version), obs=_obs(group, env_slice))
+  return types.ActRequest(group=np.int32(group),
+                          env_slice=np.int32(env_slice),
+                          seq=np.int32(seq),
+                          min_version=np.int32(min_version),
+                          obs=_obs(group, env_slice))
 
 
 def test_server_batches_ready_slices_of_any_group_pads_to_a_bucket_and_replies_to_each_slice():
@@ -92,8 +95,8 @@ def test_server_batches_ready_slices_of_any_group_pads_to_a_bucket_and_replies_t
   assert act.shapes == [(16, O)]
   for group, env_slice in reversed(ready):
     reply = mailbox.receive(group, timeout=1, env_slice=env_slice)
-    assert (int(reply.group), int(reply.env_slice), int(reply.seq), int(reply.version)) == (
-        group, env_slice, 5 + group, 3)
+    assert (int(reply.group), int(reply.env_slice), int(reply.seq), int(reply.version)) == (group, env_slice, 5 + group,
+                                                                                            3)
     np.testing.assert_array_equal(reply.actions[:, 0], _obs(group, env_slice)[:, :A])
     np.testing.assert_array_equal(reply.log_probs, _obs(group, env_slice)[:, 0])
   # Then one slice alone: the smallest bucket, no padding.
@@ -134,10 +137,12 @@ class _Versioned(NamedTuple):
 
 def _slice_act(version):
   """A stand-in remote act: zero actions, log-prob = -version, reporting `version` (per slice)."""
+
   def act(params, obs, key, index):
     del params, key, index
     n = obs.shape[0]
     return _Versioned(np.zeros((n, 1, 1)), np.zeros((n, 1, 1)), np.full((n,), -version, np.float32), version)
+
   return act
 
 
@@ -161,13 +166,22 @@ def test_sliced_collector_writes_the_unsliced_layout_with_per_slice_versions():
 
 
 def test_async_with_env_slices_learns_without_losing_or_duplicating_segments(tmp_path):
-  cfg = config_lib.Config(
-      sim=config_lib.SimConfig(task='inverted_pendulum', num_envs=32, num_eval_envs=8, num_threads=1),
-      algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
-      schedule=config_lib.ScheduleConfig(name='async', num_timesteps=25_600, num_evals=2, run_dir=str(tmp_path),
-                                         compilation_cache_dir='', progress_bar=False, transport='shm',
-                                         num_groups=2, max_staleness=1, colocate_generation=False,
-                                         env_slices=2))
+  cfg = config_lib.Config(sim=config_lib.SimConfig(task='inverted_pendulum',
+                                                   num_envs=32,
+                                                   num_eval_envs=8,
+                                                   num_threads=1),
+                          algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
+                          schedule=config_lib.ScheduleConfig(name='async',
+                                                             num_timesteps=25_600,
+                                                             num_evals=2,
+                                                             run_dir=str(tmp_path),
+                                                             compilation_cache_dir='',
+                                                             progress_bar=False,
+                                                             transport='shm',
+                                                             num_groups=2,
+                                                             max_staleness=1,
+                                                             colocate_generation=False,
+                                                             env_slices=2))
   summary = controller.run(cfg)
   extra = summary.extra
   # 20 iterations x 2 groups, each segment whole (both slices) and seen once; none staler than the bound.

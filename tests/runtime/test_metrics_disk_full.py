@@ -39,6 +39,7 @@ def test_tensorboard_disk_full_errors_become_one_line(monkeypatch, capsys):
   class _Unraisable:
     exc_value = full
     exc_traceback = full.__traceback__
+
   sys.unraisablehook(_Unraisable())
   assert seen == [('thread', before), ('thread', ours)]
   assert capsys.readouterr().err.count('TensorBoard events: the disk is full') == 1

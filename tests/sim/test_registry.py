@@ -61,5 +61,4 @@ def test_task_matches_brax_mjx_env(task):
   assert model.opt.timestep == pytest.approx(float(env.sys.opt.timestep))
   assert registry.env_spec(task, 1000).dt == pytest.approx(float(env.dt), rel=1e-6)
   assert model.nbody == env.sys.nbody and model.nq == env.sys.nq
-  np.testing.assert_allclose(tasks.make_consts(model, 1, {}).init_q, np.asarray(env.sys.init_q),
-                             rtol=1e-6)
+  np.testing.assert_allclose(tasks.make_consts(model, 1, {}).init_q, np.asarray(env.sys.init_q), rtol=1e-6)

@@ -24,10 +24,10 @@ def gl():
 
 
 def _pool(num_envs=2, frame_stack=2, **kw):
-  camera = render.CameraObs(frame_stack=frame_stack, depth=kw.pop('depth', False),
+  camera = render.CameraObs(frame_stack=frame_stack,
+                            depth=kw.pop('depth', False),
                             num_threads=kw.pop('render_threads', 1))
-  return cpu_env.CpuEnvPool('push_cube', num_envs, kw.pop('episode_length', 250), num_threads=1, camera=camera,
-                            **kw)
+  return cpu_env.CpuEnvPool('push_cube', num_envs, kw.pop('episode_length', 250), num_threads=1, camera=camera, **kw)
 
 
 def _qpos(cube_xy, target_xy=(0.0, 0.2)):
@@ -47,8 +47,7 @@ def test_stack_frames_hand_case():
 
 def test_depth_to_uint8_and_camera_obs_validation():
   # depth_max 2 m: 0 -> 0, 1 m -> round(127.5) = 128, 2 m -> 255, 3 m clips to 255.
-  np.testing.assert_array_equal(render.depth_to_uint8(np.array([0.0, 1.0, 2.0, 3.0]), 2.0)[..., 0],
-                                [0, 128, 255, 255])
+  np.testing.assert_array_equal(render.depth_to_uint8(np.array([0.0, 1.0, 2.0, 3.0]), 2.0)[..., 0], [0, 128, 255, 255])
   camera = render.CameraObs(frame_stack=4, depth=True)
   assert camera.channels == 4 and camera.shape == (64, 64, 16)
   with pytest.raises(ValueError, match='frame_stack'):
@@ -117,8 +116,10 @@ def test_errors_name_the_fix(gl):
 
 
 def test_missing_gl_library_error_names_library_and_package(monkeypatch):
+
   def fail(name):  # what PyOpenGL raises when libOSMesa is not installed (measured with apt remove libosmesa6)
     raise AttributeError("'NoneType' object has no attribute 'glGetError'")
+
   monkeypatch.setattr(render.importlib, 'import_module', fail)
   with pytest.raises(RuntimeError, match=r'is libOSMesa\.so installed \(apt libosmesa6\)'):
     render.select_gl_backend('osmesa')

@@ -29,7 +29,8 @@ def _state(seed):
   bump = lambda x: x + 0.5 * (seed + 1) if np.issubdtype(x.dtype, np.floating) else x + seed + 1
   return state.replace(opt_state=jax.tree_util.tree_map(bump, state.opt_state),
                        params=state.params.replace(normalizer=jax.tree_util.tree_map(bump, state.params.normalizer)),
-                       num_updates=state.num_updates + 7 * (seed + 1), policy_version=state.policy_version + seed + 1)
+                       num_updates=state.num_updates + 7 * (seed + 1),
+                       policy_version=state.policy_version + seed + 1)
 
 
 def _assert_bitwise_equal(a, b):
@@ -113,8 +114,7 @@ def test_process_killed_mid_save_keeps_previous_checkpoint(tmp_path):
       ckpt.save(2, _state(2), {{'step': 2}})
   """)
   env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get('PYTHONPATH', ''), JAX_PLATFORMS='cpu')
-  result = subprocess.run([sys.executable, '-c', child], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=120)
+  result = subprocess.run([sys.executable, '-c', child], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
   assert result.returncode == 17, result.stderr[-2000:]
   leftovers = [n for n in os.listdir(tmp_path) if n.startswith('2')]
   assert leftovers and all('tmp' in n for n in leftovers), os.listdir(tmp_path)  # a half-written step 2

@@ -43,11 +43,17 @@ class _FakeChannelSource:
 
 
 def test_first_iteration_of_a_process_schedule_counts_as_startup(tmp_path):
-  cfg = config_lib.Config(
-      sim=config_lib.SimConfig(task='inverted_pendulum', num_envs=4, num_eval_envs=2, episode_length=50),
-      algo=config_lib.AlgoConfig(batch_size=4, num_minibatches=1, unroll_length=5),
-      schedule=config_lib.ScheduleConfig(name='fused', num_timesteps=8 * 20, num_evals=2, run_dir=str(tmp_path),
-                                         checkpoint_every=0, progress_bar=False))
+  cfg = config_lib.Config(sim=config_lib.SimConfig(task='inverted_pendulum',
+                                                   num_envs=4,
+                                                   num_eval_envs=2,
+                                                   episode_length=50),
+                          algo=config_lib.AlgoConfig(batch_size=4, num_minibatches=1, unroll_length=5),
+                          schedule=config_lib.ScheduleConfig(name='fused',
+                                                             num_timesteps=8 * 20,
+                                                             num_evals=2,
+                                                             run_dir=str(tmp_path),
+                                                             checkpoint_every=0,
+                                                             progress_bar=False))
   trainer = driver.trainer_config(cfg, startup.ProcessConfig(run_dir=str(tmp_path)))
   summary = driver.run_training(trainer, lambda *args: _FakeChannelSource())
   # 8 iterations of 20 env steps in 2 chunks of 4; the first (0.35 s) is start-up: compile 1.0 + 0.35 s,

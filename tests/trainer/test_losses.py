@@ -124,10 +124,15 @@ def _batch(net, params, key, t, b, obs_dim=5):
   flat = gen_stages.act(net, params, obs.reshape(t * b, obs_dim), k[1])
   done = (jax.random.uniform(k[3], (t, b)) < 0.2).astype(jnp.float32)
   truncation = done * (jax.random.uniform(k[4], (t, b)) < 0.5)
-  return Transition(obs=obs, raw_action=flat.raw_actions.reshape(t, b, 1, -1),
-                    reward=jax.random.normal(k[2], (t, b)), termination=done * (1 - truncation),
-                    truncation=truncation, next_obs=obs + 0.1, behaviour_log_prob=flat.log_probs.reshape(t, b),
-                    mask=jnp.ones((t, b)), policy_version=jnp.zeros((t, b), jnp.int32))
+  return Transition(obs=obs,
+                    raw_action=flat.raw_actions.reshape(t, b, 1, -1),
+                    reward=jax.random.normal(k[2], (t, b)),
+                    termination=done * (1 - truncation),
+                    truncation=truncation,
+                    next_obs=obs + 0.1,
+                    behaviour_log_prob=flat.log_probs.reshape(t, b),
+                    mask=jnp.ones((t, b)),
+                    policy_version=jnp.zeros((t, b), jnp.int32))
 
 
 def test_grpo_loss_hand_case_at_ratio_one():
@@ -137,8 +142,9 @@ def test_grpo_loss_hand_case_at_ratio_one():
   algo = AlgoConfig(name='grpo', entropy_cost=0.0)
   # proximal = the current log-probs, so ratio = 1 and the loss is -masked_mean(adv broadcast over T):
   # adv [1, -3] -> entries [[1, -3], [1, (masked)]] -> -(1 - 3 + 1)/3 = 1/3.
-  loss, m = jax.jit(losses.grpo_loss, static_argnums=(0, 6, 7))(net, params, batch, jnp.array([1.0, -3.0]), batch.behaviour_log_prob,
-                             jax.random.PRNGKey(2), algo, 0.001)
+  loss, m = jax.jit(losses.grpo_loss, static_argnums=(0, 6, 7))(net, params, batch,
+                                                                jnp.array([1.0, -3.0]), batch.behaviour_log_prob,
+                                                                jax.random.PRNGKey(2), algo, 0.001)
   np.testing.assert_allclose(loss, 1.0 / 3.0, rtol=1e-4)
   assert float(m['value_loss']) == 0.0
 
@@ -148,8 +154,7 @@ def test_ppo_loss_equals_brax_on_policy():
   brax_networks = pytest.importorskip('brax.training.agents.ppo.networks')
   rs = pytest.importorskip('brax.training.acme.running_statistics')
   obs_dim, act_dim, t, b = 5, 2, 4, 6
-  net = policies.make_network(PolicyConfig(policy_hidden_sizes=(16, 16), value_hidden_sizes=(32, 32)), obs_dim,
-                              act_dim)
+  net = policies.make_network(PolicyConfig(policy_hidden_sizes=(16, 16), value_hidden_sizes=(32, 32)), obs_dim, act_dim)
   params = gen_stages.init_policy_params(net, jax.random.PRNGKey(0), obs_dim)
   batch = _batch(net, params, jax.random.PRNGKey(1), t, b, obs_dim)
   ours_stats = jax.jit(normalization.update_stats)(params.normalizer, batch.obs)
@@ -163,12 +168,17 @@ def test_ppo_loss_equals_brax_on_policy():
                                              value={'params': params.network['params']['value']})
   brax_stats = jax.jit(rs.update)(rs.init_state(jnp.zeros((obs_dim,))), batch.obs)
   dist_params = jax.jit(net.apply)(params.network, rs.normalize(batch.obs.reshape(t * b, obs_dim), brax_stats))[0]
-  data = brax_testlib.to_brax_transition(brax_losses.types, batch,
-                                        jnp.swapaxes(dist_params.reshape(t, b, -1), 0, 1))
-  brax_loss, bm = jax.jit(functools.partial(
-      brax_losses.compute_ppo_loss, ppo_network=brax_net, entropy_cost=0.0, discounting=algo.discount,
-      reward_scaling=algo.reward_scaling, gae_lambda=algo.gae_lambda, clipping_epsilon=algo.clip_epsilon,
-      normalize_advantage=True, vf_coefficient=0.5))(brax_params, brax_stats, data, jax.random.PRNGKey(3))
+  data = brax_testlib.to_brax_transition(brax_losses.types, batch, jnp.swapaxes(dist_params.reshape(t, b, -1), 0, 1))
+  brax_loss, bm = jax.jit(
+      functools.partial(brax_losses.compute_ppo_loss,
+                        ppo_network=brax_net,
+                        entropy_cost=0.0,
+                        discounting=algo.discount,
+                        reward_scaling=algo.reward_scaling,
+                        gae_lambda=algo.gae_lambda,
+                        clipping_epsilon=algo.clip_epsilon,
+                        normalize_advantage=True,
+                        vf_coefficient=0.5))(brax_params, brax_stats, data, jax.random.PRNGKey(3))
   np.testing.assert_allclose(m['policy_loss'], bm['policy_loss'], rtol=1e-4, atol=1e-6)
   np.testing.assert_allclose(m['value_loss'], bm['v_loss'], rtol=1e-4)
   np.testing.assert_allclose(loss, brax_loss, rtol=1e-4)

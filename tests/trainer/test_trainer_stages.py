@@ -17,8 +17,10 @@ import brax_testlib  # pylint: disable=g-bad-import-order
 
 OBS, ACT, T, S = 5, 2, 4, 8
 NET = policies.make_network(PolicyConfig(policy_hidden_sizes=(16, 16), value_hidden_sizes=(32, 32)), OBS, ACT)
-train_jit = jax.jit(stages.train_step, static_argnums=(0, 1, 2, 3),
-                    static_argnames=('group_size', 'recompute_proximal'), donate_argnums=(4,))
+train_jit = jax.jit(stages.train_step,
+                    static_argnums=(0, 1, 2, 3),
+                    static_argnames=('group_size', 'recompute_proximal'),
+                    donate_argnums=(4,))
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -27,9 +29,14 @@ def _batch(net, params, key):
   obs = jax.random.normal(k[0], (T, S, OBS)) * 3.0 + 1.0
   out = gen_stages.act(net, params, obs.reshape(T * S, OBS), k[1])
   truncation = (jax.random.uniform(k[3], (T, S)) < 0.1).astype(jnp.float32)
-  return Transition(obs=obs, raw_action=out.raw_actions.reshape(T, S, 1, ACT),
-                    reward=jax.random.normal(k[2], (T, S)), termination=jnp.zeros((T, S)), truncation=truncation,
-                    next_obs=obs + 0.1, behaviour_log_prob=out.log_probs.reshape(T, S), mask=jnp.ones((T, S)),
+  return Transition(obs=obs,
+                    raw_action=out.raw_actions.reshape(T, S, 1, ACT),
+                    reward=jax.random.normal(k[2], (T, S)),
+                    termination=jnp.zeros((T, S)),
+                    truncation=truncation,
+                    next_obs=obs + 0.1,
+                    behaviour_log_prob=out.log_probs.reshape(T, S),
+                    mask=jnp.ones((T, S)),
                     policy_version=jnp.zeros((T, S), jnp.int32))
 
 
@@ -38,14 +45,18 @@ def _shapes(tree):
 
 
 def test_ppo_train_step_learns_and_keeps_bookkeeping():
-  algo = AlgoConfig(batch_size=4, num_minibatches=2, num_updates_per_batch=2, max_grad_norm=1.0,
-                    learning_rate=3e-3, reward_scaling=1.0)
+  algo = AlgoConfig(batch_size=4,
+                    num_minibatches=2,
+                    num_updates_per_batch=2,
+                    max_grad_norm=1.0,
+                    learning_rate=3e-3,
+                    reward_scaling=1.0)
   optimizer = stages.make_optimizer(algo)
   state = stages.init_train_state(NET, optimizer, jax.random.PRNGKey(0), OBS)
   # Every step terminates with reward 1: value targets are exactly vs = 1 (no bootstrap), so the
   # value-dominated loss must fall.
   batch = _batch(NET, state.params, jax.random.PRNGKey(1))._replace(reward=jnp.ones((T, S)),
-                                                                     termination=jnp.ones((T, S)))
+                                                                    termination=jnp.ones((T, S)))
   before = _shapes(state)
   losses = []
   for i in range(8):
@@ -59,8 +70,10 @@ def test_ppo_train_step_learns_and_keeps_bookkeeping():
   # The normaliser took in every observation once per step, before SGD: 8 x T x S.
   assert float(state.params.normalizer.count) == 8 * T * S
   np.testing.assert_allclose(state.params.normalizer.mean, batch.obs.reshape(-1, OBS).mean(0), rtol=1e-4)
-  assert set(metrics) >= {'total_loss', 'policy_loss', 'value_loss', 'entropy_loss', 'approx_kl',
-                          'clip_fraction', 'behaviour_weight', 'grad_norm'}
+  assert set(metrics) >= {
+      'total_loss', 'policy_loss', 'value_loss', 'entropy_loss', 'approx_kl', 'clip_fraction', 'behaviour_weight',
+      'grad_norm'
+  }
 
 
 def test_first_step_is_on_policy():
@@ -92,8 +105,8 @@ def test_grpo_train_step_leaves_the_critic_alone():
   state, metrics = train_jit(NET, optimizer, algo, 0.001, state, batch, jax.random.PRNGKey(2), group_size=2)
   assert int(state.policy_version) == 1 and float(metrics['value_loss']) == 0.0
   jax.tree_util.tree_map(np.testing.assert_array_equal, state.params.network['params']['value'], value_before)
-  changed = jax.tree_util.tree_map(lambda a, b: not np.array_equal(a, b),
-                                   state.params.network['params']['policy'], policy_before)
+  changed = jax.tree_util.tree_map(lambda a, b: not np.array_equal(a, b), state.params.network['params']['policy'],
+                                   policy_before)
   assert all(jax.tree_util.tree_leaves(changed))
   assert float(state.params.normalizer.count) == 0.0  # normalisation disabled: statistics untouched
 
@@ -111,8 +124,15 @@ def test_one_sgd_step_matches_brax():
   net_params = state.params.network['params']
   brax_params = brax_losses.PPONetworkParams(policy={'params': net_params['policy']},
                                              value={'params': net_params['value']})
-  new_state, _ = jax.jit(stages.train_step, static_argnums=(0, 1, 2, 3), static_argnames=('recompute_proximal',))(
-      NET, optimizer, algo, 0.001, state, batch, jax.random.PRNGKey(2), recompute_proximal=False)
+  new_state, _ = jax.jit(stages.train_step, static_argnums=(0, 1, 2, 3),
+                         static_argnames=('recompute_proximal',))(NET,
+                                                                  optimizer,
+                                                                  algo,
+                                                                  0.001,
+                                                                  state,
+                                                                  batch,
+                                                                  jax.random.PRNGKey(2),
+                                                                  recompute_proximal=False)
 
   brax_net = brax_networks.make_ppo_networks(OBS, ACT, rs.normalize, (16, 16), (32, 32))
   data = brax_testlib.to_brax_transition(brax_losses.types, batch, jnp.zeros((S, T, 2 * ACT)))
@@ -120,9 +140,14 @@ def test_one_sgd_step_matches_brax():
   @jax.jit
   def brax_step(params, key):
     stats = rs.update(rs.init_state(jnp.zeros((OBS,))), data.observation)
-    loss = functools.partial(brax_losses.compute_ppo_loss, ppo_network=brax_net, entropy_cost=0.0,
-                             discounting=algo.discount, reward_scaling=algo.reward_scaling,
-                             gae_lambda=algo.gae_lambda, clipping_epsilon=algo.clip_epsilon, vf_coefficient=0.5)
+    loss = functools.partial(brax_losses.compute_ppo_loss,
+                             ppo_network=brax_net,
+                             entropy_cost=0.0,
+                             discounting=algo.discount,
+                             reward_scaling=algo.reward_scaling,
+                             gae_lambda=algo.gae_lambda,
+                             clipping_epsilon=algo.clip_epsilon,
+                             vf_coefficient=0.5)
     grads, _ = jax.grad(loss, has_aux=True)(params, stats, data, key)
     opt = optax.adam(algo.learning_rate)
     updates, _ = opt.update(grads, opt.init(params))

@@ -17,6 +17,7 @@ def make(request):
   kind = request.param
 
   class Factory:
+
     def __call__(self, spec, capacity):
       return transport.make_channel(kind, spec, capacity, registry=registry)
 
@@ -110,9 +111,13 @@ def test_round_trip_is_bit_exact(make):
   rng = np.random.default_rng(0)
   f32 = rng.standard_normal((3, 5)).astype(np.float32)
   f32[0, :4] = [np.nan, np.inf, -np.inf, -0.0]
-  record = Mixed(f32=f32, i32=np.array([np.iinfo(np.int32).min, -1, 0, 1, 2, 3, np.iinfo(np.int32).max], np.int32),
-                 flag=np.array([[True, False], [False, True]]), u8=rng.integers(0, 256, (4, 1, 3), dtype=np.uint8),
-                 scalar=np.int32(-42), f64_empty=np.zeros((0, 2)))
+  record = Mixed(f32=f32,
+                 i32=np.array([np.iinfo(np.int32).min, -1, 0, 1, 2, 3,
+                               np.iinfo(np.int32).max], np.int32),
+                 flag=np.array([[True, False], [False, True]]),
+                 u8=rng.integers(0, 256, (4, 1, 3), dtype=np.uint8),
+                 scalar=np.int32(-42),
+                 f64_empty=np.zeros((0, 2)))
   expected = [np.array(a, copy=True) for a in record]
   channel = make(MIXED_SPEC, 3)
   channel.put(record)
@@ -136,8 +141,10 @@ def test_round_trip_float_bits(make):
 def test_many_producers_lose_and_duplicate_nothing(make):
   channel = make(ITEM_SPEC, 4)
   num_producers, count = 4, 300
-  threads = [threading.Thread(target=lambda p=p: [channel.put(item(p, s), timeout=10) for s in range(count)])
-             for p in range(num_producers)]
+  threads = [
+      threading.Thread(
+          target=lambda p=p: [channel.put(item(p, s), timeout=10) for s in range(count)]) for p in range(num_producers)
+  ]
   for thread in threads:
     thread.start()
   seen = [channel.get(timeout=10) for _ in range(num_producers * count)]
@@ -244,8 +251,15 @@ class _SliceRequest(NamedTuple):
 
 
 def test_mailbox_routes_replies_to_group_slices(make):
-  spec = transport.record_spec(_SliceRequest, {'group': (), 'part': (), 'obs': (2, 3)},
-                               dtypes={'group': 'int32', 'part': 'int32'})
+  spec = transport.record_spec(_SliceRequest, {
+      'group': (),
+      'part': (),
+      'obs': (2, 3)
+  },
+                               dtypes={
+                                   'group': 'int32',
+                                   'part': 'int32'
+                               })
   requests = make(spec, 6)
   replies = [make(transport.record_spec(_Reply, {'action': (2, 2)}), 1) for _ in range(6)]  # 2 groups x 3 slices
   mailbox = transport.Mailbox(requests, replies, num_slices=3, slice_field='part')

@@ -144,7 +144,11 @@ _RESOURCE_TRACKER_SCRIPT = textwrap.dedent('''
 def test_segments_outlive_attachers_and_are_unlinked_at_exit_without_tracker_noise():
   before = _shm_entries()
   script = _RESOURCE_TRACKER_SCRIPT.format(testdir=os.path.dirname(os.path.abspath(__file__)), root=ROOT)
-  result = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=120, cwd=ROOT,
+  result = subprocess.run([sys.executable, '-c', script],
+                          capture_output=True,
+                          text=True,
+                          timeout=120,
+                          cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=ROOT))
   assert result.returncode == 0, result.stderr
   names = result.stdout.split('NAMES', 1)[1].split()

@@ -21,11 +21,30 @@ class Mixed(NamedTuple):
   f64_empty: np.ndarray
 
 
-ITEM_SPEC = transport.record_spec(Item, {'producer': (), 'seq': (), 'payload': (16,)},
-                                  dtypes={'producer': 'int32', 'seq': 'int32'})
-MIXED_SPEC = transport.record_spec(
-    Mixed, {'f32': (3, 5), 'i32': (7,), 'flag': (2, 2), 'u8': (4, 1, 3), 'scalar': (), 'f64_empty': (0, 2)},
-    dtypes={'i32': 'int32', 'flag': 'bool', 'u8': 'uint8', 'scalar': 'int32', 'f64_empty': 'float64'})
+ITEM_SPEC = transport.record_spec(Item, {
+    'producer': (),
+    'seq': (),
+    'payload': (16,)
+},
+                                  dtypes={
+                                      'producer': 'int32',
+                                      'seq': 'int32'
+                                  })
+MIXED_SPEC = transport.record_spec(Mixed, {
+    'f32': (3, 5),
+    'i32': (7,),
+    'flag': (2, 2),
+    'u8': (4, 1, 3),
+    'scalar': (),
+    'f64_empty': (0, 2)
+},
+                                   dtypes={
+                                       'i32': 'int32',
+                                       'flag': 'bool',
+                                       'u8': 'uint8',
+                                       'scalar': 'int32',
+                                       'f64_empty': 'float64'
+                                   })
 
 
 def item(producer: int, seq: int) -> Item:
@@ -37,8 +56,11 @@ def params_template(n: int = 100_000):
 
 
 def params_filled(version: int, n: int = 100_000):
-  return {'w': np.full((n,), version, np.float32),
-          'layers': [np.full((10, 10), version, np.int32), np.full((3,), version % 256, np.uint8)]}
+  return {
+      'w': np.full((n,), version, np.float32),
+      'layers': [np.full((10, 10), version, np.int32),
+                 np.full((3,), version % 256, np.uint8)]
+  }
 
 
 def check_params(version, params) -> None:
