@@ -16,7 +16,7 @@ from ebrl_jax.config_resources import QUOTA_ROLES, ResourceConfig
 
 # Names accepted by the registries; the registries themselves check membership against these same tuples.
 TASKS = ('ant', 'halfcheetah', 'hopper', 'walker2d', 'humanoid', 'pusher', 'reacher', 'inverted_pendulum', 'push_cube')
-BACKENDS = ('mujoco_cpu', 'mjx')
+BACKENDS = ('mujoco_cpu', 'mjx', 'mjx_warp')
 POLICIES = ('mlp', 'transformer')
 ALGORITHMS = ('ppo', 'grpo')
 SCHEDULES = ('fused', 'sync', 'async')

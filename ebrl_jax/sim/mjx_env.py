@@ -8,11 +8,17 @@ NOTE: Brax's AutoResetWrapper restarts a finished env from the initial state tha
 (`info['first_pipeline_state']`), not from a fresh random one; the native-MuJoCo pool draws a fresh state.
 Call `stages.reset` again to redraw.
 
+impl='warp' (`--backend=mjx_warp`) runs the same Brax env with MJX's Warp implementation doing the physics
+(`ebrl_jax.sim.warp`: needs a CUDA GPU and warp-lang, else a `WarpUnavailableError` naming the flag). Its batched
+state holds leaves without an env axis (MuJoCo Warp's contact buffer, shared by all envs): select envs with
+`where_envs`, never with a plain `jax.tree.map` over the state.
+
 The env is a plain Python object hashed by identity; `make_mjx_env` is memoised so equal arguments give the
 same object, which makes it usable as a `jax.jit` static argument without recompiling.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -30,9 +36,50 @@ def _where_batch(mask: jax.Array, x: jax.Array, y: jax.Array) -> jax.Array:
   return jnp.where(jnp.reshape(mask, mask.shape + (1,) * (x.ndim - mask.ndim)), x, y)
 
 
+IMPLS = ('jax', 'warp')
+# --backend -> MJX implementation, for the backends that run on MJX.
+BACKEND_IMPLS = {'mjx': 'jax', 'mjx_warp': 'warp'}
+
+
+def impl_for_backend(backend: str) -> str:
+  """'jax' for --backend=mjx, 'warp' for --backend=mjx_warp."""
+  if backend not in BACKEND_IMPLS:
+    raise ValueError(f'--backend={backend} does not run on MJX (MJX backends: {", ".join(BACKEND_IMPLS)}).')
+  return BACKEND_IMPLS[backend]
+
+
+@functools.lru_cache(maxsize=1)
+def _warp_non_vmap():
+  """(DataWarp class, names of its fields that have no env axis); (None, ()) if MJX lacks them."""
+  try:
+    from mujoco.mjx.warp import types as mjxw_types  # lazy: MJX releases before 3.17 lack the Warp types
+  except ImportError:
+    return None, frozenset()
+  return mjxw_types.DataWarp, frozenset(mjxw_types.DATA_NON_VMAP)
+
+
+def _is_warp_data(x) -> bool:
+  cls, _ = _warp_non_vmap()
+  return cls is not None and isinstance(x, cls)
+
+
+def _where_node(mask: jax.Array, x, y):
+  if not _is_warp_data(x):
+    return _where_batch(mask, x, y)
+  # MJX-Warp data: the contact buffer and the counters in DATA_NON_VMAP are shared by all envs (no env axis);
+  # every physics step rewrites them, so keep y's (the newer state in every caller here), as `mjx.Data.where`.
+  _, non_vmap = _warp_non_vmap()
+  fields = {}
+  for f in dataclasses.fields(x):
+    a, b = getattr(x, f.name), getattr(y, f.name)
+    fields[f.name] = b if f.name in non_vmap or not hasattr(a, 'shape') else _where_batch(mask, a, b)
+  return y.replace(**fields)
+
+
 def where_envs(mask: jax.Array, x, y):
-  """Per-env select between two pytrees whose leaves all have a leading batch axis [B, ...]."""
-  return jax.tree.map(functools.partial(_where_batch, mask), x, y)
+  """Per-env select between two pytrees whose leaves have a leading batch axis [B, ...]: x where mask, else y.
+  Leaves of MJX-Warp data that have no env axis are taken from y."""
+  return jax.tree.map(functools.partial(_where_node, mask), x, y, is_leaf=_is_warp_data)
 
 
 def strong_types(tree):
@@ -51,18 +98,60 @@ class FreezeWhenDoneWrapper(brax_base.Wrapper):
     return where_envs(finished, frozen, nstate)
 
 
+def make_mjx_env(task: str,
+                 episode_length: int,
+                 action_repeat: int = 1,
+                 auto_reset: bool = True,
+                 impl: str = 'jax') -> brax_base.Wrapper:
+  """The wrapped batch env: `reset(keys [B, 2])`, `step(state, actions [B, A])` (Brax's API).
+
+  impl: MJX's implementation of the physics, 'jax' (--backend=mjx) or 'warp' (--backend=mjx_warp; CUDA GPU and
+  warp-lang needed). Memoised: equal arguments (defaults filled in) give the same env object.
+  """
+  return _make_mjx_env(task, int(episode_length), int(action_repeat), bool(auto_reset), impl)
+
+
+class WhereAutoResetWrapper(brax_training.AutoResetWrapper):
+  """Brax's AutoResetWrapper selecting with `where_envs`, so that leaves without an env axis (MJX-Warp's shared
+  contact buffer) are kept rather than broadcast against `done`."""
+
+  def step(self, state: brax_base.State, action: jax.Array) -> brax_base.State:
+    if 'steps' in state.info:
+      state.info.update(steps=jnp.where(state.done, jnp.zeros_like(state.info['steps']), state.info['steps']))
+    state = state.replace(done=jnp.zeros_like(state.done))
+    state = self.env.step(state, action)
+    done = state.done > 0
+    pipeline_state = where_envs(done, state.info['first_pipeline_state'], state.pipeline_state)
+    obs = where_envs(done, state.info['first_obs'], state.obs)
+    return state.replace(pipeline_state=pipeline_state, obs=obs)
+
+
 @functools.lru_cache(maxsize=None)
-def make_mjx_env(task: str, episode_length: int, action_repeat: int = 1, auto_reset: bool = True) -> brax_base.Wrapper:
-  """The wrapped batch env: `reset(keys [B, 2])`, `step(state, actions [B, A])` (Brax's API)."""
+def _make_mjx_env(task: str, episode_length: int, action_repeat: int, auto_reset: bool, impl: str) -> brax_base.Wrapper:
   task_def = registry.load(task)
   if episode_length <= 0 or action_repeat <= 0:
     raise ValueError(f'episode_length={episode_length} and action_repeat={action_repeat} must be > 0.')
-  env = brax_envs.get_environment(task_def.brax_name, backend='mjx')
-  env = brax_training.VmapWrapper(env)
+  if impl not in IMPLS:
+    raise ValueError(f"impl={impl!r} is not an MJX implementation; allowed: {', '.join(IMPLS)} "
+                     "(--backend=mjx is 'jax', --backend=mjx_warp is 'warp').")
+  if impl == 'warp':
+    from ebrl_jax.sim import warp as warp_lib  # lazy: imports mujoco.mjx.warp; only --backend=mjx_warp needs it
+    env = warp_lib.WarpVmapWrapper(warp_lib.make_brax_env(task_def.brax_name))
+  else:
+    env = brax_training.VmapWrapper(brax_envs.get_environment(task_def.brax_name, backend='mjx'))
   env = brax_training.EpisodeWrapper(env, episode_length, action_repeat)
   if auto_reset:
-    return brax_training.AutoResetWrapper(env)
+    return WhereAutoResetWrapper(env) if impl == 'warp' else brax_training.AutoResetWrapper(env)
   return FreezeWhenDoneWrapper(env)
+
+
+make_mjx_env.cache_info = _make_mjx_env.cache_info
+make_mjx_env.cache_clear = _make_mjx_env.cache_clear
+
+
+def env_impl(env: brax_base.Env) -> str:
+  """'warp' if the env's physics runs on MJX-Warp, else 'jax'."""
+  return 'warp' if type(getattr(env.unwrapped, '_pipeline', None)).__name__ == 'WarpPipeline' else 'jax'
 
 
 def is_auto_reset(env: brax_base.Env) -> bool:
