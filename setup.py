@@ -41,9 +41,12 @@ setup(
     extras_require={
         # Notebooks run headless in the tests: nbclient drives an ipykernel.
         'test': [
-            'pytest>=8,<10', 'pytest-xdist>=3.5,<4', 'nbformat>=5.9,<6', 'nbclient>=0.10,<0.12', 'ipykernel>=6.29,<8'
+            'pytest>=8,<10', 'pytest-xdist>=3.5,<4', 'nbformat>=5.9,<6', 'nbclient>=0.10,<0.12', 'ipykernel>=6.29,<8',
+            'yapf==0.43.0'
         ],
         'cuda': ['jax[cuda12]>=0.10,<0.12'],
+        # --backend=mjx_warp: MJX's Warp implementation (warp-lang comes with it); needs a CUDA GPU.
+        'warp': ['mujoco-mjx[warp]==3.17.0'],
     },
     entry_points={'console_scripts': ['ebrl_jax=ebrl_jax.main:run_main']},
     classifiers=[

@@ -15,10 +15,10 @@ import subprocess
 import sys
 import tempfile
 
-_PATTERNS = ((re.compile(r'^tb/events\.out\.tfevents\..*'), 'tb/events.out.tfevents.*'),
-             (re.compile(r'^generation_stats_\d+_\d+\.json$'), 'generation_stats_*.json'),
-             (re.compile(r'^checkpoints/\d+/.*'), 'checkpoints/<step>/...'),
-             (re.compile(r'^checkpoints/\d+$'), 'checkpoints/<step>'))
+_PATTERNS = ((re.compile(r'^tb/events\.out\.tfevents\..*'),
+              'tb/events.out.tfevents.*'), (re.compile(r'^generation_stats_\d+_\d+\.json$'), 'generation_stats_*.json'),
+             (re.compile(r'^checkpoints/\d+/.*'), 'checkpoints/<step>/...'), (re.compile(r'^checkpoints/\d+$'),
+                                                                              'checkpoints/<step>'))
 
 
 def _name(rel: str) -> str:
@@ -38,9 +38,11 @@ def files_of(run_dir: str):
 
 def run_one(schedule: str, root: str) -> dict:
   run_dir = os.path.join(root, schedule)
-  cmd = [sys.executable, '-m', 'ebrl_jax.main', '--flagfile=experiments/quickstart.flags', f'--schedule={schedule}',
-         f'--run_dir={run_dir}', '--num_timesteps=10240', '--num_evals=2', '--target_return=100000',
-         '--compilation_cache_dir=', '--noprogress_bar', '--telemetry_period_s=0.5']
+  cmd = [
+      sys.executable, '-m', 'ebrl_jax.main', '--flagfile=experiments/quickstart.flags', f'--schedule={schedule}',
+      f'--run_dir={run_dir}', '--num_timesteps=10240', '--num_evals=2', '--target_return=100000',
+      '--compilation_cache_dir=', '--noprogress_bar', '--telemetry_period_s=0.5'
+  ]
   if schedule != 'fused':
     cmd += ['--num_groups=2']
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)

@@ -78,7 +78,7 @@ def group_choices(cfg: config_lib.Config, sim_cores: Optional[int] = None) -> Tu
   process's cores less one per GPU feeder) give each its threads, since the calibration times a group on its own
   threads and oversubscribed cores would make that prediction wrong."""
   n = cfg.sim.num_envs
-  if sim_cores is None and cfg.sim.backend != 'mjx' and cfg.sim.num_threads and cfg.resources.pin_cpus:
+  if sim_cores is None and cfg.sim.backend == 'mujoco_cpu' and cfg.sim.num_threads and cfg.resources.pin_cpus:
     feeders = 1 + (0 if cfg.schedule.colocate_generation else 1)
     sim_cores = max(1, len(cpus.available_cores()) - feeders)
   out = []

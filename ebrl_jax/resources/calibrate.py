@@ -206,14 +206,17 @@ def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5, all_gro
       'steps_per_iteration': iteration_steps,
       'groups': {}
   }
-  # One MJX env serves the MJX sim/generation timings and the training batch (collected on MJX for both backends).
+  # One MJX env serves the MJX sim/generation timings and the training batch (collected on MJX for every backend;
+  # native-MuJoCo runs time their CPU pool separately).
+  impl = 'jax' if cfg.sim.backend == 'mujoco_cpu' else sim_stages.impl_for_backend(cfg.sim.backend)
   mjx_env = sim_stages.make_mjx_env(cfg.sim.task,
                                     cfg.sim.episode_length,
                                     cfg.sim.action_repeat,
-                                    auto_reset=not cfg.algo.episodic)
+                                    auto_reset=not cfg.algo.episodic,
+                                    impl=impl)
   times, peaks, threads = {}, {}, {}
   for e in sorted({int(e) for e in envs_per_group}):  # smallest first: each peak bounds its own size's
-    if cfg.sim.backend == 'mjx':
+    if cfg.sim.backend != 'mujoco_cpu':
       times[e] = _mjx_sim_gen(cfg, network, train_state.params, e, repeats, env=mjx_env)
     else:
       threads[e] = cfg.sim.num_threads * (max(1, e // cfg.group_envs) if all_groups_threads else 1)

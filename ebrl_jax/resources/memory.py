@@ -247,7 +247,7 @@ def footprints(cfg, spec, profile: Optional[dict] = None) -> Dict[str, Footprint
   s = unrolls * cfg.sim.num_envs
   train_rows = (t + 1) * s // cfg.algo.num_minibatches
   act = lambda rows: rows * (4 * o + 2 * largest_row)  # observations in, two largest intermediates live
-  if cfg.sim.backend == 'mjx':
+  if cfg.sim.backend != 'mujoco_cpu':  # MJX-Warp's state is estimated from MJX-JAX's (no GPU needed)
     per_env = mjx_state_bytes(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
     envs = lambda n, auto_reset: 2 * (per_env[auto_reset][0] * n + per_env[auto_reset][1])  # scan carry in, out
     evaluation = envs(cfg.sim.num_eval_envs, False) + act(cfg.sim.num_eval_envs)

@@ -47,7 +47,11 @@ class MjxEvaluator:
     del seed  # the evaluation's key carries its randomness
     from ebrl_jax.rollout import mjx as mjx_rollout  # lazy: brax and MJX load only for an MJX run
     from ebrl_jax.sim import stages as sim_stages  # lazy: as above
-    env = sim_stages.make_mjx_env(sim.task, sim.episode_length, sim.action_repeat, auto_reset=False)
+    env = sim_stages.make_mjx_env(sim.task,
+                                  sim.episode_length,
+                                  sim.action_repeat,
+                                  auto_reset=False,
+                                  impl=sim_stages.impl_for_backend(sim.backend))
     self._eval = jax.jit(
         functools.partial(mjx_rollout.evaluate_policy,
                           env,

@@ -22,7 +22,7 @@ import jax
 from jax import numpy as jnp
 
 from ebrl_jax import types
-from ebrl_jax.sim.mjx_env import is_auto_reset, make_mjx_env, strong_types, where_envs
+from ebrl_jax.sim.mjx_env import impl_for_backend, is_auto_reset, make_mjx_env, strong_types, where_envs
 
 __all__ = ['EnvGroupState', 'make_mjx_env', 'reset', 'step', 'step_chunk']
 

@@ -86,7 +86,7 @@ SILENCED_BITS = (1 << 9) | (1 << 10)  # ITERATIONS | LS_ITERATIONS
 _GRAPH_MODES = ('warp', 'jax', 'none')
 
 
-class WarpUnavailableError(RuntimeError):
+class WarpUnavailableError(ValueError):
   """The MJX-Warp backend cannot run here (no CUDA GPU, or warp-lang missing)."""
 
 
