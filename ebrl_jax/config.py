@@ -17,7 +17,8 @@ from ebrl_jax.config_resources import QUOTA_ROLES, ResourceConfig
 # Names accepted by the registries; the registries themselves check membership against these same tuples.
 TASKS = ('ant', 'halfcheetah', 'hopper', 'walker2d', 'humanoid', 'pusher', 'reacher', 'inverted_pendulum', 'push_cube')
 BACKENDS = ('mujoco_cpu', 'mjx', 'mjx_warp')
-POLICIES = ('mlp', 'transformer')
+POLICIES = ('mlp', 'transformer', 'token')
+COMPUTE_DTYPES = ('float32', 'bfloat16')
 ALGORITHMS = ('ppo', 'grpo')
 SCHEDULES = ('fused', 'sync', 'async')
 TRANSPORTS = ('shm', 'thread')
@@ -53,25 +54,39 @@ class SimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PolicyConfig:
-  """The actor-critic network. `mlp` follows Brax's PPO defaults; `transformer` stands for a VLA-style policy."""
+  """The actor-critic network. `mlp` follows Brax's PPO defaults; `transformer` stands for a VLA-style policy
+  with a Gaussian action head; `token` is an autoregressive action-token decoder (OpenVLA-style: each action
+  value one of `num_bins` tokens, decoded one at a time with a KV cache)."""
   kind: str = 'mlp'
   policy_hidden_sizes: Tuple[int, ...] = (32, 32, 32, 32)
   value_hidden_sizes: Tuple[int, ...] = (256, 256, 256, 256, 256)
   normalize_observations: bool = True
   min_std: float = 0.001
-  # Transformer only: the observation is cut into tokens of `obs_token_size` values; `action_chunk` actions
-  # (k consecutive env steps) come out of one forward pass.
+  # Transformer and token policies: the observation is cut into tokens of `obs_token_size` values;
+  # `action_chunk` actions (k consecutive env steps) come out of one policy step.
   d_model: int = 128
   num_layers: int = 4
   num_heads: int = 4
   mlp_ratio: int = 4
   obs_token_size: int = 4
   action_chunk: int = 1
+  # Token policy only: bins per action dimension (bin centres span [-1, 1]).
+  num_bins: int = 256
+  # Transformer and token policies: dtype of the trunk's activations; params, optimizer state, logits and
+  # log-probs stay float32.
+  compute_dtype: str = 'float32'
 
   def __post_init__(self):
     _check_choice('policy', self.kind, POLICIES)
+    _check_choice('compute_dtype', self.compute_dtype, COMPUTE_DTYPES)
     for name in ('d_model', 'num_layers', 'num_heads', 'mlp_ratio', 'obs_token_size', 'action_chunk'):
       _check_positive(name, getattr(self, name))
+    # Token ids travel as float32 (Transition.raw_action), exact only below 2^24.
+    if not 2 <= self.num_bins <= 2**24:
+      raise ValueError(f'--num_bins={self.num_bins} must lie in [2, 2^24] (token ids travel as float32).')
+    if self.kind == 'mlp' and self.compute_dtype != 'float32':
+      raise ValueError(f'--compute_dtype={self.compute_dtype} needs --policy=transformer or token (the MLP '
+                       'computes in float32).')
     if not self.policy_hidden_sizes or any(h <= 0 for h in self.policy_hidden_sizes):
       raise ValueError(f'--policy_hidden_sizes={list(self.policy_hidden_sizes)} must be non-empty and positive.')
     if not self.value_hidden_sizes or any(h <= 0 for h in self.value_hidden_sizes):
@@ -79,7 +94,8 @@ class PolicyConfig:
     if self.d_model % self.num_heads:
       raise ValueError(f'--d_model={self.d_model} must be a multiple of --num_heads={self.num_heads}.')
     if self.kind == 'mlp' and self.action_chunk != 1:
-      raise ValueError(f'--action_chunk={self.action_chunk} needs --policy=transformer (the MLP emits one action).')
+      raise ValueError(f'--action_chunk={self.action_chunk} needs --policy=transformer or token (the MLP emits one '
+                       'action).')
     _check_positive('min_std', self.min_std)
 
 

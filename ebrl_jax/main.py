@@ -35,6 +35,9 @@ _HELP = {
     'task': f'Task to train on: {", ".join(config_lib.TASKS)}.',
     'backend': f'Simulator: {", ".join(config_lib.BACKENDS)} (mjx runs on the accelerator).',
     'policy': f'Policy network: {", ".join(config_lib.POLICIES)}.',
+    'num_bins': 'Token policy: discrete bins per action dimension (bin centres span [-1, 1]).',
+    'compute_dtype': (f'Activation dtype of the transformer and token policies: {", ".join(config_lib.COMPUTE_DTYPES)} '
+                      '(params, optimizer state and log-probs stay float32).'),
     'algo': f'Algorithm: {", ".join(config_lib.ALGORITHMS)}.',
     'schedule': f'Schedule: {", ".join(config_lib.SCHEDULES)}.',
     'num_envs': 'Environments simulated in parallel.',

@@ -26,8 +26,10 @@ class EnvSpec(NamedTuple):
 class ActOutput(NamedTuple):
   """What the generation stage returns for a batch of observations.
 
-  actions:   [B, K, A] in [-1, 1] (tanh-squashed), executed over the next K env steps.
-  raw_actions: [B, K, A] pre-tanh Gaussian samples; log-probs are recomputed from these during training.
+  actions:   [B, K, A] in [-1, 1] (tanh-squashed, or the token policy's bin centres), executed over the next K
+             env steps.
+  raw_actions: [B, K, A] float32, what log-probs are recomputed from during training: pre-tanh Gaussian samples,
+             or the token policy's bin ids as float32 (exact below 2^24; its evaluate casts them to int32).
   log_probs: [B] log-probability of the whole chunk (sum over K and A).
   values:    [B] critic value of the observation (zeros for critic-free policies).
   """
@@ -42,6 +44,9 @@ class Transition(NamedTuple):
 
   Shapes for a segment: obs/next_obs [T, B, O]; raw_action [T, B, K, A]; reward, termination, truncation,
   behaviour_log_prob, mask [T, B]; policy_version [T, B] (int32).
+  raw_action is `ActOutput.raw_actions`, float32 for every policy (the segment spec and shared memory are
+  float32): for the token policy it holds bin ids, exact in float32 below 2^24, cast back to int32 inside the
+  token policy's evaluate.
   reward is summed over the K env steps of the chunk. termination is 1 where the episode ended by failure
   (no bootstrap), truncation 1 where it was cut by the time limit. mask is 0 on steps past the end of an
   episode in episodic (GRPO) rollouts and 1 everywhere else.

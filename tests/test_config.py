@@ -128,3 +128,20 @@ def test_configs_are_frozen():
   cfg = config_lib.Config()
   with pytest.raises(Exception):
     cfg.sim.num_envs = 3  # type: ignore[misc]
+
+
+def test_token_policy_and_compute_dtype_fields_validate_and_name_their_flags():
+  token = config_lib.PolicyConfig(kind='token', action_chunk=2, compute_dtype='bfloat16')
+  assert token.num_bins == 256 and 'token' in config_lib.POLICIES  # the default of 256 bins
+  assert config_lib.PolicyConfig(kind='transformer', compute_dtype='bfloat16').compute_dtype == 'bfloat16'
+  with pytest.raises(ValueError, match=r'--num_bins=1 must lie in \[2, 2\^24\]'):
+    config_lib.PolicyConfig(kind='token', num_bins=1)
+  with pytest.raises(ValueError, match=r'--num_bins=16777217 must lie in \[2, 2\^24\] \(token ids travel as float32'):
+    config_lib.PolicyConfig(kind='token', num_bins=2**24 + 1)
+  assert config_lib.PolicyConfig(kind='token', num_bins=2**24).num_bins == 2**24  # the largest exact id is 2^24 - 1
+  with pytest.raises(ValueError, match=r"--compute_dtype='float16' is not valid; allowed values: float32, bfloat16"):
+    config_lib.PolicyConfig(kind='token', compute_dtype='float16')
+  with pytest.raises(ValueError, match='--compute_dtype=bfloat16 needs --policy=transformer or token'):
+    config_lib.PolicyConfig(kind='mlp', compute_dtype='bfloat16')
+  with pytest.raises(ValueError, match='--unroll_length=5 must be a multiple of --action_chunk=2'):
+    config_lib.Config(policy=token, algo=config_lib.AlgoConfig(unroll_length=5))

@@ -6,6 +6,9 @@
   biases); K = 1.
 * `TransformerActorCritic`: a VLA-style encoder: observation tokens, K action-query tokens and a value token
   through pre-LayerNorm blocks; ~1M to ~100M parameters via `d_model` and `num_layers`.
+
+`make_network` also builds `token_policy.TokenPolicy` (`--policy=token`), which emits categorical action tokens
+instead of `dist_params`; `generation.stages` tells the two contracts apart (`stages.head_of`).
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ebrl_jax.config import PolicyConfig
+from ebrl_jax.config import POLICIES, PolicyConfig
+from ebrl_jax.generation import token_policy
 from ebrl_jax.types import Array, Params
 
 Dtype = Any
@@ -122,10 +126,12 @@ class TransformerActorCritic(nn.Module):
     return dist_params, value[:, 0]
 
 
-def make_network(policy_config: PolicyConfig, obs_dim: int, action_dim: int, dtype: Dtype = jnp.float32) -> nn.Module:
+def make_network(policy_config: PolicyConfig, obs_dim: int, action_dim: int) -> nn.Module:
   """Builds the network named by `policy_config.kind`. `obs_dim` is accepted for symmetry (flax infers input
-  sizes at init); `dtype` is the transformer's compute dtype."""
+  sizes at init). The transformer and token policies compute in `policy_config.compute_dtype` (params stay
+  float32); the token policy cuts the state into `obs_token_size` tokens with `token_policy.StateTokenizer`."""
   del obs_dim
+  dtype = jnp.dtype(policy_config.compute_dtype)
   if policy_config.kind == 'mlp':
     return MLPActorCritic(policy_hidden_sizes=tuple(policy_config.policy_hidden_sizes),
                           value_hidden_sizes=tuple(policy_config.value_hidden_sizes),
@@ -140,4 +146,14 @@ def make_network(policy_config: PolicyConfig, obs_dim: int, action_dim: int, dty
                                   action_dim=action_dim,
                                   action_chunk=policy_config.action_chunk,
                                   dtype=dtype)
-  raise ValueError(f'--policy={policy_config.kind!r} is not valid; allowed values: mlp, transformer.')
+  if policy_config.kind == 'token':
+    return token_policy.TokenPolicy(action_dim=action_dim,
+                                    action_chunk=policy_config.action_chunk,
+                                    num_bins=policy_config.num_bins,
+                                    d_model=policy_config.d_model,
+                                    num_layers=policy_config.num_layers,
+                                    num_heads=policy_config.num_heads,
+                                    mlp_ratio=policy_config.mlp_ratio,
+                                    dtype=dtype,
+                                    tokenizer=token_policy.StateTokenizer(policy_config.obs_token_size))
+  raise ValueError(f'--policy={policy_config.kind!r} is not valid; allowed values: {", ".join(POLICIES)}.')

@@ -5,13 +5,17 @@ Pure functions; `network` (a flax module, hashable) is a static argument when ji
   act_fn = jax.jit(stages.act, static_argnums=(0,), static_argnames=('deterministic', 'min_std'))
   out = act_fn(network, params, obs, key)          # ActOutput, actions [B, K, A]
 
-Observations are normalised inside `act`/`evaluate` with `params.normalizer` (identity when
-`params.normalize_observations` is False). Axis names: B batch, O obs dim, K action chunk, A action dim.
+Observations are normalised inside `act`/`evaluate`/`value` with `params.normalizer` (identity when
+`params.normalize_observations` is False). Each then runs the network's `PolicyHead` (`head_of`, the one place
+that tells network families apart): the Gaussian head for networks that emit `dist_params [B, K, 2A]`
+(`policies.MLPActorCritic`, `policies.TransformerActorCritic`), or the head a network class carries itself
+(`token_policy.TokenPolicy`: categorical action tokens). Axis names: B batch, O obs dim, K action chunk,
+A action dim.
 """
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Tuple
+from typing import Callable, NamedTuple, Tuple
 
 import chex
 import flax.linen as nn
@@ -43,25 +47,90 @@ class EvalOutput(NamedTuple):
   values: Array
 
 
+class PolicyHead(NamedTuple):
+  """How one family of networks is initialised, acts and is scored, on normalised observations:
+
+    init(network, key, obs [1, O]) -> variables
+    act(network, variables, obs [B, O], key, deterministic, min_std) -> ActOutput
+    evaluate(network, variables, obs [B, O], raw_actions [B, K, A] float32, key, min_std) -> EvalOutput
+    value(network, variables, obs [B, O]) -> values [B] float32
+
+  `raw_actions` is whatever that head's `act` returned as `ActOutput.raw_actions` (pre-tanh samples for the
+  Gaussian, token ids as float32 for the token policy); `min_std` and the entropy key are the Gaussian's.
+  """
+  init: Callable
+  act: Callable
+  evaluate: Callable
+  value: Callable
+
+
+def apply_network(network: nn.Module, params: PolicyParams, obs: Array) -> Tuple[Array, Array]:
+  """Gaussian-head networks: obs [B, O] (raw) -> (dist_params [B, K, 2A] float32, values [B] float32),
+  normalising first."""
+  dist_params, values = network.apply(params.network, _normalize(params, obs))
+  return dist_params.astype(jnp.float32), values.astype(jnp.float32)
+
+
+def _gaussian_init(network, key, obs):
+  return network.init(key, obs)
+
+
+def _gaussian_act(network, variables, obs, key, deterministic, min_std):
+  dist_params, values = network.apply(variables, obs)
+  loc, scale = distribution.split_params(dist_params.astype(jnp.float32), min_std)
+  raw = loc if deterministic else distribution.sample_raw(loc, scale, key)
+  log_probs = jnp.sum(distribution.log_prob(loc, scale, raw), axis=-1)
+  chex.assert_equal_shape([loc, raw])
+  return ActOutput(actions=distribution.postprocess(raw),
+                   raw_actions=raw,
+                   log_probs=log_probs,
+                   values=values.astype(jnp.float32))
+
+
+def _gaussian_evaluate(network, variables, obs, raw_actions, key, min_std):
+  dist_params, values = network.apply(variables, obs)
+  loc, scale = distribution.split_params(dist_params.astype(jnp.float32), min_std)
+  chex.assert_equal_shape([loc, raw_actions])
+  log_probs = jnp.sum(distribution.log_prob(loc, scale, raw_actions), axis=-1)
+  entropy = jnp.sum(distribution.entropy(loc, scale, key), axis=-1)
+  return EvalOutput(log_probs=log_probs, entropy=entropy, values=values.astype(jnp.float32))
+
+
+def _gaussian_value(network, variables, obs):
+  return network.apply(variables, obs)[1].astype(jnp.float32)
+
+
+GAUSSIAN_HEAD = PolicyHead(init=_gaussian_init, act=_gaussian_act, evaluate=_gaussian_evaluate, value=_gaussian_value)
+
+
+def head_of(network: nn.Module) -> PolicyHead:
+  """The network's head, keyed on its class: a class may carry its own `policy_head` (a `PolicyHead`;
+  `token_policy.TokenPolicy` does), every other network uses `GAUSSIAN_HEAD`.
+
+  NOTE: the head rides on the class rather than in a table here because a policy family builds on this module
+  (token_policy imports it for `PolicyHead` and `EvalOutput`); this module imports no network family.
+  """
+  head = getattr(type(network), 'policy_head', GAUSSIAN_HEAD)
+  if not isinstance(head, PolicyHead):
+    raise TypeError(f'{type(network).__name__}.policy_head must be a stages.PolicyHead; got {type(head).__name__}.')
+  return head
+
+
+def _normalize(params: PolicyParams, obs: Array) -> Array:
+  chex.assert_rank(obs, 2)
+  return normalization.normalize(params.normalizer, obs) if params.normalize_observations else obs
+
+
 def init_policy_params(network: nn.Module,
                        key: PRNGKey,
                        obs_dim: int,
                        normalize_observations: bool = True) -> PolicyParams:
   """Initialises network variables (from a dummy `[1, O]` observation) and empty observation statistics."""
   # One compiled init instead of op-by-op dispatch (seconds for a tiny MLP on CPU); nests fine under jit.
-  variables = jax.jit(network.init)(key, jnp.zeros((1, obs_dim), jnp.float32))
+  init = jax.jit(functools.partial(head_of(network).init, network))
   return PolicyParams(normalizer=normalization.init_stats(obs_dim),
-                      network=variables,
+                      network=init(key, jnp.zeros((1, obs_dim), jnp.float32)),
                       normalize_observations=normalize_observations)
-
-
-def apply_network(network: nn.Module, params: PolicyParams, obs: Array) -> Tuple[Array, Array]:
-  """obs [B, O] (raw) -> (dist_params [B, K, 2A] float32, values [B] float32), normalising first."""
-  chex.assert_rank(obs, 2)
-  if params.normalize_observations:
-    obs = normalization.normalize(params.normalizer, obs)
-  dist_params, values = network.apply(params.network, obs)
-  return dist_params.astype(jnp.float32), values.astype(jnp.float32)
 
 
 def act(network: nn.Module,
@@ -77,19 +146,18 @@ def act(network: nn.Module,
     params: policy parameters.
     obs: [B, O] raw observations.
     key: PRNG key for sampling.
-    deterministic: take the mode (raw = loc) instead of sampling (static).
-    min_std: floor added to softplus(raw scale) (static).
+    deterministic: take the mode (Gaussian: raw = loc; tokens: argmax) instead of sampling (static).
+    min_std: floor added to softplus(raw scale) (static; Gaussian heads only).
   Returns:
-    ActOutput: actions [B, K, A] = tanh(raw_actions), raw_actions [B, K, A], log_probs [B] (sum over K and A,
-    tanh Jacobian included), values [B].
+    ActOutput: actions [B, K, A] in [-1, 1], raw_actions [B, K, A] float32 (Gaussian: pre-tanh samples,
+    actions = tanh(raw); token policy: the bin ids, actions their bin centres), log_probs [B] (sum over K and
+    A; the Gaussian's with the tanh Jacobian), values [B].
   """
-  dist_params, values = apply_network(network, params, obs)
-  loc, scale = distribution.split_params(dist_params, min_std)
-  raw = loc if deterministic else distribution.sample_raw(loc, scale, key)
-  log_probs = jnp.sum(distribution.log_prob(loc, scale, raw), axis=-1)
-  chex.assert_equal_shape([loc, raw])
-  chex.assert_shape([log_probs, values], (obs.shape[0],))
-  return ActOutput(actions=distribution.postprocess(raw), raw_actions=raw, log_probs=log_probs, values=values)
+  out = head_of(network).act(network, params.network, _normalize(params, obs), key, deterministic, min_std)
+  chex.assert_shape([out.log_probs, out.values], (obs.shape[0],))
+  chex.assert_equal_shape([out.actions, out.raw_actions])
+  chex.assert_type([out.actions, out.raw_actions, out.log_probs, out.values], jnp.float32)
+  return out
 
 
 def evaluate(network: nn.Module,
@@ -98,14 +166,20 @@ def evaluate(network: nn.Module,
              raw_actions: Array,
              key: PRNGKey,
              min_std: float = 0.001) -> EvalOutput:
-  """Scores stored raw actions under `params`: obs [B, O], raw_actions [B, K, A] ->
-  EvalOutput(log_probs [B], entropy [B] (one-sample estimate, summed over K and A), values [B])."""
-  dist_params, values = apply_network(network, params, obs)
-  loc, scale = distribution.split_params(dist_params, min_std)
-  chex.assert_equal_shape([loc, raw_actions])
-  log_probs = jnp.sum(distribution.log_prob(loc, scale, raw_actions), axis=-1)
-  entropy = jnp.sum(distribution.entropy(loc, scale, key), axis=-1)
-  return EvalOutput(log_probs=log_probs, entropy=entropy, values=values)
+  """Scores stored raw actions under `params`: obs [B, O], raw_actions [B, K, A] (what `act` returned) ->
+  EvalOutput(log_probs [B], entropy [B], values [B]). The Gaussian's entropy is a one-sample estimate (`key`),
+  the token policy's the exact per-token entropies along the stored tokens; both summed over K and A."""
+  out = head_of(network).evaluate(network, params.network, _normalize(params, obs), raw_actions, key, min_std)
+  chex.assert_shape([out.log_probs, out.entropy, out.values], (obs.shape[0],))
+  return out
+
+
+def value(network: nn.Module, params: PolicyParams, obs: Array) -> Array:
+  """Critic only: obs [B, O] (raw) -> values [B] float32 (the bootstrap value; the token policy skips the action
+  tokens)."""
+  values = head_of(network).value(network, params.network, _normalize(params, obs))
+  chex.assert_shape(values, (obs.shape[0],))
+  return values
 
 
 def _act_at(network, min_std, deterministic, params, obs, key, index):

@@ -17,15 +17,22 @@ Functions (the module is static under jit, as in `stages.act`):
   init(policy, key, obs) -> variables
   decode(policy, variables, obs, key, deterministic) -> DecodeOutput (tokens, actions, log_probs, values)
   full_forward(policy, variables, obs, tokens) -> (logits [B, M, num_bins] float32, values [B])
+  evaluate(policy, variables, obs, tokens) -> stages.EvalOutput
   log_prob_and_entropy(logits, tokens) -> ([B], [B])
 
-`obs` is whatever `policy.tokenizer` maps to tokens `[B, N, D_in]` (e.g. `vision.PixelTokenizer` for a
-`PixelObs`); with no tokenizer it is those tokens already (e.g. `vision.state_tokens(state, 4)`).
+`obs` is whatever `policy.tokenizer` maps to tokens `[B, N, D_in]` (`StateTokenizer` for a state `[B, O]`,
+`vision.PixelTokenizer` for a `PixelObs`); with no tokenizer it is those tokens already.
+
+`generation.stages` runs a `TokenPolicy` through `TokenPolicy.policy_head` (see `stages.head_of`): `act` returns
+the bin centres as actions and the token ids, as float32, as `raw_actions`; they travel in
+`Transition.raw_action` (float32 like every other record field; ids below 2^24 are exact) and `evaluate` turns
+them back into int32.
+
 Axis names: B batch, N obs tokens, P prefix, M = K * A action tokens, L layers, H heads, Dh head width.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, ClassVar, NamedTuple, Optional, Tuple
 
 import chex
 import flax.linen as nn
@@ -33,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from ebrl_jax.generation import stages
-from ebrl_jax.types import Array, Params, PRNGKey
+from ebrl_jax.types import ActOutput, Array, Params, PRNGKey
 
 Dtype = Any
 _EMBED_INIT = nn.initializers.normal(0.02)
@@ -157,6 +164,25 @@ class DecoderBlock(nn.Module):
     return x + nn.Dense(d, dtype=self.dtype, name='mlp_out')(h), layer_cache
 
 
+def state_tokens(state: Array, token_size: int) -> Array:
+  """state [B, O] -> [B, ceil(O / token_size), token_size], zero-padded (as `TransformerActorCritic` cuts it)."""
+  chex.assert_rank(state, 2)
+  batch, obs_dim = state.shape
+  num_tokens = -(-obs_dim // token_size)
+  pad = num_tokens * token_size - obs_dim
+  return jnp.pad(state, ((0, 0), (0, pad))).reshape(batch, num_tokens, token_size)
+
+
+class StateTokenizer(nn.Module):
+  """state [B, O] -> tokens [B, ceil(O / token_size), token_size] (`state_tokens`; no parameters: the policy's
+  own embedding and positions follow). As a tokenizer module the policy takes the same `obs [B, O]` as every
+  other network, so `stages` and the workers need no token size, and a pixel tokenizer takes its place."""
+  token_size: int = 4
+
+  def __call__(self, state: Array) -> Array:
+    return state_tokens(state, self.token_size)
+
+
 class _ObsEmbed(nn.Module):
   """obs tokens [B, N, D_in] -> prefix [B, N + 1, D]: dense embed + learned positions, then a learned BOS."""
   d_model: int
@@ -177,8 +203,9 @@ class TokenPolicy(nn.Module):
 
   Params are float32; `dtype` is the compute dtype of the trunk and the KV cache; logits and values are float32.
   Methods (called through `apply(..., method=...)` by the module-level functions): `__call__` (teacher-forced),
-  `prefill`, `step`, `value`.
+  `prefill`, `step`, `value`. `policy_head`: how `generation.stages` runs it (set below the functions it uses).
   """
+  policy_head: ClassVar[stages.PolicyHead]
   action_dim: int
   action_chunk: int = 1
   num_bins: int = 256
@@ -325,7 +352,26 @@ def decode(policy: TokenPolicy,
 
 def evaluate(policy: TokenPolicy, variables: Params, obs, tokens: Array) -> stages.EvalOutput:
   """Training-side scoring of stored tokens [B, K, A] at temperature 1: EvalOutput(log_probs [B], entropy [B]
-  (see `log_prob_and_entropy`), values [B]), the same record `stages.evaluate` returns for the Gaussian heads."""
+  (see `log_prob_and_entropy`), values [B]), the same record `stages.evaluate` returns for the Gaussian heads.
+  `tokens` may be int or the float32 ids `Transition.raw_action` carries (exact below 2^24): cast to int32."""
+  tokens = tokens.astype(jnp.int32)
   logits, values = full_forward(policy, variables, obs, tokens)
   log_probs, entropy = log_prob_and_entropy(logits, tokens)
   return stages.EvalOutput(log_probs=log_probs, entropy=entropy, values=values)
+
+
+def _head_act(policy, variables, obs, key, deterministic, min_std) -> ActOutput:
+  del min_std  # a Gaussian floor; categorical tokens have none
+  out = decode(policy, variables, obs, key, deterministic=deterministic)
+  return ActOutput(actions=out.actions,
+                   raw_actions=out.tokens.astype(jnp.float32),
+                   log_probs=out.log_probs,
+                   values=out.values)
+
+
+def _head_evaluate(policy, variables, obs, raw_actions, key, min_std) -> stages.EvalOutput:
+  del key, min_std  # the entropy is exact (no sample) and there is no scale floor
+  return evaluate(policy, variables, obs, raw_actions)
+
+
+TokenPolicy.policy_head = stages.PolicyHead(init=init, act=_head_act, evaluate=_head_evaluate, value=value)

@@ -28,6 +28,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from ebrl_jax.generation import policies
+from ebrl_jax.generation import token_policy
 from ebrl_jax.types import Array
 
 Dtype = Any
@@ -61,13 +62,8 @@ def pixels_to_float(pixels: Array, dtype: Dtype = jnp.float32) -> Array:
   return pixels.astype(dtype) * (1.0 / 255.0)
 
 
-def state_tokens(state: Array, token_size: int) -> Array:
-  """state [B, O] -> [B, ceil(O / token_size), token_size], zero-padded (as `TransformerActorCritic` cuts it)."""
-  chex.assert_rank(state, 2)
-  batch, obs_dim = state.shape
-  num_tokens = -(-obs_dim // token_size)
-  pad = num_tokens * token_size - obs_dim
-  return jnp.pad(state, ((0, 0), (0, pad))).reshape(batch, num_tokens, token_size)
+# state [B, O] -> [B, ceil(O / token_size), token_size]: one definition, beside the token policy's StateTokenizer.
+state_tokens = token_policy.state_tokens
 
 
 class ResidualBlock(nn.Module):

@@ -71,7 +71,8 @@ def grpo_advantages(episode_returns: Array, group_size: int, eps: float = 1e-6) 
 
 def _evaluate_segments(network: nn.Module, params: gen_stages.PolicyParams, batch: Transition, key: PRNGKey,
                        min_std: float) -> gen_stages.EvalOutput:
-  """Flattens [T, B] to the network's batch axis and back: EvalOutput with [T, B] fields."""
+  """Flattens [T, B] to the network's batch axis and back: EvalOutput with [T, B] fields. `gen_stages.evaluate`
+  dispatches on the network (Gaussian raw actions or float32 token ids in `batch.raw_action`)."""
   t, b = batch.reward.shape
   out = gen_stages.evaluate(network, params, batch.obs.reshape((t * b,) + batch.obs.shape[2:]),
                             batch.raw_action.reshape((t * b,) + batch.raw_action.shape[2:]), key, min_std)
@@ -122,7 +123,7 @@ def ppo_loss(network: nn.Module, params: gen_stages.PolicyParams, batch: Transit
   """
   chex.assert_equal_shape([batch.reward, proximal_log_prob, batch.mask, batch.termination, batch.truncation])
   out = _evaluate_segments(network, params, batch, key, min_std)
-  _, bootstrap_value = gen_stages.apply_network(network, params, batch.next_obs[-1])
+  bootstrap_value = gen_stages.value(network, params, batch.next_obs[-1])
   vs, advantages = compute_gae(batch.reward * algo.reward_scaling, out.values, bootstrap_value, batch.termination,
                                batch.truncation, algo.discount, algo.gae_lambda)
   mask = batch.mask.astype(jnp.float32)
