@@ -161,6 +161,12 @@ class ScheduleConfig:
   # Where JAX's persistent compilation cache lives; '' disables it.
   compilation_cache_dir: str = '~/.cache/ebrl_jax/xla'
   checkpoint_every: int = 1  # in evaluations; 0 disables checkpoints
+  # A first checkpoint after this many iterations (0: none before the --checkpoint_every cadence), so that a run
+  # stopped early has one to resume.
+  first_checkpoint_iteration: int = 1
+  # Wall-clock budget in seconds from process start (0: none): the run stops at the next iteration boundary after
+  # it, saves a checkpoint and writes its summary (`stopped: 'max_wall_s'`).
+  max_wall_s: float = 0.0
   # Evaluate the policy's mode (True) or sample actions as in training (False, Brax's default).
   deterministic_eval: bool = True
   # Process schedules (sync, async): env groups, each stepped by its own rollout worker process.
@@ -187,6 +193,8 @@ class ScheduleConfig:
     _check_positive('num_timesteps', self.num_timesteps)
     _check_positive('num_evals', self.num_evals, allow_zero=True)
     _check_positive('checkpoint_every', self.checkpoint_every, allow_zero=True)
+    _check_positive('first_checkpoint_iteration', self.first_checkpoint_iteration, allow_zero=True)
+    _check_positive('max_wall_s', self.max_wall_s, allow_zero=True)
     if not self.run_dir:
       raise ValueError('--run_dir must not be empty.')
     _check_positive('num_groups', self.num_groups)

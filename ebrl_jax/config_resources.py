@@ -18,11 +18,26 @@ def _role_values(flag: str, text: str, convert, example: str) -> Dict[str, objec
     role, _, value = item.partition('=')
     if role not in QUOTA_ROLES:
       raise ValueError(f'--{flag}: role {role!r} is not valid; allowed roles: {", ".join(QUOTA_ROLES)}.')
+    if role in out:
+      raise ValueError(f'--{flag}={text}: role {role!r} is given twice; give each role once.')
     try:
       out[role] = convert(value)
     except ValueError:
       raise ValueError(f'--{flag}: {item!r} must read {example}.') from None
   return out
+
+
+def check_quota_sum(resources: 'ResourceConfig', processes: Dict[str, int]) -> None:
+  """Refuses --sm_quotas that give the processes running at once (`processes`: role -> how many run at once)
+  more than 100 % of the GPU's SMs together. Roles without a quota are not counted."""
+  quotas = resources.quotas
+  given = [(role, n) for role, n in processes.items() if role in quotas and n]
+  total = sum(quotas[role] * n for role, n in given)
+  if total > 100:
+    parts = ' + '.join(f'{n} x {role}={quotas[role]}' if n > 1 else f'{role}={quotas[role]}' for role, n in given)
+    raise ValueError(f'--sm_quotas={resources.sm_quotas} gives the processes that run at once {parts} = {total} % '
+                     'of the SMs, more than 100 %; lower the quotas (every rollout worker gets the rollout quota) or '
+                     'run fewer --num_groups.')
 
 
 @dataclasses.dataclass(frozen=True)

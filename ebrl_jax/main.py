@@ -1,21 +1,34 @@
 """Command line: `python -m ebrl_jax.main --flagfile=experiments/quickstart.flags [--flag=value ...]`.
 
 The only module that reads absl flags. Every flag is a field of a dataclass in `ebrl_jax.config`, and takes
-its default from there (one source of truth). Invalid values stop the run before any work with one message that
-names the flag and the allowed values.
+its default from there (one source of truth). Invalid values stop the run before any work with one line that
+names the flag and the allowed values (exit code 2); a run that fails is one `FATAL:` line (exit code 3); SIGTERM
+and Ctrl-C stop the run with its summary written and one `STOPPED:` line (exit codes 143 and 130). The run's
+clock starts when this process started (`process_start_unix`).
 """
 from __future__ import annotations
 
+import time
+
+_IMPORTED_UNIX = time.time()  # the clock's origin where /proc cannot say when the process started
+
+# pylint: disable=wrong-import-position
 import dataclasses
+import os
+import signal
 import sys
 import typing
 from typing import Dict, Tuple, Type
 
 from absl import app
 from absl import flags
-from absl import logging
 
 from ebrl_jax import config as config_lib
+from ebrl_jax.runtime import errors
+# pylint: enable=wrong-import-position
+
+EXIT_USAGE, EXIT_FAILED = 2, 3
+EXIT_SIGNAL = {'SIGTERM': 128 + signal.SIGTERM, 'SIGINT': 128 + signal.SIGINT}  # 143, 130: as a shell reports them
 
 # (section of Config, dataclass, {field name: flag name} where they differ)
 _SECTIONS: Tuple[Tuple[str, Type, Dict[str, str]], ...] = (
@@ -45,7 +58,9 @@ _HELP = {
     'target_return': 'Stop once the evaluation return reaches this.',
     'run_dir': 'Directory for metrics.jsonl, TensorBoard events, checkpoints and summary.json.',
     'compilation_cache_dir': "JAX's persistent compilation cache; '' disables it.",
-    'resume': 'Continue the run in --run_dir from its last checkpoint.',
+    'resume': 'Continue the run in --run_dir from its newest intact checkpoint.',
+    'max_wall_s': 'Wall-clock budget in seconds from process start (0: none); the run stops cleanly after it.',
+    'first_checkpoint_iteration': 'A first checkpoint after this many iterations (0: only --checkpoint_every).',
 }
 
 
@@ -94,29 +109,79 @@ def config_from_flags(flag_values: flags.FlagValues = FLAGS) -> config_lib.Confi
   return config_lib.Config(**sections)
 
 
+def process_start_unix(now_unix: float = None) -> float:
+  """When this process started (`time.time()` seconds): its start tick in /proc/self/stat against
+  CLOCK_BOOTTIME (10 ms resolution). Where /proc cannot say, or the process is older than this run (main()
+  called inside a longer-lived process), the time this module was imported."""
+  now_unix = time.time() if now_unix is None else now_unix
+  try:
+    with open('/proc/self/stat') as f:
+      ticks = int(f.read().rsplit(')', 1)[1].split()[19])  # field 22, starttime
+    age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf('SC_CLK_TCK')
+  except (OSError, ValueError, IndexError, AttributeError):
+    return _IMPORTED_UNIX
+  since_import = now_unix - _IMPORTED_UNIX
+  return now_unix - age if since_import <= age <= since_import + 5.0 else _IMPORTED_UNIX
+
+
+def _usage_error(message: str) -> int:
+  """A bad invocation: one line naming the flag, and where the full list is."""
+  print(f'FATAL: {" ".join(str(message).split())} (--helpfull lists every flag)', file=sys.stderr)
+  return EXIT_USAGE
+
+
+def parse_flags(argv):
+  """absl's parser, with a parse error as one line instead of a traceback or the flag list."""
+  try:
+    return FLAGS(argv)
+  except flags.Error as e:
+    sys.exit(_usage_error(str(e)))
+
+
+def _stop_line(cfg: config_lib.Config, summary) -> str:
+  """What a stopped run leaves: where it stopped, its summary, and the checkpoint --resume continues from."""
+  step = summary.extra.get('last_checkpoint')
+  directory = os.path.join(cfg.schedule.run_dir, 'checkpoints')
+  if step is not None:
+    resume = f'checkpoint {step} in {directory} is loadable: continue with --resume'
+  elif not cfg.schedule.checkpoint_every:
+    resume = 'checkpoints are off (--checkpoint_every=0), so there is nothing to resume'
+  else:
+    resume = 'no checkpoint had been written yet (see --first_checkpoint_iteration), so there is nothing to resume'
+  return (f'STOPPED: {summary.stopped} at env step {summary.env_steps:,} (iteration {summary.iterations}); '
+          f'{os.path.join(cfg.schedule.run_dir, "summary.json")} holds the run so far; {resume}.')
+
+
 def main(argv):
+  start_unix = process_start_unix()
+  signal.signal(signal.SIGTERM, errors.interrupt)  # from here on SIGTERM stops the run as Ctrl-C does
   if len(argv) > 1:
-    raise app.UsageError(f'Unexpected positional arguments: {" ".join(argv[1:])}')
+    return _usage_error(f'Unexpected positional arguments: {" ".join(argv[1:])}')
   try:
     cfg = config_from_flags()
   except ValueError as e:
-    raise app.UsageError(str(e)) from None
-  from ebrl_jax import controller  # lazy: a flag error is reported before JAX and the simulators load
+    return _usage_error(str(e))
   try:
-    controller.run(cfg)
-  except ValueError as e:  # e.g. --resume without a checkpoint: a usage problem found before training
-    logging.error('%s', e)
+    from ebrl_jax import controller  # lazy: a flag error is reported before JAX and the simulators load
+    summary = controller.run(cfg, start_unix=start_unix)
+  except KeyboardInterrupt as interrupt:  # before the run had a summary to write
+    reason = errors.stop_reason(interrupt)
+    print(f'STOPPED: {reason} before the run had written its summary.', file=sys.stderr)
+    return EXIT_SIGNAL[reason]
+  except ValueError as e:  # found before any worker started: --resume without a checkpoint, a bad --run_dir, ...
     print(f'FATAL: {e}', file=sys.stderr)
-    return 2
-  except controller.RunError as e:  # e.g. the trainer worker died: children stopped, shared memory freed
-    logging.error('%s', e)
+    return EXIT_USAGE
+  except errors.RunError as e:  # e.g. the trainer worker died: children stopped, shared memory freed
     print(f'FATAL: {e}', file=sys.stderr)
-    return 3
+    return EXIT_FAILED
+  if summary.stopped in EXIT_SIGNAL:
+    print(_stop_line(cfg, summary), file=sys.stderr)
+    return EXIT_SIGNAL[summary.stopped]
   return 0
 
 
 def run_main():
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)
 
 
 if __name__ == '__main__':

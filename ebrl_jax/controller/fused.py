@@ -6,6 +6,8 @@ or `fused_cpu.CpuFusedLoop` (native MuJoCo stepped from a Python loop around jit
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from ebrl_jax import config as config_lib
 from ebrl_jax.controller import fused_cpu
 from ebrl_jax.controller import topology
@@ -20,9 +22,14 @@ def make_source(cfg: config_lib.Config, spec, network, optimizer) -> driver.Batc
   return fused_mjx.MjxFusedLoop(cfg, spec, network, optimizer)
 
 
-def run(cfg: config_lib.Config) -> driver.RunSummary:
-  """Trains with the fused schedule until `num_timesteps` env steps or the target return. Returns the summary."""
-  trainer = driver.trainer_config(cfg, topology.process_config(cfg))
+def run(cfg: config_lib.Config, start: Optional[driver.StartClock] = None) -> driver.RunSummary:
+  """Trains with the fused schedule until `num_timesteps` env steps, the target return, --max_wall_s or a
+  signal (the summary's `stopped` says which). Returns the summary, its times on the clock `start`. On MJX the
+  loop compiles one program per chunk length, so its chunks are never cut (`fixed_chunks`)."""
+  trainer = driver.trainer_config(cfg,
+                                  topology.process_config(cfg),
+                                  start=start,
+                                  fixed_chunks=cfg.sim.backend != 'mujoco_cpu')
   summary = driver.run_training(trainer, lambda _, spec, network, optimizer: make_source(cfg, spec, network, optimizer))
   summary.extra['topology'] = {'roles': ['controller'], 'num_groups': 1}  # one process collects and trains
   return summary

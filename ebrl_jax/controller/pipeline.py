@@ -10,10 +10,14 @@ warm-standby swaps (controller/replan.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import glob
 import os
 import shutil
+import signal
+import threading
+import time
 from typing import Dict, List, Optional
 
 from absl import logging
@@ -95,9 +99,58 @@ def _plan(cfg: config_lib.Config, topology, memory_plan, mps_daemon):
   return cfg, topology, plan_record, memory_plan
 
 
-def run(cfg: config_lib.Config, pids: Optional[Dict[str, int]] = None) -> driver.RunSummary:
-  """Runs `sync` or `async` and returns the trainer's summary (plus what the controller saw). `pids` (role ->
-  pid) is kept up to date for telemetry while the run goes on."""
+_STOP_GRACE_S = 10.0  # after SIGTERM or Ctrl-C, how long the trainer has to send its partial summary
+
+
+def _stop_trainer(cfg: config_lib.Config, workers: supervisor_lib.Supervisor) -> None:
+  """After SIGTERM or Ctrl-C: asks the trainer to stop at its next iteration boundary (SIGINT to its process, which
+  its handler turns into a request once it runs; the run's stop for a thread) and goes on watching while it sends
+  its partial summary. A trainer process that has not ended after _STOP_GRACE_S is terminated."""
+  trainer = workers.workers.get('trainer')
+  if trainer is None:
+    return
+  workers.tick, timer = None, None  # no live quota change while the run stops
+  if not trainer.is_alive():
+    pass  # it has ended (its summary, if it sent one, is read below)
+  elif not workers.use_processes:
+    workers.stop.set()
+  elif lifecycle.read_phases(cfg.schedule.run_dir).get('trainer', {}).get('pid') == trainer.pid:
+    logging.info('stopping: asking the trainer for its summary so far (up to %.0f s).', _STOP_GRACE_S)
+    os.kill(trainer.pid, signal.SIGINT)  # its handler is installed before it reports a phase
+    timer = threading.Timer(_STOP_GRACE_S, trainer.terminate)
+    timer.start()
+  else:  # still importing: nothing to send yet
+    trainer.terminate()
+  try:
+    workers.watch()
+  except (KeyboardInterrupt, errors.RunError) as e:  # stopped twice, or the trainer ended without its summary
+    logging.info('the trainer sent no summary (%s).', type(e).__name__)
+  finally:
+    if timer is not None:
+      timer.cancel()
+
+
+def _start_and_watch(cfg: config_lib.Config, workers: supervisor_lib.Supervisor) -> Optional[str]:
+  """Starts the workers and watches them until the trainer has ended. Returns None, or the signal (SIGTERM,
+  SIGINT) that stopped the run, after the trainer had its chance to send its summary so far."""
+  with supervisor_lib.sigterm_as_interrupt():
+    try:
+      workers.start_all()
+      workers.watch()
+      return None
+    except KeyboardInterrupt as interrupt:
+      stopped = errors.stop_reason(interrupt)
+    _stop_trainer(cfg, workers)
+  return stopped
+
+
+def run(cfg: config_lib.Config,
+        pids: Optional[Dict[str, int]] = None,
+        start: Optional[driver.StartClock] = None) -> driver.RunSummary:
+  """Runs `sync` or `async` and returns the trainer's summary (plus what the controller saw), also of a run
+  stopped by SIGTERM or Ctrl-C (its `stopped` names the signal). `pids` (role -> pid) is kept up to date for
+  telemetry while the run goes on; `start` is the run's clock, which the trainer's figures count from."""
+  start = start or driver.StartClock(time.time())
   os.makedirs(cfg.schedule.run_dir, exist_ok=True)
   for path in _generation_stats_files(cfg):  # a reused run directory: count this run's batches only
     os.remove(path)
@@ -116,12 +169,12 @@ def run(cfg: config_lib.Config, pids: Optional[Dict[str, int]] = None) -> driver
     logging.info('topology: %s', topology.describe())
     placement = supervisor_lib.Placement(cfg, topology, mps_daemon, memory_plan)
     seg_channel, store, mailbox = _transport(cfg, topology, registry)
+    start = start.mark('workers_setup')  # topology, memory plan, MPS, --plan, shared memory
+    topology = dataclasses.replace(topology, trainer=dataclasses.replace(topology.trainer, start=start))
     workers = supervisor_lib.Supervisor(cfg, topology, seg_channel, store, use_processes, mailbox, placement, pids)
     changer = replan.make_changer(cfg, workers, plan_record, mps_daemon is not None)
     workers.tick = changer.poll if changer is not None else None
-    with supervisor_lib.sigterm_as_interrupt():
-      workers.start_all()
-      workers.watch()
+    stopped = _start_and_watch(cfg, workers)
   finally:
     if workers is not None:
       line = workers.startup_phases()  # a run stopped or failed before its first train step: where it waited
@@ -134,9 +187,13 @@ def run(cfg: config_lib.Config, pids: Optional[Dict[str, int]] = None) -> driver
       registry.close()
     if mps_daemon is not None:
       mps_daemon.stop()
+  if workers.summary is None and stopped is not None:
+    raise KeyboardInterrupt(stopped)  # the runner writes the controller's own summary
   if workers.summary is None:
     raise errors.WorkerFailure('the trainer ended without sending its summary; see its log above.')
   summary = driver.RunSummary(**workers.summary)
+  if stopped is not None and summary.stopped not in driver.FINISHED:
+    summary.stopped = stopped  # the trainer saw a stop request: the controller knows which signal
   _add_extra(cfg, summary, workers, topology, plan_record, memory_plan, changer)
   return summary
 

@@ -1,35 +1,46 @@
-"""Entry point of the controller: `run(config)` configures JAX, runs the schedule by name with telemetry
-alongside, and writes `<run_dir>/summary.json` — the one writer of the summary."""
+"""Entry point of the controller: `run(config)` checks everything a run can fail on before anything starts or is
+written, configures JAX, runs the schedule by name with telemetry alongside, and writes `<run_dir>/summary.json`
+— the one writer of the summary, also of a run stopped by SIGTERM, Ctrl-C or --max_wall_s."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import shutil
+import time
 from typing import Callable, Dict, Optional
 
 from absl import logging
+import jax
 
 from ebrl_jax import config as config_lib
+from ebrl_jax import config_resources
 from ebrl_jax.controller import fused
 from ebrl_jax.controller import pipeline
+from ebrl_jax.controller import supervisor
+from ebrl_jax.resources import mps
 from ebrl_jax.resources import telemetry as telemetry_lib
 from ebrl_jax.runtime import errors
 from ebrl_jax.runtime import metrics
 from ebrl_jax.runtime import startup
 from ebrl_jax.runtime import storage
 from ebrl_jax.runtime import tracing
+from ebrl_jax.trainer import checkpoint
 from ebrl_jax.trainer import driver
+from ebrl_jax.trainer import stages as trainer_stages
 
 RunError = errors.RunError
+_PSEUDO_FILESYSTEMS = ('/proc', '/sys', '/dev')
 
 
-def _run_fused(cfg: config_lib.Config, pids: Dict[str, int]) -> driver.RunSummary:
+def _run_fused(cfg: config_lib.Config, pids: Dict[str, int], start: driver.StartClock) -> driver.RunSummary:
   del pids  # one process: the controller itself
-  return fused.run(cfg)
+  return fused.run(cfg, start)
 
 
-# Schedule registry: every name in config.SCHEDULES. A schedule gets the config and the role -> pid map that
-# telemetry watches (it adds its workers as it starts them).
-SCHEDULES: Dict[str, Callable[[config_lib.Config, Dict[str, int]], driver.RunSummary]] = {
+# Schedule registry: every name in config.SCHEDULES. A schedule gets the config, the role -> pid map that
+# telemetry watches (it adds its workers as it starts them) and the run's clock.
+SCHEDULES: Dict[str, Callable[[config_lib.Config, Dict[str, int], driver.StartClock], driver.RunSummary]] = {
     'fused': _run_fused,
     'sync': pipeline.run,
     'async': pipeline.run
@@ -64,41 +75,209 @@ def write_summary(cfg: config_lib.Config, summary: driver.RunSummary) -> str:
   return path
 
 
-def check_run_dir(cfg: config_lib.Config) -> None:
-  """Refuses, before anything starts or is written, a run whose directory does not match --resume."""
+def check_run_dir_path(run_dir: str) -> None:
+  """Refuses a --run_dir that cannot hold a run: a file, a pseudo-filesystem, or no writable directory above."""
+  path = os.path.realpath(os.path.abspath(os.path.expanduser(run_dir)))
+  for root in _PSEUDO_FILESYSTEMS:
+    if path == root or path.startswith(root + '/'):
+      raise ValueError(f'--run_dir={run_dir} lies under {root}, a kernel pseudo-filesystem that holds no run '
+                       'files; choose a directory on a disk.')
+  existing = path
+  while not os.path.exists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    what = 'is a file' if existing == path else f'lies under {existing}, which is a file'
+    raise ValueError(f'--run_dir={run_dir} {what}, not a directory; choose a directory.')
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise ValueError(f'--run_dir={run_dir}: {existing} is not writable by this user; choose another --run_dir.')
+
+
+def _check_files(cfg: config_lib.Config) -> None:
+  """Files named by flags exist and parse."""
+  profile = cfg.resources.memory_profile
+  if profile:
+    try:
+      with open(os.path.expanduser(profile)) as f:
+        json.load(f)
+    except (OSError, ValueError) as e:
+      raise ValueError(f'--memory_profile={profile} cannot be read ({e}); give the JSON that '
+                       'experiments/bench/stage_profile.py --profile_out writes, or drop the flag.') from None
+
+
+def _check_gpu_sharing(cfg: config_lib.Config) -> None:
+  """--sm_quotas within 100 % for the processes that run at once; --use_mps only where MPS can run."""
+  processes = cfg.schedule.name != 'fused' and cfg.schedule.transport == 'shm'
+  if not (processes and cfg.resources.use_mps):
+    return
+  if not cfg.resources.plan:  # --plan chooses the groups and the unpinned quotas itself
+    rollouts = 0 if cfg.rollout_on_host else cfg.schedule.num_groups
+    config_resources.check_quota_sum(cfg.resources, {
+        'trainer': 1,
+        'rollout': rollouts,
+        'generation': int(not cfg.schedule.colocate_generation)
+    })
+  if cfg.resources.platform == 'cpu':
+    raise ValueError('--use_mps shares a GPU under NVIDIA MPS, but --platform=cpu runs on no GPU; drop --use_mps '
+                     '(and --sm_quotas) or --platform=cpu.')
+  if shutil.which(mps.CONTROL) is None:
+    raise ValueError(f'--use_mps needs NVIDIA MPS, but {mps.CONTROL} is not on PATH (no NVIDIA driver here?); run '
+                     'without --use_mps and --sm_quotas (the workers then share the GPU time-sliced), or install '
+                     'the driver.')
+
+
+def _checkpoint_state(directory: str) -> str:
+  """What `directory` holds, in words, truthfully: its newest intact step, or why none is loadable."""
+  damaged = [(s, checkpoint.damage(directory, s)) for s in checkpoint.committed_steps(directory)]
+  intact = [s for s, why in damaged if why is None]
+  if intact:
+    return f'the newest intact one is step {intact[0]}'
+  return 'none of them is loadable: ' + '; '.join(f'step {s}: {why}' for s, why in damaged)
+
+
+def check_checkpoints(cfg: config_lib.Config) -> Optional[dict]:
+  """The run directory's checkpoints against --resume, read without orbax and without changing anything: a new
+  run refuses a directory that holds checkpoints; --resume needs an intact one whose arrays fit this run's train
+  state. Returns what --resume continues from ({'step', 'env_steps', 'iterations', 'skipped'}), else None."""
   run_dir = cfg.schedule.run_dir
-  step = storage.latest_checkpoint_step(os.path.join(run_dir, 'checkpoints'))
-  if cfg.schedule.checkpoint_every and not cfg.schedule.resume and step is not None:
-    raise ValueError(f'--run_dir={run_dir} already holds checkpoints; pass --resume to continue that run or choose '
-                     'another --run_dir.')
-  if cfg.schedule.resume and step is None:
-    raise ValueError(f'--resume was given but {run_dir}/checkpoints holds no checkpoint.')
+  directory = os.path.join(os.path.abspath(run_dir), 'checkpoints')
+  steps = checkpoint.committed_steps(directory)
+  if not cfg.schedule.resume:
+    if cfg.schedule.checkpoint_every and steps:
+      raise ValueError(f'--run_dir={run_dir} already holds checkpoints; pass --resume to continue that run '
+                       f'({_checkpoint_state(directory)}) or choose another --run_dir.')
+    return None
+  if not steps:
+    raise ValueError(f'--resume was given but {directory} holds no checkpoint, so there is nothing to resume; '
+                     'start without --resume, or point --run_dir at the run to continue.')
+  skipped = []
+  for step in steps:
+    why = checkpoint.damage(directory, step)
+    if why is None:
+      break
+    skipped.append(step)
+    logging.warning('checkpoint %d (%s) is damaged: %s; --resume falls back to an older step.', step,
+                    os.path.join(directory, str(step)), why)
+  else:
+    raise ValueError(f'--resume: {directory} holds checkpoints, but {_checkpoint_state(directory)}. Start a new '
+                     'run (without --resume) in another --run_dir.')
+  mismatch = checkpoint.shape_mismatch(directory, step, _state_template(cfg))
+  if mismatch is not None:
+    raise ValueError(
+        f'--resume: checkpoint {step} in {directory} is intact, but it was written {_written_by(cfg, step)}'
+        f' and does not fit this run\'s train state: {mismatch}. It stays loadable by a run with its '
+        f'own flags: resume with those, or choose another --run_dir for this run.')
+  extra = checkpoint.read_extra(directory, step)
+  return {'step': step, 'env_steps': extra.get('env_steps'), 'iterations': extra.get('iterations'), 'skipped': skipped}
 
 
-def run(cfg: config_lib.Config) -> driver.RunSummary:
-  """Runs `cfg` with its schedule, with telemetry alongside; writes the run's config.json (the whole config, the
-  one place that sees it) and its summary.json, and returns the summary."""
+def _state_template(cfg: config_lib.Config):
+  """The shapes of this run's train state (`jax.eval_shape`: nothing computed, no JAX backend started)."""
+  spec, network, optimizer = driver.network_and_optimizer(cfg.sim, cfg.policy, cfg.algo)
+  return jax.eval_shape(lambda: trainer_stages.init_train_state(network, optimizer, jax.random.PRNGKey(0), spec.obs_dim,
+                                                                cfg.policy.normalize_observations))
+
+
+def _written_by(cfg: config_lib.Config, step: int) -> str:
+  """'for --task=... --policy=...' of the run that wrote `step` (its metadata, else the run dir's config.json,
+  written by the last run that started there), beside this run's."""
+  run = checkpoint.read_extra(os.path.join(cfg.schedule.run_dir, 'checkpoints'), step).get('run')
+  if run is None:
+    try:
+      with open(os.path.join(cfg.schedule.run_dir, 'config.json')) as f:
+        saved = json.load(f)
+      run = {'task': saved['sim']['task'], 'policy': saved['policy']['kind']}
+    except (OSError, ValueError, KeyError, TypeError):
+      return 'by another run'
+  return (f'for --task={run.get("task")} --policy={run.get("policy")} (this run: --task={cfg.sim.task} '
+          f'--policy={cfg.policy.kind})')
+
+
+def check_before_start(cfg: config_lib.Config) -> Optional[dict]:
+  """Every check a run can fail on that needs no worker, before any file of the run directory changes: the
+  run directory, files named by flags, GPU sharing, the checkpoints against --resume. Raises ValueError (one
+  line: the cause and the fix); returns what --resume continues from."""
   if cfg.schedule.name not in SCHEDULES:
     raise ValueError(f'--schedule={cfg.schedule.name!r} is not valid; allowed values: {", ".join(SCHEDULES)}.')
-  check_run_dir(cfg)
-  os.makedirs(cfg.schedule.run_dir, exist_ok=True)
-  storage.write_json(os.path.join(cfg.schedule.run_dir, 'config.json'), dataclasses.asdict(cfg), indent=2)
-  startup.configure_jax(cfg.resources.platform, cfg.schedule.compilation_cache_dir)
-  metrics.quiet_library_logs()
+  check_run_dir_path(cfg.schedule.run_dir)
+  _check_files(cfg)
+  _check_gpu_sharing(cfg)
+  return check_checkpoints(cfg)
+
+
+def run(cfg: config_lib.Config, start_unix: Optional[float] = None) -> driver.RunSummary:
+  """Runs `cfg` with its schedule, with telemetry alongside; writes the run's config.json (the whole config, the
+  one place that sees it) and its summary.json, and returns the summary. Every time of the run counts from
+  `start_unix` (`time.time()` at process start: main.py passes it; None: from this call)."""
+  start = driver.StartClock(start_unix or time.time()).mark('imports')  # interpreter, flags, controller imports
+  with supervisor.sigterm_as_interrupt():
+    resumed = check_before_start(cfg)  # nothing is started or written before this
+    if resumed is not None:
+      logging.info('Resuming the run in %s from checkpoint %d (env step %s, iteration %s)%s.', cfg.schedule.run_dir,
+                   resumed['step'], resumed['env_steps'], resumed['iterations'],
+                   f', past damaged step(s) {resumed["skipped"]}' if resumed['skipped'] else '')
+    os.makedirs(cfg.schedule.run_dir, exist_ok=True)
+    storage.write_json(os.path.join(cfg.schedule.run_dir, 'config.json'), dataclasses.asdict(cfg), indent=2)
+    startup.configure_jax(cfg.resources.platform, cfg.schedule.compilation_cache_dir)
+    metrics.quiet_library_logs()
+    summary, means = _run_schedule(cfg, start.mark('controller'))
+  _add_telemetry_and_trace(cfg, summary, means)
+  write_summary(cfg, summary)
+  if summary.stopped not in errors.STOP_SIGNALS:  # a signal's stop is main.py's one line
+    final = 'none' if summary.final_eval_return is None else f'{summary.final_eval_return:.1f}'
+    logging.info('%s: %d env steps, final eval return %s, %.0f env steps/s, start-up %.1f s, wall %.1f s.',
+                 'Finished' if summary.stopped in driver.FINISHED else f'Stopped ({summary.stopped})',
+                 summary.env_steps, final, summary.env_steps_per_s, summary.compile_s, summary.wall_s)
+  return summary
+
+
+def _run_schedule(cfg: config_lib.Config, start: driver.StartClock):
+  """(summary, telemetry means) of the schedule; a run stopped before its schedule had a summary (SIGTERM or
+  Ctrl-C during start-up) gets the controller's own."""
   pids: Dict[str, int] = {}
   telemetry = None
   if cfg.resources.telemetry_period_s > 0:
-    os.makedirs(cfg.schedule.run_dir, exist_ok=True)
     telemetry = telemetry_lib.Telemetry(cfg.schedule.run_dir, lambda: {
         'controller': os.getpid(),
         **pids
     }, cfg.resources.telemetry_period_s, cfg.schedule.trace_dir).start()
   try:
-    summary = SCHEDULES[cfg.schedule.name](cfg, pids)
+    summary = SCHEDULES[cfg.schedule.name](cfg, pids, start)
+  except KeyboardInterrupt as interrupt:
+    summary = stopped_summary(cfg, errors.stop_reason(interrupt), start.unix)
   finally:
     means = telemetry.stop() if telemetry is not None else None
-  _add_telemetry_and_trace(cfg, summary, means)
-  write_summary(cfg, summary)
-  logging.info('Finished: %d env steps, final eval return %.1f, %.0f env steps/s, compile %.1f s.', summary.env_steps,
-               summary.final_eval_return, summary.env_steps_per_s, summary.compile_s)
-  return summary
+  return summary, means
+
+
+def stopped_summary(cfg: config_lib.Config, stopped: str, start_unix: float) -> driver.RunSummary:
+  """The controller's summary of a run stopped before it had one (during start-up, or a trainer that sent none):
+  no curve, and the counts of the newest intact checkpoint (what the run keeps), else zeros."""
+  directory = os.path.join(cfg.schedule.run_dir, 'checkpoints')
+  steps = [s for s in checkpoint.committed_steps(directory) if checkpoint.damage(directory, s) is None]
+  saved = checkpoint.read_extra(directory, steps[0]) if steps else {}
+  wall = time.time() - start_unix
+  return driver.RunSummary(env_steps=int(saved.get('env_steps', 0)),
+                           iterations=int(saved.get('iterations', 0)),
+                           wall_s=wall,
+                           compile_s=wall,
+                           train_wall_s=0.0,
+                           env_steps_per_s=0.0,
+                           final_eval_return=None,
+                           best_eval_return=None,
+                           target_return=cfg.schedule.target_return,
+                           env_steps_to_target=None,
+                           wall_s_to_target=None,
+                           train_s_to_target=None,
+                           eval_curve=[],
+                           num_params=0,
+                           schedule=cfg.schedule.name,
+                           backend=cfg.sim.backend,
+                           task=cfg.sim.task,
+                           device='',
+                           extra={
+                               'summary_from': 'the controller: stopped before the trainer sent a summary; the '
+                                               'counts are those of the newest intact checkpoint',
+                               'last_checkpoint': steps[0] if steps else None
+                           },
+                           stopped=stopped,
+                           start_unix=start_unix)

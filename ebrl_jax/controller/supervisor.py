@@ -271,16 +271,12 @@ class Supervisor:
 
 @contextlib.contextmanager
 def sigterm_as_interrupt():
-  """SIGTERM stops the run like Ctrl-C does (main thread only; elsewhere the handler is left alone)."""
+  """SIGTERM stops the run like Ctrl-C does, as a `KeyboardInterrupt('SIGTERM')` (`errors.interrupt`; main
+  thread only; elsewhere the handler is left alone)."""
   if threading.current_thread() is not threading.main_thread():
     yield
     return
-
-  def handler(signum, frame):
-    del signum, frame
-    raise KeyboardInterrupt('SIGTERM')
-
-  previous = signal.signal(signal.SIGTERM, handler)
+  previous = signal.signal(signal.SIGTERM, errors.interrupt)
   try:
     yield
   finally:

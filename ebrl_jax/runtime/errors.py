@@ -3,10 +3,15 @@
 A `RunError` carries a message the user can act on (what stopped, what stays loadable, what to do). A worker
 process that stops on one reports it on its control pipe as an `ErrorReport` (kind and message) before it exits,
 so the controller raises the same kind with the worker's words: no exit code carries a meaning between processes.
+
+A stop the user asks for (SIGTERM, Ctrl-C) is not an error: the controller turns SIGTERM into the same
+`KeyboardInterrupt` as Ctrl-C (`interrupt`), named by the signal (`stop_reason`); a batch source that sees a stop
+request at an iteration boundary raises `StopRequested` with what it had finished.
 """
 from __future__ import annotations
 
-from typing import Dict, NamedTuple, Type
+import signal
+from typing import Any, Dict, NamedTuple, Optional, Type
 
 
 class RunError(RuntimeError):
@@ -42,3 +47,26 @@ def report(error: RunError) -> ErrorReport:
 def raise_report(rep: ErrorReport, prefix: str = '') -> None:
   """Raises the error `rep` describes (an unknown kind as a plain RunError), its message after `prefix`."""
   raise KINDS.get(rep.kind, RunError)(prefix + rep.message)
+
+
+class StopRequested(Exception):
+  """A batch source stopped at an iteration boundary because a stop was asked for (`reason`): `done` iterations of
+  the call had finished, leaving `state` and their `metrics` (None when none had)."""
+
+  def __init__(self, reason: str, done: int = 0, state: Any = None, metrics: Optional[dict] = None):
+    super().__init__(reason)
+    self.reason, self.done, self.state, self.metrics = reason, done, state, metrics
+
+
+STOP_SIGNALS = ('SIGTERM', 'SIGINT')
+
+
+def interrupt(signum, frame) -> None:
+  """A signal handler: stops the main thread as Ctrl-C does, with a `KeyboardInterrupt` named by the signal."""
+  del frame
+  raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def stop_reason(exc: KeyboardInterrupt) -> str:
+  """The signal behind a `KeyboardInterrupt`: the one `interrupt` named, else SIGINT (Python's own handler)."""
+  return exc.args[0] if exc.args and exc.args[0] in STOP_SIGNALS else 'SIGINT'

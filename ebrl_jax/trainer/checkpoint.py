@@ -9,20 +9,107 @@ directory.
   ckpt.save(step, state, {'env_steps': 1_000_000})
   state, extra, step = ckpt.restore(template_state)   # template: a freshly initialised TrainState
   ckpt.close()
+
+A step can still be damaged after its commit (a file truncated or deleted by hand, a disk error). `damage` and
+`shape_mismatch` read a step's metadata files as plain JSON, without orbax and without changing anything (the
+controller checks a run's checkpoints with them before any worker starts), and `restore_newest_intact` falls
+back from a damaged step to the newest intact one, naming each step it skipped by path and why.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
+import jax
 import orbax.checkpoint as ocp
 
 from ebrl_jax.trainer.stages import TrainState
 
 _ITEMS = ('state', 'extra')
+_LOG = logging.getLogger(__name__)  # not absl's: a stage module; absl's handler shows it where one is installed
+# The files of a committed step that a restore reads as JSON (orbax 0.12's layout), and the one it opens first.
+_JSON_FILES = ('extra/metadata', 'state/_METADATA')
+_REQUIRED_FILES = ('state/manifest.ocdbt',)
+DAMAGED_SUFFIX = '.damaged'  # a damaged step a resumed run moved aside: kept for the user, invisible to orbax
+
+
+def committed_steps(directory: str) -> List[int]:
+  """The step directories in `directory`, newest first (orbax names them by step; temporary ones are not digits)."""
+  try:
+    return sorted((int(d) for d in os.listdir(directory) if d.isdigit()), reverse=True)
+  except OSError:
+    return []
+
+
+def damage(directory: str, step: int) -> Optional[str]:
+  """Why step `step` in `directory` cannot be restored (a metadata file missing or not whole), or None when its
+  files look whole. Reads only; a truncated data file shows only when the restore reads it."""
+  step_dir = os.path.join(directory, str(step))
+  for rel in _JSON_FILES + _REQUIRED_FILES:
+    path = os.path.join(step_dir, rel)
+    if not os.path.isfile(path):
+      return f'{path} is missing'
+    if rel in _JSON_FILES:
+      try:
+        with open(path) as f:
+          json.load(f)
+      except (OSError, ValueError) as e:
+        return f'{path} is not whole ({e})'
+  return None
+
+
+def read_extra(directory: str, step: int) -> Dict[str, Any]:
+  """The JSON metadata saved with step `step` ({} when it cannot be read)."""
+  try:
+    with open(os.path.join(directory, str(step), 'extra', 'metadata')) as f:
+      return dict(json.load(f))
+  except (OSError, ValueError, TypeError):
+    return {}
+
+
+def _key_name(key) -> str:
+  for attr in ('key', 'name', 'idx'):
+    if hasattr(key, attr):
+      return str(getattr(key, attr))
+  return str(key)
+
+
+def _template_shapes(template) -> Dict[Tuple[str, ...], Tuple[int, ...]]:
+  leaves = jax.tree_util.tree_flatten_with_path(template)[0]
+  return {tuple(_key_name(k) for k in path): tuple(leaf.shape) for path, leaf in leaves}
+
+
+def _saved_shapes(directory: str, step: int) -> Dict[Tuple[str, ...], Tuple[int, ...]]:
+  with open(os.path.join(directory, str(step), 'state', '_METADATA')) as f:
+    tree = json.load(f)['tree_metadata']
+  out = {}
+  for entry in tree.values():
+    shape = (entry.get('value_metadata') or {}).get('write_shape')
+    if shape is not None:  # an empty node (optax's EmptyState) holds no array
+      out[tuple(str(k['key']) for k in entry['key_metadata'])] = tuple(shape)
+  return out
+
+
+def shape_mismatch(directory: str, step: int, template) -> Optional[str]:
+  """How step `step`'s arrays differ from `template`'s (a TrainState or its `jax.eval_shape`), at most three of
+  them named, or None when every array has the template's path and shape. Reads only the step's metadata."""
+  try:
+    saved = _saved_shapes(directory, step)
+  except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+    return f'its array metadata cannot be read ({e})'
+  wanted = _template_shapes(template)
+  show = lambda path: '.'.join(path)
+  diffs = [f'{show(p)}: {saved[p]} there, {wanted[p]} here' for p in wanted if p in saved and saved[p] != wanted[p]]
+  diffs += [f'{show(p)} only in this run' for p in wanted if p not in saved]
+  diffs += [f'{show(p)} only in the checkpoint' for p in saved if p not in wanted]
+  if not diffs:
+    return None
+  more = f' and {len(diffs) - 3} more' if len(diffs) > 3 else ''
+  return f'{len(diffs)} arrays differ ({"; ".join(diffs[:3])}{more})'
 
 
 class Checkpointer:
@@ -114,6 +201,43 @@ class Checkpointer:
                                                              extra=ocp.args.JsonRestore()))
     return restored.state, dict(restored.extra or {}), int(step)
 
+  def restore_newest_intact(self, template_state: TrainState):
+    """Restores the newest step that restores whole, skipping (with a warning naming its path and why) every
+    newer one that is damaged; the skipped steps are then moved aside (`<step>.damaged`, kept for the user) so
+    that this run's own saves and retention never meet them. Returns (state, extra, step, skipped: [(step,
+    reason)]). Raises ValueError when the newest intact step's arrays do not fit `template_state` (another
+    task or policy), FileNotFoundError when no step is intact."""
+    skipped: List[Tuple[int, str]] = []
+    for step in committed_steps(self.directory):
+      reason = damage(self.directory, step)
+      if reason is None:
+        mismatch = shape_mismatch(self.directory, step, template_state)
+        if mismatch is not None:
+          raise ValueError(f'--resume: checkpoint {step} in {self.directory} does not fit this run\'s train state: '
+                           f'{mismatch}. Resume with the flags it was written with, or choose another --run_dir.')
+        try:
+          restored = self.restore(template_state, step)
+        except Exception as e:  # pylint: disable=broad-except  (orbax and tensorstore raise many kinds)
+          reason = f'its restore failed ({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ""})'
+        else:
+          self._move_aside(skipped)
+          return restored + (skipped,)
+      _LOG.warning('checkpoint %d (%s) is damaged: %s; trying the next older step.', step,
+                   os.path.join(self.directory, str(step)), reason)
+      skipped.append((step, reason))
+    listed = '; '.join(f'step {s}: {r}' for s, r in skipped) or 'none'
+    raise FileNotFoundError(f'No intact checkpoint in {self.directory} (damaged: {listed}).')
+
+  def _move_aside(self, skipped: List[Tuple[int, str]]) -> None:
+    for step, _ in skipped:
+      path = os.path.join(self.directory, str(step))
+      try:
+        os.replace(path, f'{path}{DAMAGED_SUFFIX}-{int(time.time())}')
+      except OSError as e:
+        _LOG.warning('could not move the damaged checkpoint %s aside: %s', path, e)
+    if skipped:
+      self._manager.reload()
+
   def close(self) -> None:
     """Waits for in-flight saves, then releases orbax's threads."""
     self._manager.wait_until_finished()
@@ -124,3 +248,40 @@ class Checkpointer:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def open_and_resume(run_dir: str, schedule, template_state: TrainState):
+  """A run's start, by its `config.ScheduleConfig`: (checkpointer or None, train_state, None) for a fresh run, or
+  (checkpointer, the state of the newest intact checkpoint, {'step', 'env_steps', 'iterations', 'schedule',
+  'skipped_damaged'}) with --resume. The controller checked the directory before anything started; these errors
+  guard a driver run on its own."""
+  checkpointer = None
+  if schedule.checkpoint_every or schedule.resume:
+    checkpointer = Checkpointer(os.path.join(os.path.abspath(run_dir), 'checkpoints'))
+  state, resumed = _resume(checkpointer, template_state, schedule.resume, run_dir, schedule.name)
+  return checkpointer, state, resumed
+
+
+def _resume(checkpointer: Optional[Checkpointer], template_state: TrainState, resume_run: bool, run_dir: str,
+            schedule: str):
+  if not resume_run:
+    if checkpointer is not None and checkpointer.latest_step() is not None:
+      raise ValueError(f'--run_dir={run_dir} already holds checkpoints; pass --resume to continue that run or '
+                       'choose another --run_dir.')
+    return template_state, None
+  try:
+    state, extra, step, skipped = checkpointer.restore_newest_intact(template_state)
+  except FileNotFoundError as e:
+    raise ValueError(f'--resume was given but {run_dir}/checkpoints holds no checkpoint that restores: {e}') from None
+  _LOG.info('Resumed from checkpoint %d: env step %d (iteration %d) of a %s run.', step, extra['env_steps'],
+            extra['iterations'], extra.get('schedule', '?'))
+  if extra.get('schedule') not in (None, schedule):
+    _LOG.warning('The checkpoint was written by --schedule=%s; continuing with --schedule=%s.', extra['schedule'],
+                 schedule)
+  return state, {
+      'step': step,
+      'env_steps': int(extra['env_steps']),
+      'iterations': int(extra['iterations']),
+      'schedule': extra.get('schedule'),
+      'skipped_damaged': [s for s, _ in skipped]
+  }

@@ -29,24 +29,52 @@ from ebrl_jax.trainer import stages as trainer_stages
 
 
 @dataclasses.dataclass(frozen=True)
+class StartClock:
+  """When the run's first process started (`time.time()` seconds) and the start-up parts the controller measured
+  before the driver began, ((name, seconds), ...) in order: together they tile process start -> the last mark."""
+  unix: float
+  parts: Tuple[Tuple[str, float], ...] = ()
+
+  def mark(self, name: str) -> 'StartClock':
+    """This clock with one more part: the seconds from the end of the last one until now."""
+    done = sum(seconds for _, seconds in self.parts)
+    return dataclasses.replace(self, parts=self.parts + ((name, max(0.0, time.time() - self.unix - done)),))
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainerConfig:
   """The trainer's part of the run (in the trainer worker, or in the fused schedule's one process): the task,
-  the policy, the algorithm and the schedule's cadence, plus what the topology derives for it."""
+  the policy, the algorithm and the schedule's cadence, plus what the topology derives for it. `start` is the
+  run's clock (None: the driver's figures count from its own compile, as for a driver run on its own);
+  `fixed_chunks`: the source compiles one program per chunk length (MJX fused), so chunks are never cut."""
   process: startup.ProcessConfig
   sim: config_lib.SimConfig
   policy: config_lib.PolicyConfig
   algo: config_lib.AlgoConfig
   schedule: config_lib.ScheduleConfig
   env_steps_per_iteration: int
+  start: Optional[StartClock] = None
+  fixed_chunks: bool = False
 
 
-def trainer_config(cfg: config_lib.Config, process: startup.ProcessConfig) -> TrainerConfig:
+def trainer_config(cfg: config_lib.Config,
+                   process: startup.ProcessConfig,
+                   start: Optional[StartClock] = None,
+                   fixed_chunks: bool = False) -> TrainerConfig:
   return TrainerConfig(process=process,
                        sim=cfg.sim,
                        policy=cfg.policy,
                        algo=cfg.algo,
                        schedule=cfg.schedule,
-                       env_steps_per_iteration=cfg.env_steps_per_iteration)
+                       env_steps_per_iteration=cfg.env_steps_per_iteration,
+                       start=start,
+                       fixed_chunks=fixed_chunks)
+
+
+def network_and_optimizer(sim_cfg: config_lib.SimConfig, policy: config_lib.PolicyConfig, algo: config_lib.AlgoConfig):
+  """(env spec, network, optimizer) of a run: what its train state is made from."""
+  spec = sim.env_spec(sim_cfg.task, sim_cfg.episode_length, sim_cfg.action_repeat)
+  return spec, policies.make_network(policy, spec.obs_dim, spec.action_dim), trainer_stages.make_optimizer(algo)
 
 
 class BatchSource(Protocol):
@@ -69,18 +97,19 @@ class BatchSource(Protocol):
 
 @dataclasses.dataclass
 class RunSummary:
-  """What a finished run reports; the controller writes it to `<run_dir>/summary.json`."""
+  """What a run reports, finished or stopped; the controller writes it to `<run_dir>/summary.json`. Every time
+  is on the run's clock (docs/benchmarks.md, Clocks): seconds since its first process started."""
   env_steps: int
   iterations: int
-  wall_s: float
-  compile_s: float
-  train_wall_s: float  # wall time of collection + training, compile and evaluation excluded
+  wall_s: float  # process start -> the end of the run
+  compile_s: float  # start-up: process start -> the first iteration counted in the rate (see compile_breakdown)
+  train_wall_s: float  # wall time of collection + training, start-up and evaluation excluded
   env_steps_per_s: float  # env_steps / train_wall_s, this session's steps only
-  final_eval_return: float
-  best_eval_return: float
+  final_eval_return: Optional[float]  # None: stopped before the first evaluation
+  best_eval_return: Optional[float]
   target_return: Optional[float]
   env_steps_to_target: Optional[int]
-  wall_s_to_target: Optional[float]  # wall time since start, compile included
+  wall_s_to_target: Optional[float]  # process start -> the evaluation that reached the target
   train_s_to_target: Optional[float]  # collection + training time only
   eval_curve: list
   num_params: int
@@ -89,24 +118,13 @@ class RunSummary:
   task: str
   device: str
   extra: dict  # schedule-specific figures (segments consumed, dropped, duplicates, worker restarts, ...)
+  # Why the run ended: one of FINISHED, 'max_wall_s' (the budget), or the signal ('SIGTERM', 'SIGINT').
+  stopped: str = 'num_timesteps'
+  compile_breakdown: Dict[str, float] = dataclasses.field(default_factory=dict)  # the parts of compile_s
+  start_unix: Optional[float] = None  # the clock's origin, `time.time()` at process start
 
 
-def _restore(cfg: TrainerConfig, checkpointer, train_state):
-  """Returns (train_state, env_steps, iterations) from the run's last checkpoint, or fresh values."""
-  if not cfg.schedule.resume:
-    if checkpointer is not None and checkpointer.latest_step() is not None:
-      raise ValueError(f'--run_dir={cfg.process.run_dir} already holds checkpoints; pass --resume to continue '
-                       'that run or choose another --run_dir.')
-    return train_state, 0, 0
-  if checkpointer is None or checkpointer.latest_step() is None:
-    raise ValueError(f'--resume was given but {cfg.process.run_dir}/checkpoints holds no checkpoint.')
-  train_state, extra, _ = checkpointer.restore(train_state)
-  logging.info('Resumed from env step %d (iteration %d) of a %s run.', extra['env_steps'], extra['iterations'],
-               extra.get('schedule', '?'))
-  if extra.get('schedule') not in (None, cfg.schedule.name):
-    logging.warning('The checkpoint was written by --schedule=%s; continuing with --schedule=%s.', extra['schedule'],
-                    cfg.schedule.name)
-  return train_state, int(extra['env_steps']), int(extra['iterations'])
+FINISHED = ('num_timesteps', 'target_return')
 
 
 def run_training(cfg: TrainerConfig, make_source) -> RunSummary:
@@ -123,16 +141,38 @@ def run_training(cfg: TrainerConfig, make_source) -> RunSummary:
                           storage.resume_advice(run_dir)) from e
 
 
+class _Clock:
+  """Seconds since the run's process start, on this process's monotonic clock, and the start-up parts so far
+  (each `mark` adds the seconds since the previous one, so the parts tile the span)."""
+
+  def __init__(self, start: StartClock):
+    self.start_unix = start.unix
+    self._offset, self._t0 = time.time() - start.unix, time.monotonic()
+    self.parts: Dict[str, float] = dict(start.parts)
+    self._last = sum(self.parts.values())
+
+  def now(self) -> float:
+    return self._offset + time.monotonic() - self._t0
+
+  def mark(self, name: str, seconds: Optional[float] = None) -> None:
+    """Adds part `name`: the seconds since the last mark, or `seconds` (a source's own compile time)."""
+    now = self.now()
+    self.parts[name] = self.parts.get(name, 0.0) + (now - self._last if seconds is None else seconds)
+    self._last = now
+
+
 @dataclasses.dataclass
 class _Progress:
   """What the driver counts as the run goes on (mutable: one instance per run)."""
   env_steps: int
   iterations: int
   last_saved: int  # the iteration of the newest checkpoint (a resumed run's starting point is on disk)
+  checkpoint: Optional[int] = None  # the newest checkpoint on disk (None: none yet)
   train_wall: float = 0.0  # seconds of collection + training, start-up excluded
   steps_this_session: int = 0  # env steps counted in the end-to-end rate
-  compile_s: float = 0.0
+  compile_s: Optional[float] = None  # start-up, once it is over
   startup_s: Optional[float] = None  # a process schedule's first iteration, moved into compile_s
+  s_per_iteration: Optional[float] = None  # of the latest chunk, start-up included (sizes a chunk to the budget)
   eval_index: int = 0
   target_hit: Optional[Tuple[int, float, float]] = None  # (env steps, wall s, train s) when the target was hit
   eval_curve: list = dataclasses.field(default_factory=list)
@@ -147,12 +187,12 @@ def _iteration_plan(cfg: TrainerConfig) -> Tuple[int, int, int]:
   return per_iteration, math.ceil(total / per_eval) * per_eval, per_eval
 
 
-def _evaluate(cfg, source, train_state, root_key, progress: _Progress, logger, start: float) -> float:
+def _evaluate(cfg, source, train_state, root_key, progress: _Progress, logger, clock: _Clock) -> float:
   eval_metrics = source.evaluate(train_state.params, keys.eval_key(root_key, progress.iterations))
   eval_return = eval_metrics['eval/episode_return']
   progress.eval_curve.append({
       'env_steps': progress.env_steps,
-      'wall_s': round(time.monotonic() - start, 3),
+      'wall_s': round(clock.now(), 3),
       'train_s': round(progress.train_wall, 3),
       'return': eval_return,
       'unix': round(time.time(), 3)
@@ -160,33 +200,48 @@ def _evaluate(cfg, source, train_state, root_key, progress: _Progress, logger, s
   logger.log(progress.env_steps, eval_metrics)
   target = cfg.schedule.target_return
   if target is not None and progress.target_hit is None and eval_return >= target:
-    progress.target_hit = (progress.env_steps, time.monotonic() - start, progress.train_wall)
+    progress.target_hit = (progress.env_steps, clock.now(), progress.train_wall)
   return eval_return
 
 
-def _maybe_checkpoint(cfg, checkpointer, train_state, progress: _Progress, total_iterations: int) -> None:
-  if checkpointer is None or progress.iterations <= progress.last_saved:
+def _save(cfg, checkpointer, train_state, progress: _Progress, spec) -> None:
+  if checkpointer is None or not cfg.schedule.checkpoint_every or progress.iterations <= progress.last_saved:
     return
-  if (progress.eval_index % cfg.schedule.checkpoint_every == 0 or progress.iterations >= total_iterations or
-      progress.target_hit is not None):
-    checkpointer.save(progress.iterations, train_state, {
-        'env_steps': progress.env_steps,
-        'iterations': progress.iterations,
-        'schedule': cfg.schedule.name
-    })
-    progress.last_saved = progress.iterations
+  run = {'task': cfg.sim.task, 'policy': cfg.policy.kind, 'obs_dim': spec.obs_dim, 'action_dim': spec.action_dim}
+  checkpointer.save(progress.iterations, train_state, {
+      'env_steps': progress.env_steps,
+      'iterations': progress.iterations,
+      'schedule': cfg.schedule.name,
+      'run': run
+  })
+  progress.last_saved = progress.checkpoint = progress.iterations
 
 
-def _train_chunk(source, train_state, num: int, per_iteration: int, progress: _Progress, logger, eval_return):
-  """`num` iterations from the source; a process schedule's first iteration is start-up (moved into compile_s
-  and left out of the rate, see `trainer.worker.ChannelSource.take_startup_s`)."""
-  t0 = time.monotonic()
-  train_state, train_metrics = source.run_iterations(train_state, num)
-  elapsed = time.monotonic() - t0
+def _chunk_size(cfg: TrainerConfig, progress: _Progress, per_eval: int, total: int, clock: _Clock) -> int:
+  """Iterations until the next evaluation, cut (unless the source compiles per chunk length) at
+  --first_checkpoint_iteration and at the iteration that should reach --max_wall_s."""
+  n = min(per_eval - progress.iterations % per_eval, total - progress.iterations)
+  if cfg.fixed_chunks:
+    return n
+  first = cfg.schedule.first_checkpoint_iteration
+  if cfg.schedule.checkpoint_every and progress.last_saved < first and progress.iterations < first:
+    n = min(n, first - progress.iterations)
+  budget = cfg.schedule.max_wall_s
+  if budget and progress.s_per_iteration:
+    n = min(n, max(1, math.ceil((budget - clock.now()) / progress.s_per_iteration)))
+  return n
+
+
+def _account(progress: _Progress, source, num: int, elapsed: float, per_iteration: int, logger, clock) -> int:
+  """Counts `num` finished iterations that took `elapsed` s; a process schedule's first iteration is start-up
+  (its seconds go into compile_s, its steps out of the rate; see `trainer.worker.ChannelSource.take_startup_s`).
+  Returns (iterations counted in the rate, their seconds)."""
+  progress.s_per_iteration = elapsed / max(num, 1)
   startup = source.take_startup_s() if hasattr(source, 'take_startup_s') else None
   counted = num
   if startup is not None:
     progress.startup_s = startup
+    clock.mark('first_iteration', seconds=startup)
     progress.compile_s += startup
     elapsed -= startup
     counted -= 1
@@ -195,7 +250,23 @@ def _train_chunk(source, train_state, num: int, per_iteration: int, progress: _P
   progress.iterations += num
   progress.env_steps += num * per_iteration
   progress.steps_this_session += counted * per_iteration
-  train_metrics['rollout/env_steps_per_s'] = counted * per_iteration / max(elapsed, 1e-9)
+  return counted, elapsed
+
+
+def _train_chunk(source, train_state, num: int, per_iteration: int, progress: _Progress, logger, eval_return,
+                 clock: _Clock):
+  """`num` iterations from the source. A source stopped part-way (`errors.StopRequested`) has its finished
+  iterations counted before the stop goes on up."""
+  t0 = time.monotonic()
+  try:
+    train_state, train_metrics = source.run_iterations(train_state, num)
+  except errors.StopRequested as stop:
+    if stop.done:
+      _account(progress, source, stop.done, time.monotonic() - t0, per_iteration, logger, clock)
+      logger.log(progress.env_steps, stop.metrics or {})
+    raise
+  counted, seconds = _account(progress, source, num, time.monotonic() - t0, per_iteration, logger, clock)
+  train_metrics['rollout/env_steps_per_s'] = counted * per_iteration / max(seconds, 1e-9)
   logger.log(progress.env_steps, train_metrics)
   logger.advance(progress.env_steps, {'return': eval_return, 'steps/s': train_metrics['rollout/env_steps_per_s']})
   return train_state
@@ -212,17 +283,19 @@ def _close(source, logger, checkpointer) -> None:
         checkpointer.close()
 
 
-def _summary(cfg, progress: _Progress, start: float, num_params: int, extra: dict) -> RunSummary:
-  hit = progress.target_hit
-  curve = progress.eval_curve
+def _summary(cfg, progress: _Progress, clock: _Clock, num_params: int, extra: dict, stopped: str,
+             device: str) -> RunSummary:
+  hit, curve = progress.target_hit, progress.eval_curve
+  parts = {k: round(v, 3) for k, v in clock.parts.items()}
+  compile_s = progress.compile_s if progress.compile_s is not None else clock.now()  # stopped during start-up
   return RunSummary(env_steps=progress.env_steps,
                     iterations=progress.iterations,
-                    wall_s=time.monotonic() - start,
-                    compile_s=progress.compile_s,
+                    wall_s=clock.now(),
+                    compile_s=compile_s,
                     train_wall_s=progress.train_wall,
                     env_steps_per_s=progress.steps_this_session / max(progress.train_wall, 1e-9),
-                    final_eval_return=curve[-1]['return'],
-                    best_eval_return=max(e['return'] for e in curve),
+                    final_eval_return=curve[-1]['return'] if curve else None,
+                    best_eval_return=max(e['return'] for e in curve) if curve else None,
                     target_return=cfg.schedule.target_return,
                     env_steps_to_target=hit[0] if hit else None,
                     wall_s_to_target=hit[1] if hit else None,
@@ -232,27 +305,63 @@ def _summary(cfg, progress: _Progress, start: float, num_params: int, extra: dic
                     schedule=cfg.schedule.name,
                     backend=cfg.sim.backend,
                     task=cfg.sim.task,
-                    device=str(jax.devices()[0].device_kind),
-                    extra=extra)
+                    device=device,
+                    extra=extra,
+                    stopped=stopped,
+                    compile_breakdown=parts,
+                    start_unix=clock.start_unix)
+
+
+def _loop(cfg, source, train_state, root_key, progress: _Progress, logger, clock, checkpointer, spec) -> str:
+  """Evaluates, checkpoints and trains until the run is done; returns why it stopped (see RunSummary.stopped)."""
+  per_iteration, total, per_eval = _iteration_plan(cfg)
+  first, eval_return = True, None
+  while True:
+    budget = cfg.schedule.max_wall_s
+    if budget and clock.now() >= budget:
+      logging.info('--max_wall_s=%g reached at iteration %d; stopping there.', budget, progress.iterations)
+      _save(cfg, checkpointer, train_state, progress, spec)
+      return 'max_wall_s'
+    if first or progress.iterations % per_eval == 0 or progress.iterations >= total:
+      eval_return = _evaluate(cfg, source, train_state, root_key, progress, logger, clock)
+      if first:
+        clock.mark('first_eval')
+      every = cfg.schedule.checkpoint_every  # the cadence: every `every` evaluations, and at the run's end
+      if every and (progress.eval_index % every == 0 or progress.iterations >= total or progress.target_hit):
+        _save(cfg, checkpointer, train_state, progress, spec)
+      progress.eval_index += 1
+    first = False
+    if progress.target_hit is not None:
+      return 'target_return'
+    if progress.iterations >= total:
+      return 'num_timesteps'
+    if progress.compile_s is None:  # start-up ends here (a process schedule's first iteration is added to it)
+      clock.mark('other')
+      progress.compile_s = sum(clock.parts.values())
+      logger.log(progress.env_steps, {'time/compile_s': progress.compile_s})
+    num = _chunk_size(cfg, progress, per_eval, total, clock)
+    train_state = _train_chunk(source, train_state, num, per_iteration, progress, logger, eval_return, clock)
+    if progress.last_saved < cfg.schedule.first_checkpoint_iteration <= progress.iterations:  # a run stopped
+      _save(cfg, checkpointer, train_state, progress, spec)  # early has a checkpoint to resume
 
 
 def train(cfg: TrainerConfig, make_source) -> RunSummary:
-  """The training driver shared by every schedule: evaluation cadence, checkpoints, target, metrics; returns the
-  summary. `make_source(cfg, spec, network, optimizer)` returns the `BatchSource` (`cfg` is the `TrainerConfig`)."""
-  start = time.monotonic()
+  """The training driver shared by every schedule: evaluation cadence, checkpoints, target, wall-clock budget,
+  metrics; returns the summary, also of a run stopped by a signal or a stop request (`stopped` says which).
+  `make_source(cfg, spec, network, optimizer)` returns the `BatchSource` (`cfg` is the `TrainerConfig`)."""
+  clock = _Clock(cfg.start or StartClock(time.time()))
+  clock.mark('driver_start')  # a spawned trainer: its process start and imports
   run_dir = cfg.process.run_dir
   os.makedirs(run_dir, exist_ok=True)
-  spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
-  network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
-  optimizer = trainer_stages.make_optimizer(cfg.algo)
+  spec, network, optimizer = network_and_optimizer(cfg.sim, cfg.policy, cfg.algo)
   root_key = keys.root(cfg.schedule.seed)
   train_state = trainer_stages.init_train_state(network, optimizer, keys.init_key(root_key), spec.obs_dim,
                                                 cfg.policy.normalize_observations)
   num_params = policies.count_params(train_state.params.network)
-  checkpointer = None
-  if cfg.schedule.checkpoint_every:
-    checkpointer = checkpoint_lib.Checkpointer(os.path.join(os.path.abspath(run_dir), 'checkpoints'))
-  train_state, env_steps, iterations = _restore(cfg, checkpointer, train_state)
+  clock.mark('state_init')
+  checkpointer, train_state, resumed = checkpoint_lib.open_and_resume(run_dir, cfg.schedule, train_state)
+  env_steps, iterations = (resumed['env_steps'], resumed['iterations']) if resumed else (0, 0)
+  clock.mark('restore')
   per_iteration, total_iterations, per_eval = _iteration_plan(cfg)
   logging.info('%s/%s: %s, %d params, %d env steps per iteration, %d iterations (%d per evaluation).',
                cfg.schedule.name, cfg.sim.backend, cfg.sim.task, num_params, per_iteration, total_iterations, per_eval)
@@ -261,21 +370,24 @@ def train(cfg: TrainerConfig, make_source) -> RunSummary:
                                      total_iterations * per_iteration,
                                      cfg.schedule.progress_bar,
                                      initial_env_steps=env_steps)
-  progress = _Progress(env_steps=env_steps, iterations=iterations, last_saved=iterations)
+  clock.mark('env_build')
+  progress = _Progress(env_steps, iterations, iterations, resumed['step'] if resumed else None)
+  stopped = 'start-up'
   try:
-    progress.compile_s = source.compile(train_state, per_eval)
-    logger.log(env_steps, {'time/compile_s': progress.compile_s})
-    while True:
-      eval_return = _evaluate(cfg, source, train_state, root_key, progress, logger, start)
-      _maybe_checkpoint(cfg, checkpointer, train_state, progress, total_iterations)
-      progress.eval_index += 1
-      if progress.iterations >= total_iterations or progress.target_hit is not None:
-        break
-      num = min(per_eval, total_iterations - progress.iterations)
-      train_state = _train_chunk(source, train_state, num, per_iteration, progress, logger, eval_return)
+    if cfg.start is None:  # a driver run on its own: its figures count from its compile
+      clock = _Clock(StartClock(time.time()))
+    clock.mark('compile', seconds=source.compile(train_state, per_eval))
+    stopped = _loop(cfg, source, train_state, root_key, progress, logger, clock, checkpointer, spec)
+  except errors.StopRequested as stop:
+    stopped = stop.reason
+  except KeyboardInterrupt as interrupt:  # SIGINT, or SIGTERM turned into one (runtime/errors.interrupt)
+    stopped = errors.stop_reason(interrupt)
   finally:
     extra = source.summary_extra() if hasattr(source, 'summary_extra') else {}
     if progress.startup_s is not None:  # kept so a rate with the first iteration counted in can be recomputed
       extra['startup_s'] = progress.startup_s
+    extra['last_checkpoint'] = progress.checkpoint
+    if resumed is not None:
+      extra['resumed_from'] = resumed
     _close(source, logger, checkpointer)
-  return _summary(cfg, progress, start, num_params, extra)
+  return _summary(cfg, progress, clock, num_params, extra, stopped, str(jax.devices()[0].device_kind))

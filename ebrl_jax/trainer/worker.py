@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
+import threading
 import time
 from typing import Any, Dict, NamedTuple, Optional
 
@@ -32,12 +34,14 @@ from ebrl_jax.trainer import stages as trainer_stages
 class TrainerChannels(NamedTuple):
   """What the controller hands the trainer process: the segment channel, parameter store and stop event, its
   control pipe's `lifecycle.Outbox`, and optionally its feedback slots (`runtime.feedback.Feedback`: train_step
-  seconds and iterations)."""
+  seconds and iterations). `interrupt` is the trainer's own: set by SIGINT, the controller's request to stop at
+  the next iteration boundary and send a partial summary (`trainer_main` installs it)."""
   segments: Any
   params: Any
   stop: Any
   outbox: Any = None
   feedback: Any = None
+  interrupt: Any = None
 
 
 def _host_params(params) -> Any:
@@ -93,14 +97,20 @@ class ChannelSource:
     self._startup_taken = True
     return self._startup_s
 
+  def _check_stop(self) -> None:
+    """Raises `errors.StopRequested` once the run's stop or this trainer's interrupt (SIGINT) is set."""
+    if self._ch.interrupt is not None and self._ch.interrupt.is_set():
+      raise errors.StopRequested('SIGINT')
+    if self._ch.stop.is_set():
+      raise errors.StopRequested('stopped by the controller')
+
   def _next_records(self, version: int):
-    """Blocks until `num_groups` usable records are in; drops stale ones. Raises ChannelClosed on stop."""
+    """Blocks until `num_groups` usable records are in; drops stale ones. Raises StopRequested on a stop."""
     records = []
     while len(records) < self._num_groups:
       if self._startup_s is None:
         self._phase(f'waiting for the first segments ({len(records)} of {self._num_groups} groups in)')
-      if self._ch.stop.is_set():
-        raise InterruptedError('stop requested')
+      self._check_stop()
       try:
         record = self._ch.segments.get(timeout=0.5)
       except TimeoutError:
@@ -120,40 +130,52 @@ class ChannelSource:
 
   def run_iterations(self, train_state, num_iterations: int):
     acc = metrics_lib.IterationMetrics(self._cfg.algo.name)
-    for _ in range(num_iterations):
-      version = int(train_state.policy_version)
-      t0 = time.monotonic()
-      with self.tracer.span('train/wait_segments', version=version):
-        records = self._next_records(version)
-      t1 = time.monotonic()
-      records.sort(key=lambda r: int(r.group[0]))
-      batch = jax.tree.map(lambda *parts: np.concatenate(parts, axis=1), *(r.transition for r in records))
-      train_key = keys.train_key(self._root_key, version)
-      if self._startup_s is None:
-        self._phase('first train step (compiling it)')
-      with self.tracer.span('train/train_step', version=version):
-        train_state, metrics = self._train(train_state, batch, train_key)
-        metrics = jax.device_get(metrics)
-      t2 = time.monotonic()
-      if not all(np.isfinite(float(v)) for v in metrics.values()):
-        self._dump_nonfinite(batch, records, metrics, version)
-      with self.tracer.span('train/publish_params'):
-        self._ch.params.publish(int(train_state.policy_version), _host_params(train_state.params))
-      if self._startup_s is None:
-        self._startup_s = time.monotonic() - t0
-        self._phase.done('training')
-      self.counts['wait_s'] += t1 - t0
-      self.counts['train_s'] += time.monotonic() - t1
-      if self._ch.feedback is not None:
-        self._ch.feedback.delivered(t2 - t1, int(train_state.policy_version))
-      startup.pin_after_startup()  # the first train step (and the first evaluation) compiled
-      self.counts['segments_consumed'] += len(records)
-      acc.add(metrics, sum(float(r.episode_stats.return_sum) for r in records),
-              sum(float(r.episode_stats.count) for r in records))
+    for done in range(num_iterations):
+      try:
+        self._check_stop()
+        train_state = self._iteration(train_state, acc)
+      except errors.StopRequested as stop:  # at an iteration boundary: the finished ones are counted
+        raise errors.StopRequested(stop.reason, done, train_state, self._metrics(acc) if done else None) from None
+    return train_state, self._metrics(acc)
+
+  def _metrics(self, acc) -> Dict[str, float]:
     out = acc.result()
     out['trainer/wait/seconds'] = self.counts['wait_s']
     out['trainer/train_step/seconds'] = self.counts['train_s']
-    return train_state, out
+    return out
+
+  def _iteration(self, train_state, acc):
+    """One iteration: this version's segments, one train step, the next version published."""
+    version = int(train_state.policy_version)
+    t0 = time.monotonic()
+    with self.tracer.span('train/wait_segments', version=version):
+      records = self._next_records(version)
+    t1 = time.monotonic()
+    records.sort(key=lambda r: int(r.group[0]))
+    batch = jax.tree.map(lambda *parts: np.concatenate(parts, axis=1), *(r.transition for r in records))
+    train_key = keys.train_key(self._root_key, version)
+    if self._startup_s is None:
+      self._phase('first train step (compiling it)')
+    with self.tracer.span('train/train_step', version=version):
+      train_state, metrics = self._train(train_state, batch, train_key)
+      metrics = jax.device_get(metrics)
+    t2 = time.monotonic()
+    if not all(np.isfinite(float(v)) for v in metrics.values()):
+      self._dump_nonfinite(batch, records, metrics, version)
+    with self.tracer.span('train/publish_params'):
+      self._ch.params.publish(int(train_state.policy_version), _host_params(train_state.params))
+    if self._startup_s is None:
+      self._startup_s = time.monotonic() - t0
+      self._phase.done('training')
+    self.counts['wait_s'] += t1 - t0
+    self.counts['train_s'] += time.monotonic() - t1
+    if self._ch.feedback is not None:
+      self._ch.feedback.delivered(t2 - t1, int(train_state.policy_version))
+    startup.pin_after_startup()  # the first train step (and the first evaluation) compiled
+    self.counts['segments_consumed'] += len(records)
+    acc.add(metrics, sum(float(r.episode_stats.return_sum) for r in records),
+            sum(float(r.episode_stats.count) for r in records))
+    return train_state
 
   def _dump_nonfinite(self, batch, records, metrics, version) -> None:
     """Keeps the batch that produced a non-finite loss next to the run, for a post-mortem (the driver then
@@ -168,6 +190,7 @@ class ChannelSource:
     }, path)
 
   def evaluate(self, params, key) -> Dict[str, float]:
+    self._check_stop()  # a stop asked for meanwhile is not kept waiting by an evaluation
     self._phase('the first evaluation')  # no-op once training has started
     with self.tracer.span('train/evaluate'):
       return self._evaluator.evaluate(params, key)
@@ -180,19 +203,40 @@ class ChannelSource:
     self.tracer.close()
 
 
+def _interrupt_on_sigint() -> Optional[threading.Event]:
+  """In a trainer process: SIGINT (the controller's stop request, or Ctrl-C at a terminal) sets the returned flag,
+  which `ChannelSource` obeys at the next iteration boundary; a second SIGINT interrupts at once. None in a
+  thread (signals reach the main thread only: the run's stop event stops a trainer thread)."""
+  if threading.current_thread() is not threading.main_thread():
+    return None
+  flag = threading.Event()
+
+  def handler(signum, frame):
+    if flag.is_set():
+      errors.interrupt(signum, frame)
+    flag.set()
+
+  signal.signal(signal.SIGINT, handler)
+  return flag
+
+
 def trainer_main(cfg: driver.TrainerConfig, channels: TrainerChannels, env: Optional[dict] = None) -> None:
-  """Process entry point: trains until done and sends its summary (a dict of `driver.RunSummary`) on the control
-  pipe, or the `RunError` it stopped on as an `errors.ErrorReport`; then sets the stop event."""
+  """Process entry point: trains until done or stopped and sends its summary (a dict of `driver.RunSummary`,
+  `stopped` saying why it ended) on the control pipe, or the `RunError` it stopped on as an `errors.ErrorReport`;
+  then sets the stop event."""
+  interrupt = _interrupt_on_sigint()
   startup.start_process(cfg.process, env)
   lifecycle.Phase(cfg.process.run_dir, 'trainer')('initialising the network and the train state')
-  channels = channels._replace(stop=lifecycle.ParentWatch(channels.stop))
+  channels = channels._replace(stop=lifecycle.ParentWatch(channels.stop), interrupt=interrupt)
   try:
     summary = driver.run_training(cfg, lambda c, s, n, o: ChannelSource(c, s, n, o, channels))
     channels.outbox.send('result', dataclasses.asdict(summary))
-  except InterruptedError:
-    logging.warning('trainer: stopped before the run finished; the last checkpoint stays loadable.')
+  except KeyboardInterrupt:  # interrupted twice, or before the driver's loop: no summary to send
+    logging.warning('trainer: interrupted before it had a summary; the last checkpoint stays loadable.')
   except errors.RunError as e:  # the controller raises it again with these words
     logging.error('trainer: %s', e)
     channels.outbox.send('error', errors.report(e))
+  except OSError as e:  # the controller has gone (a broken control pipe): nobody to tell
+    logging.warning('trainer: could not reach the controller: %s', e)
   finally:
     channels.stop.set()

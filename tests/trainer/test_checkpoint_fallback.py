@@ -1,0 +1,83 @@
+"""A damaged checkpoint step (a metadata file truncated or deleted after its commit) is named by path and step,
+and a resume falls back to the newest intact step; a checkpoint of another task is refused by its array shapes,
+read from its metadata without orbax (the controller's check)."""
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from ebrl_jax.config import AlgoConfig, PolicyConfig
+from ebrl_jax.generation import policies
+from ebrl_jax.trainer import checkpoint
+from ebrl_jax.trainer import stages
+
+OPT = stages.make_optimizer(AlgoConfig())
+
+
+def _state(obs_dim=3, seed=0):
+  net = policies.make_network(PolicyConfig(policy_hidden_sizes=(8,), value_hidden_sizes=(8,)), obs_dim, 2)
+  state = stages.init_train_state(net, OPT, jax.random.PRNGKey(seed), obs_dim)
+  return state.replace(policy_version=state.policy_version + seed)
+
+
+def _saved(tmp_path, steps=(1, 2, 3)):
+  directory = str(tmp_path / 'checkpoints')
+  with checkpoint.Checkpointer(directory) as ckpt:
+    for step in steps:
+      ckpt.save(step, _state(seed=step), {'env_steps': 100 * step, 'iterations': step})
+  return directory
+
+
+def _truncate(path):
+  with open(path) as f:
+    text = f.read()
+  with open(path, 'w') as f:
+    f.write(text[:len(text) // 2])
+
+
+def test_a_truncated_step_is_named_and_the_resume_falls_back_to_the_previous_one(tmp_path, caplog):
+  directory = _saved(tmp_path)
+  metadata = os.path.join(directory, '3', 'state', '_METADATA')
+  _truncate(metadata)
+  assert checkpoint.damage(directory, 2) is None
+  assert checkpoint.damage(directory, 3).startswith(f'{metadata} is not whole')
+  with checkpoint.Checkpointer(directory) as ckpt:
+    state, extra, step, skipped = ckpt.restore_newest_intact(_state())
+    assert step == 2 and extra['iterations'] == 2 and int(state.policy_version) == 2
+    assert [s for s, _ in skipped] == [3] and metadata in skipped[0][1]
+    assert ckpt.latest_step() == 2  # the damaged step was moved aside: this run's saves never meet it
+  assert any('checkpoint 3' in r.getMessage() and metadata in r.getMessage() for r in caplog.records)
+  assert [n for n in os.listdir(directory) if n.startswith('3' + checkpoint.DAMAGED_SUFFIX)]
+
+
+def test_a_deleted_metadata_file_and_a_failing_restore_both_fall_back(tmp_path):
+  directory = _saved(tmp_path)
+  os.remove(os.path.join(directory, '3', 'extra', 'metadata'))
+  os.remove(os.path.join(directory, '2', 'state', 'manifest.ocdbt'))  # only the restore itself finds this one
+  assert 'extra/metadata is missing' in checkpoint.damage(directory, 3)
+  with checkpoint.Checkpointer(directory) as ckpt:
+    _, _, step, skipped = ckpt.restore_newest_intact(_state())
+  assert step == 1 and [s for s, _ in skipped] == [3, 2]
+
+
+def test_no_intact_step_is_a_clear_error_listing_each(tmp_path):
+  directory = _saved(tmp_path, steps=(1, 2))
+  for step in (1, 2):
+    _truncate(os.path.join(directory, str(step), 'state', '_METADATA'))
+  with checkpoint.Checkpointer(directory) as ckpt:
+    with pytest.raises(FileNotFoundError, match=r'No intact checkpoint .*step 2: .*step 1: '):
+      ckpt.restore_newest_intact(_state())
+
+
+def test_another_tasks_checkpoint_is_refused_by_its_shapes_before_orbax_sees_it(tmp_path):
+  directory = _saved(tmp_path, steps=(1,))
+  assert checkpoint.shape_mismatch(directory, 1, jax.eval_shape(_state)) is None
+  mismatch = checkpoint.shape_mismatch(directory, 1, jax.eval_shape(lambda: _state(obs_dim=5)))
+  assert mismatch is not None and 'params.normalizer.mean: (3,) there, (5,) here' in mismatch
+  with checkpoint.Checkpointer(directory) as ckpt:
+    with pytest.raises(ValueError, match='does not fit this run.s train state'):
+      ckpt.restore_newest_intact(_state(obs_dim=5))
+    state, _, step, _ = ckpt.restore_newest_intact(_state())  # nothing was moved: the step stays loadable
+  assert step == 1
+  np.testing.assert_array_equal(state.params.normalizer.mean, _state(seed=1).params.normalizer.mean)

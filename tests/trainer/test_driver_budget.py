@@ -1,0 +1,95 @@
+"""The driver's clock and cadence with a stand-in batch source: --max_wall_s stops at an iteration boundary (the
+chunk cut to what fits the budget), --first_checkpoint_iteration saves early, a stop request part-way through a
+chunk keeps the iterations that finished, and every time counts from the run's start clock."""
+import os
+import time
+
+import pytest
+
+from ebrl_jax import config as config_lib
+from ebrl_jax.runtime import errors
+from ebrl_jax.runtime import startup
+from ebrl_jax.trainer import driver
+
+ITERATION_S = 0.2
+
+
+class _Source:
+  """Iterations of ITERATION_S each; records the size of every call. `stop_after`: raises a stop request (as the
+  trainer's channel source does) once that many iterations are done."""
+
+  def __init__(self, stop_after=None):
+    self.calls, self.done, self.stop_after = [], 0, stop_after
+
+  def compile(self, state, n):
+    del state, n
+    return 0.0
+
+  def evaluate(self, params, key):
+    del params, key
+    return {'eval/episode_return': float(self.done)}
+
+  def run_iterations(self, state, n):
+    self.calls.append(n)
+    for i in range(n):
+      if self.stop_after is not None and self.done >= self.stop_after:
+        raise errors.StopRequested('SIGINT', i, state, {})
+      time.sleep(ITERATION_S)
+      self.done += 1
+    return state, {}
+
+  def close(self):
+    pass
+
+
+def _trainer(tmp_path, start=None, fixed_chunks=False, **schedule):
+  schedule = {'num_timesteps': 40 * 20, 'num_evals': 10, 'checkpoint_every': 0, **schedule}
+  cfg = config_lib.Config(sim=config_lib.SimConfig(num_envs=4, num_eval_envs=2, episode_length=50),
+                          algo=config_lib.AlgoConfig(batch_size=4, num_minibatches=1, unroll_length=5),
+                          schedule=config_lib.ScheduleConfig(run_dir=str(tmp_path), progress_bar=False, **schedule))
+  return driver.trainer_config(cfg, startup.ProcessConfig(run_dir=str(tmp_path)), start, fixed_chunks)
+
+
+def test_max_wall_s_stops_at_the_iteration_boundary_that_reaches_it(tmp_path):
+  # 40 iterations of 0.2 s, 4 per evaluation; the budget (1.3 s from the compile: no start clock given) falls
+  # inside the second chunk, which is cut to the iterations that reach it instead of running whole.
+  source = _Source()
+  summary = driver.run_training(_trainer(tmp_path, max_wall_s=1.3), lambda *args: source)
+  assert summary.stopped == 'max_wall_s'
+  assert source.calls[0] == 4 and len(source.calls) == 2 and 1 <= source.calls[1] < 4, source.calls
+  assert summary.iterations == 4 + source.calls[1] and summary.env_steps == 20 * summary.iterations
+  assert 1.3 <= summary.wall_s < 1.3 + 2 * ITERATION_S + 0.3
+  assert [e['env_steps'] for e in summary.eval_curve] == [0, 80]  # the partial curve; no evaluation at the stop
+
+
+def test_first_checkpoint_comes_after_the_first_iteration_and_fixed_chunks_are_never_cut(tmp_path):
+  source = _Source()
+  summary = driver.run_training(
+      _trainer(tmp_path / 'cut', num_timesteps=8 * 20, num_evals=2, checkpoint_every=1, first_checkpoint_iteration=1),
+      lambda *args: source)
+  assert source.calls == [1, 3, 4] and summary.iterations == 8
+  assert sorted(int(n) for n in os.listdir(tmp_path / 'cut' / 'checkpoints') if n.isdigit()) == [1, 4, 8]
+  fixed = _Source()
+  driver.run_training(
+      _trainer(tmp_path / 'fixed',
+               fixed_chunks=True,
+               num_timesteps=8 * 20,
+               num_evals=2,
+               checkpoint_every=2,
+               first_checkpoint_iteration=1), lambda *args: fixed)
+  assert fixed.calls == [4, 4]  # MJX fused: one program per chunk length, so the first checkpoint waits for 4
+  assert sorted(int(n) for n in os.listdir(tmp_path / 'fixed' / 'checkpoints') if n.isdigit()) == [4, 8]
+
+
+def test_a_stop_request_mid_chunk_keeps_the_finished_iterations_and_the_clock_starts_at_process_start(tmp_path):
+  source = _Source(stop_after=6)
+  start = driver.StartClock(time.time() - 5.0, (('imports', 4.0), ('controller', 1.0)))  # 5 s before the driver
+  summary = driver.run_training(_trainer(tmp_path, start=start), lambda *args: source)
+  assert summary.stopped == 'SIGINT' and summary.iterations == 6 and summary.env_steps == 120
+  assert summary.start_unix == pytest.approx(start.unix)
+  assert summary.wall_s >= 5.0 + 6 * ITERATION_S
+  first = summary.eval_curve[0]
+  assert first['wall_s'] >= 5.0 and first['unix'] - first['wall_s'] == pytest.approx(start.unix, abs=0.05)
+  parts = summary.compile_breakdown
+  assert parts['imports'] == 4.0 and parts['controller'] == 1.0 and parts['state_init'] > 0
+  assert summary.compile_s == pytest.approx(sum(parts.values()), abs=1e-3) and summary.compile_s >= 5.0
