@@ -87,6 +87,22 @@ def _transport(cfg: config_lib.Config, topology: topology_lib.Topology, registry
   return channel, store, mailbox
 
 
+def sweep_stale_segments() -> transport.shm.Sweep:
+  """Removes the shared memory that SIGKILLed runs left behind (segments whose creating controller is gone) and
+  says in one line how much it freed."""
+  swept = transport.ShmRegistry.sweep()
+  if swept.names:
+    logging.info('freed %d bytes of shared memory: %d segments left in %s by dead runs (controller pids %s).',
+                 swept.nbytes, len(swept.names), transport.shm.SHM_DIR, ', '.join(map(str, swept.owners)))
+  return swept
+
+
+def _recovered(parts) -> Dict[str, int]:
+  """What the run's channels and parameter store recovered from dead peers (read before the segments go)."""
+  counts = [p.recovered() for p in parts]
+  return {'recovered_slots': sum(c.slots for c in counts), 'recovered_locks': sum(c.locks for c in counts)}
+
+
 def _plan(cfg: config_lib.Config, topology, memory_plan, mps_daemon):
   """`--plan`: groups and quotas from stage profiles (calibrated first if there are none); returns the planned
   (cfg, topology, plan record, memory plan), or the run's own without --plan."""
@@ -159,8 +175,10 @@ def run(cfg: config_lib.Config,
   memory_plan = memory.plan_for_run(cfg, topology.env_spec, list(topology.planned_roles))  # no fit: stops here
   memory_plan.log()
   use_processes = cfg.schedule.transport == 'shm'
+  if use_processes:
+    sweep_stale_segments()
   registry: Optional[transport.ShmRegistry] = transport.ShmRegistry() if use_processes else None
-  workers, plan_record, changer = None, None, None
+  workers, plan_record, changer, parts = None, None, None, []
   mps_daemon = mps.MpsDaemon(cfg.schedule.run_dir) if cfg.resources.use_mps and use_processes else None
   try:
     if mps_daemon is not None and not mps_daemon.start():
@@ -169,6 +187,7 @@ def run(cfg: config_lib.Config,
     logging.info('topology: %s', topology.describe())
     placement = supervisor_lib.Placement(cfg, topology, mps_daemon, memory_plan)
     seg_channel, store, mailbox = _transport(cfg, topology, registry)
+    parts = [seg_channel, store] + ([mailbox.requests] + mailbox.replies if mailbox is not None else [])
     start = start.mark('workers_setup')  # topology, memory plan, MPS, --plan, shared memory
     topology = dataclasses.replace(topology, trainer=dataclasses.replace(topology.trainer, start=start))
     workers = supervisor_lib.Supervisor(cfg, topology, seg_channel, store, use_processes, mailbox, placement, pids)
@@ -183,6 +202,7 @@ def run(cfg: config_lib.Config,
       workers.stop_all()
     if changer is not None:
       changer.close()
+    recovered = _recovered(parts)
     if registry is not None:
       registry.close()
     if mps_daemon is not None:
@@ -195,6 +215,7 @@ def run(cfg: config_lib.Config,
   if stopped is not None and summary.stopped not in driver.FINISHED:
     summary.stopped = stopped  # the trainer saw a stop request: the controller knows which signal
   _add_extra(cfg, summary, workers, topology, plan_record, memory_plan, changer)
+  summary.extra.update(recovered)
   return summary
 
 

@@ -75,7 +75,7 @@ class Supervisor:
     self.summary: Optional[dict] = None  # the trainer's result, once it has sent it
     self._placement = placement
     self._ctx = multiprocessing.get_context('spawn') if use_processes else None
-    self.stop = self._ctx.Event() if use_processes else threading.Event()
+    self.stop = lifecycle.make_stop(use_processes)  # no lock a SIGKILLed worker could keep (runtime/lifecycle.py)
     self.use_processes = use_processes
     self.trainer_feedback = feedback.Feedback(use_processes)  # read by controller/replan.py
     self.controls: Dict[str, feedback.WorkerControl] = {}  # rollout role -> its feedback and events
@@ -84,6 +84,7 @@ class Supervisor:
     self.poll_s = 0.5
     self._incarnations: Dict[str, int] = {}
     self._inbox, outbox = lifecycle.make_pipe(use_processes)
+    self._outbox = outbox
     self._trainer_ch = trainer_worker.TrainerChannels(seg_channel, store, self.stop, outbox, self.trainer_feedback)
     self._rollout_ch = rollout_worker.RolloutChannels(seg_channel, store, self.stop, mailbox)
     self._gen_args = (topology.generation, mailbox, store, self.stop)
@@ -101,8 +102,11 @@ class Supervisor:
     if env is None and self._use_processes and self._placement:
       env = self._placement.env(role)
     kwargs['env'] = env if self._use_processes else None
-    if self._use_processes:
-      worker = self._ctx.Process(target=target, args=args, kwargs=kwargs, name=role, daemon=True)
+    if self._use_processes:  # the stop goes first: unpickled, it arms the parent-death signal before any import
+      worker = self._ctx.Process(target=lifecycle.run_worker,
+                                 args=(self.stop, target, args, kwargs),
+                                 name=role,
+                                 daemon=True)
     else:
       worker = threading.Thread(target=target, args=args, kwargs=kwargs, name=role, daemon=True)
     worker.start()
@@ -157,6 +161,7 @@ class Supervisor:
     self.started_t = time.monotonic()
     self._next_startup_log = self.started_t + _STARTUP_LOG_S
     self._start('trainer', trainer_worker.trainer_main, (self._topology.trainer, self._trainer_ch))
+    self._outbox.close()  # the trainer has its own copy: its death is now an end of file on the inbox
     if self._rollout_ch.mailbox is not None:
       self._start('generation', generation_worker.generation_main, self._gen_args)
     for g in range(self._cfg.schedule.num_groups):
@@ -254,6 +259,8 @@ class Supervisor:
     self.start_rollout(group, quota=self.rollout_quota.get(role))
 
   def stop_all(self) -> None:
+    """Sets the stop (a plain store: nothing can block it) and waits a bounded time for every worker; a process
+    still running after _JOIN_S is terminated, then killed."""
     self.stop.set()
     deadline = time.monotonic() + _JOIN_S
     for w in self.workers.values():
@@ -267,6 +274,8 @@ class Supervisor:
         if w.is_alive():
           w.kill()
           w.join(timeout=2.0)
+        if w.is_alive():  # in an uninterruptible wait (a driver call): the kernel ends it when that returns
+          logging.error('%s (pid %d) survived SIGKILL for 2 s; leaving it to the kernel.', w.name, w.pid)
 
 
 @contextlib.contextmanager

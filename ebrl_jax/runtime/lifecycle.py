@@ -1,34 +1,128 @@
 """What every worker process needs from its controller, whatever its role: a stop signal that also fires when
 the controller has gone, a wait for the parameter store to reach a version, a start-up phase report, and an
-outbox for what the worker tells its controller (its result, or the error it stopped on)."""
+outbox for what the worker tells its controller (its result, or the error it stopped on).
+
+NOTE: liveness. Nothing here takes a lock another process could hold: the run-wide stop is one byte of shared
+memory (`StopFlag`), the controller's death is seen through `getppid` (asked first) and the parent-death
+signal, which a worker arms as soon as it unpickles its stop, before it imports JAX. So a worker whose
+controller was SIGKILLed, even mid-import or mid-compile, is ended within a second, and no SIGKILLed worker can
+freeze the others or the controller.
+"""
 from __future__ import annotations
 
+import ctypes
 import glob
 import json
 import multiprocessing
 import os
 import queue
+import signal
+import sys
+import threading
 import time
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from ebrl_jax.runtime import storage
 
+# What a worker receives when its controller dies. No worker handles it, so the kernel ends the worker at once.
+PARENT_DEATH_SIGNAL = signal.SIGTERM
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def arm_parent_death_signal(sig: int = PARENT_DEATH_SIGNAL) -> bool:
+  """Asks Linux to send this process `sig` when its parent dies (`prctl(PR_SET_PDEATHSIG)`); False elsewhere.
+  NOTE: "parent" is the thread that started this process: the controller starts its workers from its main
+  thread."""
+  if not sys.platform.startswith('linux'):
+    return False
+  try:
+    return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+  except (OSError, AttributeError):
+    return False
+
+
+def _alive(pid: int) -> bool:
+  """Whether `pid` runs (a zombie counts as gone)."""
+  try:
+    os.kill(pid, 0)
+    with open(f'/proc/{pid}/stat') as f:
+      return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
+  except (ProcessLookupError, FileNotFoundError):
+    return False
+  except (OSError, IndexError):  # another user's process, or no /proc
+    return True
+
+
+def end_with_creator(creator: int) -> None:
+  """In a child of `creator`: arms the parent-death signal. If `creator` has died already (before the signal was
+  armed it could not fire), ends this process now. In any other process (a grandchild of a live creator) does
+  nothing."""
+  if os.getppid() == creator:
+    arm_parent_death_signal()
+  if os.getppid() != creator and not _alive(creator):
+    os.kill(os.getpid(), PARENT_DEATH_SIGNAL)
+
+
+class StopFlag:
+  """The run-wide stop of worker processes: one byte of shared memory (`multiprocessing.RawValue`), set by a plain
+  store, read by a plain load. Picklable only while spawning (pass it as a `Process` argument).
+
+  NOTE: no lock anywhere, so a process SIGKILLed at any instruction cannot leave it unreadable or unsettable (a
+  `multiprocessing.Event` is a condition variable whose lock a killed holder keeps for good). It only ever goes
+  from 0 to 1, so several writers are safe (the controller, and the trainer when it has finished).
+  Unpickled in a child of the process that made it, it arms that child's parent-death signal (`end_with_creator`).
+  """
+
+  def __init__(self, ctx=None):
+    self._value = (ctx or multiprocessing.get_context('spawn')).RawValue(ctypes.c_ubyte, 0)
+    self.creator = os.getpid()
+
+  def set(self) -> None:
+    self._value.value = 1
+
+  def is_set(self) -> bool:
+    return self._value.value != 0
+
+  def __getstate__(self):
+    return {'value': self._value, 'creator': self.creator}
+
+  def __setstate__(self, state):
+    self._value, self.creator = state['value'], state['creator']
+    end_with_creator(self.creator)
+
+
+def run_worker(stop, target, args, kwargs):
+  """A worker process's entry point: `target(*args, **kwargs)`. NOTE: the `Process` unpickles its arguments in
+  order, so `stop` (a `StopFlag`) arms the parent-death signal before `target`'s module, and JAX with it, is
+  imported: a worker whose controller dies during those seconds is ended too."""
+  del stop  # unpickling it was its work
+  return target(*args, **kwargs)
+
+
+def make_stop(use_processes: bool):
+  """The run-wide stop: a `StopFlag` for worker processes, a `threading.Event` for worker threads."""
+  return StopFlag() if use_processes else threading.Event()
+
 
 class ParentWatch:
-  """A stop event that also fires when the process that started this worker has gone (orphaned worker)."""
+  """A stop that also fires when the process that started this worker has gone (an orphaned worker).
+  NOTE: it asks `getppid` first (a system call nothing can block), the stop only then."""
 
   def __init__(self, stop):
     self._stop, self._parent = stop, os.getppid()
+    creator = getattr(stop, 'creator', None)  # a StopFlag: the controller, which may have died before now
+    self._orphaned = creator is not None and creator != self._parent and not _alive(creator)
 
   def is_set(self) -> bool:
-    return self._stop.is_set() or os.getppid() != self._parent
+    return self._orphaned or os.getppid() != self._parent or self._stop.is_set()
 
   def set(self) -> None:
     self._stop.set()
 
 
 def wait_for_version(store, min_version: int, stop) -> bool:
-  """Blocks until the store holds `min_version` or later; False if a stop was requested meanwhile."""
+  """Blocks until the store holds `min_version` or later; False if a stop was requested meanwhile (a
+  `ParentWatch` bounds the wait by the controller's life)."""
   while not stop.is_set():
     if store.version() >= min_version:
       return True
@@ -98,6 +192,12 @@ class Outbox:
 
   def __init__(self, end):
     self._end = end
+
+  def close(self) -> None:
+    """The controller closes its copy once the worker has started: then a worker that dies mid-send leaves the
+    controller an end of file (`Inbox.poll` keeps what came whole), not a read that waits for the rest."""
+    if not isinstance(self._end, queue.Queue):
+      self._end.close()
 
   def send(self, kind: str, payload: Any) -> None:
     message = Message(kind, payload)

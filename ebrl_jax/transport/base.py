@@ -9,18 +9,41 @@ is a `ValueError` that names the field. Jax arrays are accepted too (copied to t
 NOTE: closing is abortive for producers and draining for consumers: after `close()`, `put` raises
 `ChannelClosed`; `get` still returns records already in the channel, then raises `ChannelClosed`. `close()` wakes
 every blocked `put`/`get`, in any process. It is idempotent and callable from any thread or process.
+
+NOTE: liveness. `TimeoutError` means only "no record (or no room) yet": the caller may wait again. A wait that
+can never succeed because the process at the other end is gone ends in `PeerDied` instead (a `ChannelClosed`,
+so a loop that stops on a closed channel stops on it too), and a lock that a live peer keeps past its bound in
+`PeerStuck`. No implementation waits forever on a lock a dead process held.
 """
 from __future__ import annotations
 
 import abc
 import time
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 from ebrl_jax.transport.specs import RecordSpec
 
 
 class ChannelClosed(Exception):
   """Raised by put/get on a closed channel (get: once the channel is also empty)."""
+
+
+class PeerDied(ChannelClosed):
+  """A wait ended because a peer it depends on is gone for good (the process that created the channel or store
+  died), not because no data has come yet (that is `TimeoutError`)."""
+
+
+class PeerStuck(RuntimeError):
+  """A live process held a transport lock past its bound (it is stopped or hung). A dead holder never blocks
+  anyone: its locks are released with it."""
+
+
+class Recovered(NamedTuple):
+  """What a channel or parameter store recovered from dead peers so far: `slots` a dead peer held mid-put or
+  mid-get (for a parameter store: buffers it left half-written), `locks` found left by a holder that died holding
+  them. Always zero for implementations whose peers are threads of one process."""
+  slots: int = 0
+  locks: int = 0
 
 
 class Channel(abc.ABC):
@@ -74,6 +97,10 @@ class Channel(abc.ABC):
   def close(self) -> None:
     """Marks the channel closed for every party and wakes all blocked callers."""
 
+  def recovered(self) -> Recovered:
+    """Slots and locks recovered from dead peers so far, by any party."""
+    return Recovered()
+
   @property
   @abc.abstractmethod
   def closed(self) -> bool:
@@ -118,6 +145,10 @@ class ParamStore(abc.ABC):
                            f'(latest is {self.version()}).')
       time.sleep(poll_s)
     return self.latest()
+
+  def recovered(self) -> Recovered:
+    """Half-written buffers and locks recovered from dead publishers so far."""
+    return Recovered()
 
   def close(self) -> None:
     """Releases this process's resources (the owner's registry frees shared memory)."""

@@ -1,32 +1,35 @@
-"""Multi-process transport over `multiprocessing.shared_memory`: segment ownership (`ShmRegistry`) and
-`ShmChannel`, a ring of fixed-size record slots in one segment.
+"""Multi-process transport over `multiprocessing.shared_memory`: segment ownership (`ShmRegistry`), a lock no dead
+holder can keep (`SegmentLock`) and `ShmChannel`, a pool of fixed-size record slots in one segment.
 
-Signalling (measured in experiments/bench_transport.py): two counting semaphores (free slots, filled slots) and
-one lock guarding two small index rings in the segment header (free slot indices, filled slot indices in FIFO
-order). A put is: acquire `free`, pop a free index (under the lock, a few integer ops), copy the fields into the
-slot with no lock held, push the index onto the filled ring, release `filled`; a get mirrors it. The
-semaphores are futex-backed POSIX semaphores, so an uncontended operation is a user-space atomic and a
-blocked waiter wakes directly on release; there is no feeder thread and nothing is pickled. Because a slot
-index is taken only after the semaphore is held, a timeout leaves no half-claimed slot behind.
+Slots: each has a state word (FREE, WRITING, FILLED, READING), its holder's pid and a FIFO ticket. A put takes a
+FREE slot under the lock, copies the fields in with no lock held, then makes it FILLED with the next ticket; a get
+takes the FILLED slot with the lowest ticket, copies it out, makes it FREE. Two counting POSIX semaphores wake
+blocked callers (user-space atomics when uncontended; no feeder thread, nothing pickled).
 
-Lifetime: one owner process creates each segment (mode 0600) through a `ShmRegistry`, which unlinks them all on
-`close()`, at interpreter exit (atexit) and is safe to call twice. Other processes attach by unpickling the
-handle (the channel object itself, passed as a `Process` argument at spawn) and never register the segment with
-their resource tracker, so no attacher's exit can unlink it under the owner. Signals: the controller calls
-`registry.close()` from its SIGTERM/SIGINT handler (or lets SystemExit/KeyboardInterrupt run atexit); a SIGKILLed
-owner cannot clean up, so `ShmRegistry.sweep_stale()` removes segments whose creating pid is gone.
+Liveness (a peer may be SIGKILLed at any instruction): the lock is an `flock`, released by the kernel with its
+holder, and a slot changes state by one word write, so a kill leaves each slot in one state. A waiter without a
+permit after `WAIT_SLICE_S` takes a ready slot anyway (a dead peer may have taken the permit with it) and
+recovers dead holders' slots: WRITING -> FREE (that put never happened), READING -> FILLED with its old ticket
+(delivered again), counted in `recovered()`. If the channel's creator has died it raises `base.PeerDied`.
+
+Lifetime: the owner creates each segment (mode 0600) through a `ShmRegistry`, which unlinks them on `close()` and
+at exit. Attachers (a `Process` argument, unpickled) register nothing with the resource tracker they share with
+the owner, so they unlink nothing and the tracker unlinks a SIGKILLed owner's segments once its last child is
+gone. `ShmRegistry.sweep` (runs call it at start) removes any segment whose creating pid is gone.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import multiprocessing
 import os
 import secrets
 import sys
 import threading
+import time
 from multiprocessing import resource_tracker, shared_memory
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -34,27 +37,51 @@ from ebrl_jax.transport import base
 from ebrl_jax.transport.specs import RecordSpec, align_up
 
 PREFIX = 'ebrl'
-# A peer killed while holding a channel's lock (a handful of integer ops) would block everyone; give up after this.
-LOCK_TIMEOUT_S = 10.0
+SHM_DIR = '/dev/shm'  # where Linux keeps POSIX shared memory
+LOCK_TIMEOUT_S = 10.0  # a live holder keeps a lock for a few integer ops; past this it is stopped or hung
+WAIT_SLICE_S = 0.1  # a blocked put/get looks for dead peers this often
 _TRACK_KWARG = sys.version_info >= (3, 13)
+_UNTRACKED = threading.Lock()
+
+
+def pid_alive(pid: int) -> bool:
+  """Whether process `pid` (> 0) exists and has not exited (a zombie, exited but not yet reaped, counts as dead)."""
+  try:
+    os.kill(pid, 0)
+    with open(f'/proc/{pid}/stat') as f:
+      return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
+  except (ProcessLookupError, FileNotFoundError):
+    return False
+  except (OSError, IndexError):  # another user's process, or no /proc: it exists
+    return True
 
 
 def attach(name: str) -> shared_memory.SharedMemory:
-  """Maps an existing segment without letting this process's resource tracker unlink it at exit."""
+  """Maps an existing segment without registering it with this process's resource tracker."""
   if _TRACK_KWARG:
     return shared_memory.SharedMemory(name=name, track=False)
-  shm = shared_memory.SharedMemory(name=name)
-  # NOTE: Python < 3.13 registers every attach; undo it (the owner's registry owns the lifetime).
-  resource_tracker.unregister(shm._name, 'shared_memory')  # pylint: disable=protected-access
-  return shm
+  # NOTE: Python < 3.13 registers every attach with the resource tracker that spawned children share with their
+  # parent; unregistering afterwards would drop the owner's registration too (then no unlink after a SIGKILL).
+  with _UNTRACKED:
+    register = resource_tracker.register
+    resource_tracker.register = lambda n, rtype: None if n.lstrip('/') == name else register(n, rtype)
+    try:
+      return shared_memory.SharedMemory(name=name)
+    finally:
+      resource_tracker.register = register
 
 
 def close_mapping(shm: shared_memory.SharedMemory) -> None:
   """Unmaps, unless numpy views into it are still alive (then the mapping goes when they do)."""
-  try:
+  with contextlib.suppress(BufferError):
     shm.close()
-  except BufferError:
-    pass
+
+
+class Sweep(NamedTuple):
+  """What `ShmRegistry.sweep` removed: segment names, their bytes, and the dead owners' pids."""
+  names: List[str]
+  nbytes: int
+  owners: List[int]
 
 
 class ShmRegistry:
@@ -97,10 +124,6 @@ class ShmRegistry:
         fn()
     for shm in segments.values():
       close_mapping(shm)
-      if not _TRACK_KWARG:
-        # An attacher sharing our resource tracker (spawned children do) removed our registration when it
-        # unregistered; re-add it so that unlink's own unregister balances.
-        resource_tracker.register(shm._name, 'shared_memory')  # pylint: disable=protected-access
       with contextlib.suppress(FileNotFoundError):
         shm.unlink()
 
@@ -111,22 +134,23 @@ class ShmRegistry:
     self.close()
 
   @staticmethod
-  def sweep_stale(prefix: str = PREFIX, shm_dir: str = '/dev/shm') -> List[str]:
-    """Unlinks segments `<prefix>_<pid>_*` whose creating process no longer exists. Returns their names."""
+  def sweep(prefix: str = PREFIX, shm_dir: str = SHM_DIR) -> Sweep:
+    """Unlinks the segments `<prefix>_<pid>_*` whose creating process is gone (exited, or a zombie): what a
+    SIGKILLed owner left. A live process's segments are never touched. NOTE: pids are this pid namespace's, so
+    /dev/shm must not be shared with another one's processes."""
     removed = []
-    for entry in os.listdir(shm_dir) if os.path.isdir(shm_dir) else []:
+    for entry in sorted(os.listdir(shm_dir)) if os.path.isdir(shm_dir) else []:
       parts = entry.split('_')
-      if len(parts) != 3 or parts[0] != prefix or not parts[1].isdigit():
+      if len(parts) != 3 or parts[0] != prefix or not parts[1].isdigit() or pid_alive(int(parts[1])):
         continue
+      path = os.path.join(shm_dir, entry)
       try:
-        os.kill(int(parts[1]), 0)
-      except ProcessLookupError:
-        with contextlib.suppress(FileNotFoundError):
-          os.unlink(os.path.join(shm_dir, entry))
-          removed.append(entry)
-      except PermissionError:
-        pass
-    return removed
+        size = os.stat(path).st_size
+        os.unlink(path)
+      except (FileNotFoundError, PermissionError):  # swept by someone else meanwhile, or another user's
+        continue
+      removed.append((entry, size, int(parts[1])))
+    return Sweep([r[0] for r in removed], sum(r[1] for r in removed), sorted({r[2] for r in removed}))
 
 
 _DEFAULT_REGISTRY: Optional[ShmRegistry] = None
@@ -140,49 +164,92 @@ def default_registry() -> ShmRegistry:
   return _DEFAULT_REGISTRY
 
 
-@contextlib.contextmanager
-def _locked(lock):
-  if not lock.acquire(True, LOCK_TIMEOUT_S):
-    raise TimeoutError(f'channel lock held for over {LOCK_TIMEOUT_S} s: a peer probably died holding it.')
+def _try_flock(fd: int) -> bool:
   try:
-    yield
-  finally:
-    lock.release()
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return True
+  except BlockingIOError:
+    return False
 
 
-# Header words (int64): closed flag, free ring head/tail, filled ring head/tail; then the two rings.
-_CLOSED, _FREE_HEAD, _FREE_TAIL, _FILL_HEAD, _FILL_TAIL, _RINGS = 0, 1, 2, 3, 4, 8
+class SegmentLock:
+  """A segment header's lock: an exclusive `flock` on the segment's file, which the kernel releases when the holder
+  dies (a semaphore lock would stay taken for good). NOTE: flock excludes open files, not threads: a thread lock
+  serialises this process's threads first. `words`: two header words, the holder's pid (0: free) and how often a
+  holder's pid was found still written (it died holding the lock)."""
+
+  def __init__(self, name: str, words: np.ndarray):
+    self._fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CLOEXEC)
+    self._thread = threading.Lock()
+    self._words, self._pid = words, os.getpid()
+
+  def acquire(self, timeout: float = LOCK_TIMEOUT_S) -> None:
+    if self._fd < 0:
+      raise base.ChannelClosed('this process has detached from the segment.')
+    deadline, pause = time.monotonic() + timeout, 1e-5
+    if not self._thread.acquire(timeout=timeout):
+      raise base.PeerStuck(f'a thread of this process held a shared-memory lock for over {timeout} s.')
+    try:
+      while not _try_flock(self._fd):
+        if time.monotonic() >= deadline:
+          raise base.PeerStuck(f'process {int(self._words[0])} held a shared-memory lock for over {timeout} s '
+                               '(stopped or hung; a dead holder would have released it).')
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-3)
+    except BaseException:
+      self._thread.release()
+      raise
+    if self._words[0] != 0:
+      self._words[1] += 1
+    self._words[0] = self._pid
+
+  def release(self) -> None:
+    self._words[0] = 0
+    fcntl.flock(self._fd, fcntl.LOCK_UN)
+    self._thread.release()
+
+  def __enter__(self) -> None:
+    self.acquire()
+
+  def __exit__(self, *exc) -> None:
+    self.release()
+
+  def close(self) -> None:
+    """Drops this process's file (and the view of the header words); idempotent."""
+    fd, self._fd, self._words = self._fd, -1, np.zeros(2, np.int64)
+    if fd >= 0:
+      os.close(fd)
+
+
+# Header words (int64): closed flag, lock holder pid, dead lock holders seen, next FIFO ticket, slots recovered,
+# the creator's pid; from _SLOTS on, per slot: its state, its holder's pid, its ticket.
+_CLOSED, _HOLDER, _DEAD_HOLDERS, _NEXT_TICKET, _RECOVERED, _CREATOR, _SLOTS = 0, 1, 2, 3, 4, 5, 8
+FREE, WRITING, FILLED, READING = 0, 1, 2, 3
 
 
 class ShmChannel(base.Channel):
-  """Bounded multi-producer multi-consumer FIFO of records in one shared-memory segment.
-
-  Construct it in the owner process; pass the object to child processes as a `Process` argument (it pickles
-  as a handle: segment name, spec, capacity and the semaphores/lock, which multiprocessing only allows while
-  spawning). Unpickling attaches. `get` returns a copy the caller owns.
-  """
+  """Bounded multi-producer multi-consumer FIFO of records in one shared-memory segment. Construct it in the owner
+  process; pass it to child processes as a `Process` argument (it pickles as a handle: name, spec, capacity and
+  the semaphores, which multiprocessing allows only while spawning); unpickling attaches."""
 
   def __init__(self, spec: RecordSpec, capacity: int, registry: Optional[ShmRegistry] = None, ctx=None):
     if capacity < 1:
       raise ValueError(f'capacity={capacity} must be >= 1.')
     ctx = ctx or multiprocessing.get_context('spawn')
     registry = registry or default_registry()
-    self.spec, self.capacity = spec, capacity
-    self._free_sem, self._fill_sem, self._lock = ctx.Semaphore(capacity), ctx.Semaphore(0), ctx.Lock()
-    header = align_up((_RINGS + 2 * capacity) * 8)
-    shm = registry.create(header + capacity * spec.nbytes)
-    self._map(shm)
-    self._hdr[_FREE_TAIL] = capacity
-    self._hdr[_RINGS:_RINGS + capacity] = np.arange(capacity)
-    self.owner = True
+    self.spec, self.capacity, self.owner = spec, capacity, True
+    self._free_sem, self._fill_sem = ctx.Semaphore(capacity), ctx.Semaphore(0)
+    self._map(registry.create(align_up((_SLOTS + 3 * capacity) * 8) + capacity * spec.nbytes))
+    self._hdr[_CREATOR] = os.getpid()
     registry.on_close(self._release)
 
   def _map(self, shm: shared_memory.SharedMemory) -> None:
-    self._shm = shm
-    self.name = shm.name
-    n = self.capacity
-    header = align_up((_RINGS + 2 * n) * 8)
-    self._hdr = np.ndarray((_RINGS + 2 * n,), np.int64, buffer=shm.buf)
+    self._shm, self.name, n = shm, shm.name, self.capacity
+    header = align_up((_SLOTS + 3 * n) * 8)
+    self._hdr = np.ndarray((_SLOTS + 3 * n,), np.int64, buffer=shm.buf)
+    self._state, self._holder, self._ticket = (self._hdr[_SLOTS + k * n:_SLOTS + (k + 1) * n] for k in range(3))
+    self._lock = SegmentLock(shm.name, self._hdr[_HOLDER:_HOLDER + 2])
+    self._pid, self._next_look = os.getpid(), 0.0
     self._views = [
         tuple(
             np.ndarray(s.shape, s.dtype, buffer=shm.buf, offset=header + i * self.spec.nbytes + self.spec.offsets[k])
@@ -191,78 +258,124 @@ class ShmChannel(base.Channel):
     ]
 
   def __getstate__(self):
-    return dict(name=self.name,
-                spec=self.spec,
-                capacity=self.capacity,
-                free_sem=self._free_sem,
-                fill_sem=self._fill_sem,
-                lock=self._lock)
+    return {'name': self.name, 'spec': self.spec, 'capacity': self.capacity, 'sems': (self._free_sem, self._fill_sem)}
 
   def __setstate__(self, state):
-    self.spec, self.capacity = state['spec'], state['capacity']
-    self._free_sem, self._fill_sem, self._lock = state['free_sem'], state['fill_sem'], state['lock']
-    self.owner = False
+    self.spec, self.capacity, self.owner = state['spec'], state['capacity'], False
+    self._free_sem, self._fill_sem = state['sems']
     self._map(attach(state['name']))
 
-  # NOTE: ring ops run under self._lock; head/tail only grow, indices are taken modulo capacity.
-  def _pop(self, head: int, tail: int, ring: int) -> int:
-    assert self._hdr[tail] > self._hdr[head], 'ring underflow: semaphore and ring disagree'
-    slot = int(self._hdr[_RINGS + ring * self.capacity + self._hdr[head] % self.capacity])
-    self._hdr[head] += 1
+  # NOTE: _locked methods run under self._lock and change a slot's state by one word write, last. Slot words are
+  # read as lists: numpy calls on arrays this small cost more than the loops.
+  def _take_locked(self, want: int, then: int) -> Optional[int]:
+    """A slot in state `want` (FILLED: the oldest ticket), now `then` and held by this process; None if none."""
+    states = self._state.tolist()
+    if want not in states:
+      return None
+    tickets = self._ticket.tolist()
+    slot = states.index(FREE) if want == FREE else min((tickets[i], i) for i, s in enumerate(states) if s == want)[1]
+    self._holder[slot] = self._pid
+    self._state[slot] = then
     return slot
 
-  def _push(self, tail: int, ring: int, slot: int) -> None:
-    self._hdr[_RINGS + ring * self.capacity + self._hdr[tail] % self.capacity] = slot
-    self._hdr[tail] += 1
+  def _recover_locked(self) -> Tuple[int, int]:
+    """Slots a dead process held: WRITING -> FREE, READING -> FILLED (ticket kept). Returns (freed, refilled)."""
+    freed = refilled = 0
+    for slot, state in enumerate(self._state.tolist()):
+      pid = int(self._holder[slot])
+      if state not in (WRITING, READING) or pid == self._pid or pid_alive(pid):
+        continue
+      if state == WRITING:
+        self._state[slot], freed = FREE, freed + 1
+      else:
+        self._state[slot], refilled = FILLED, refilled + 1
+    self._hdr[_RECOVERED] += freed + refilled
+    return freed, refilled
 
-  @staticmethod
-  def _acquire(sem, timeout: Optional[float], what: str) -> None:
-    ok = sem.acquire(False) if timeout is not None and timeout <= 0 else sem.acquire(True, timeout)
-    if not ok:
-      raise TimeoutError(f'{what} timed out after {timeout} s.')
+  def _try_take(self, want: int, then: int, permit: bool, look: bool) -> Tuple[Optional[int], bool]:
+    """(slot taken or None, closed?); `look`: recover dead peers' slots first. Locks only if a slot may be ready."""
+    if not (permit or look or want in self._state.tolist()):
+      return None, bool(self._hdr[_CLOSED])
+    with self._lock:
+      freed, refilled = self._recover_locked() if look else (0, 0)
+      closed = bool(self._hdr[_CLOSED])
+      slot = None if closed and want == FREE else self._take_locked(want, then)
+    for woken in [self._free_sem] * freed + [self._fill_sem] * refilled:
+      woken.release()
+    return slot, closed
+
+  def _claim(self, sem, want: int, then: int, timeout: Optional[float], what: str) -> int:
+    """Waits for a slot in state `want` and takes it. NOTE: a permit only says a slot may be ready, the states are
+    the truth; a permit that finds none is spent (its slot went to a waiter without one), so the two agree again.
+    Without a permit, a waiter looks for dead peers (their slots, the creator) at most once per WAIT_SLICE_S."""
+    deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+    while True:
+      wait = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S, deadline - time.monotonic())
+      permit = sem.acquire(True, wait) if wait > 0 else sem.acquire(False)
+      look = not permit and time.monotonic() >= self._next_look
+      if look:
+        self._next_look = time.monotonic() + WAIT_SLICE_S
+      slot, closed = self._try_take(want, then, permit, look)
+      if slot is not None:
+        return slot
+      if closed:
+        sem.release()  # pass the wake-up on to the next waiter
+        raise base.ChannelClosed('put on a closed channel.' if what == 'put' else 'get on a closed, empty channel.')
+      if look and not pid_alive(int(self._hdr[_CREATOR])):
+        raise base.PeerDied(f'{what}: the process that created channel {self.name} (pid {int(self._hdr[_CREATOR])}) '
+                            'died; nothing more will come through it.')
+      if not permit and deadline is not None and time.monotonic() >= deadline:
+        raise TimeoutError(f'{what} timed out after {timeout} s.')
+
+  def _finish(self, slot: int, state: int, sem, ticket: bool) -> None:
+    """Gives up a held slot as `state` (with the next FIFO ticket if `ticket`: only that needs the lock, as no peer
+    writes a slot a live process holds) and wakes one waiter on `sem`."""
+    if ticket:
+      with self._lock:
+        self._ticket[slot] = self._hdr[_NEXT_TICKET]
+        self._hdr[_NEXT_TICKET] += 1
+        self._state[slot] = state
+    else:
+      self._state[slot] = state
+    sem.release()
 
   def put(self, record: Any, timeout: Optional[float] = None) -> None:
     arrays = self.spec.check(record)
-    if self._hdr[_CLOSED]:
+    if self.closed:
       raise base.ChannelClosed('put on a closed channel.')
-    self._acquire(self._free_sem, timeout, 'put')
-    with _locked(self._lock):
-      if self._hdr[_CLOSED]:
-        self._free_sem.release()  # pass the wake-up on to the next waiter
-        raise base.ChannelClosed('put on a closed channel.')
-      slot = self._pop(_FREE_HEAD, _FREE_TAIL, 0)
-    for view, array in zip(self._views[slot], arrays):
-      np.copyto(view, array)
-    with _locked(self._lock):
-      self._push(_FILL_TAIL, 1, slot)
-    self._fill_sem.release()
+    slot = self._claim(self._free_sem, FREE, WRITING, timeout, 'put')
+    try:
+      for view, array in zip(self._views[slot], arrays):
+        np.copyto(view, array)
+    except BaseException:  # interrupted mid-copy: the slot goes back and nothing was put
+      self._finish(slot, FREE, self._free_sem, ticket=False)
+      raise
+    self._finish(slot, FILLED, self._fill_sem, ticket=True)
 
   def get(self, timeout: Optional[float] = None) -> Any:
     if self._views is None:
       raise base.ChannelClosed('get on a detached channel.')
-    self._acquire(self._fill_sem, timeout, 'get')
-    with _locked(self._lock):
-      if self._hdr[_FILL_TAIL] == self._hdr[_FILL_HEAD]:  # only a close() token is left
-        self._fill_sem.release()
-        raise base.ChannelClosed('get on a closed, empty channel.')
-      slot = self._pop(_FILL_HEAD, _FILL_TAIL, 1)
-    record = self.spec.build(view.copy() for view in self._views[slot])
-    with _locked(self._lock):
-      self._push(_FREE_TAIL, 0, slot)
-    self._free_sem.release()
+    slot = self._claim(self._fill_sem, FILLED, READING, timeout, 'get')
+    try:
+      record = self.spec.build(view.copy() for view in self._views[slot])
+    except BaseException:  # interrupted mid-copy: the record stays, at the head of the FIFO
+      self._finish(slot, FILLED, self._fill_sem, ticket=False)
+      raise
+    self._finish(slot, FREE, self._free_sem, ticket=False)
     return record
 
   def qsize(self) -> int:
-    return int(self._hdr[_FILL_TAIL] - self._hdr[_FILL_HEAD])
+    return self._state.tolist().count(FILLED)
+
+  def recovered(self) -> base.Recovered:
+    """Slots and locks recovered from dead peers so far, by any process (read from the segment)."""
+    return base.Recovered(int(self._hdr[_RECOVERED]), int(self._hdr[_DEAD_HOLDERS]))
 
   def close(self) -> None:
-    """Marks the channel closed for every process and wakes blocked callers (each passes the token on)."""
-    if self._views is None:
+    """Marks the channel closed for every process and wakes blocked callers (each passes the wake-up on)."""
+    if self.closed:  # NOTE: no lock: one word that only goes 0 -> 1 (two closers wake twice, which is harmless)
       return
-    with _locked(self._lock):
-      if self._hdr[_CLOSED]:
-        return
-      self._hdr[_CLOSED] = 1
+    self._hdr[_CLOSED] = 1
     self._free_sem.release()
     self._fill_sem.release()
 
@@ -278,6 +391,9 @@ class ShmChannel(base.Channel):
 
   def detach(self) -> None:
     """Unmaps this process's view of the segment (does not close the channel for others)."""
-    self._views, self._hdr = None, np.zeros(_RINGS, np.int64)
-    self._hdr[_CLOSED] = 1
+    if self._views is None:
+      return
+    self._lock.close()
+    self._views, self._hdr = None, np.array([1, 0, 0, 0, 0, 0, 0, 0], np.int64)  # _CLOSED set, nothing recovered
+    self._state = self._holder = self._ticket = np.zeros(0, np.int64)
     close_mapping(self._shm)

@@ -320,3 +320,27 @@ def test_a_nested_record_round_trips_with_its_classes_and_names_a_bad_leaf_by_pa
     channel.put(bad)
   with pytest.raises(ValueError, match="at 'transition' has fields"):
     channel.put(record._replace(transition=record.episode_stats))
+
+
+def test_a_get_without_timeout_takes_a_record_put_later(make):
+  channel = make(ITEM_SPEC, 1)
+  thread, out = _in_thread(lambda: int(channel.get().seq))
+  time.sleep(0.3)
+  channel.put(item(0, 4))
+  thread.join(5)
+  assert out.get('result') == 4 and out['elapsed'] < 2.0
+
+
+def test_no_dead_peer_no_recovery(make):
+  channel, store = make(ITEM_SPEC, 2), make.store(params_template(10))
+  for seq in range(20):
+    channel.put(item(0, seq), timeout=1)
+    channel.get(timeout=1)
+    store.publish(seq, params_filled(seq, 10))
+  assert channel.recovered() == (0, 0) and store.recovered() == (0, 0)
+
+
+def test_a_dead_peer_is_a_closed_channel_and_not_a_timeout():
+  assert issubclass(transport.base.PeerDied, transport.ChannelClosed)
+  assert not issubclass(transport.base.PeerDied, TimeoutError)  # no `except TimeoutError: retry` swallows it
+  assert not issubclass(transport.base.PeerStuck, TimeoutError)

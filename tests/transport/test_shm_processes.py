@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
 
 from ebrl_jax import transport
@@ -167,5 +168,210 @@ def test_sweep_stale_removes_segments_of_dead_owners():
   name = f'ebrl_{int(dead.stdout)}_deadbeef0000'
   with open(os.path.join('/dev/shm', name), 'wb') as f:
     f.write(b'x')
-  assert name in transport.ShmRegistry.sweep_stale()
+  assert name in transport.ShmRegistry.sweep().names
   assert not os.path.exists(os.path.join('/dev/shm', name))
+
+
+# Liveness (issue 17): a peer SIGKILLed mid-call leaves no lock taken and no slot lost; what it recovered is
+# counted; a waiter whose channel's creator died is told so.
+def _hang(conn, *args, **kwargs):
+  del args, kwargs
+  conn.send('inside')
+  time.sleep(600)
+
+
+def put_and_die_mid_copy(channel, conn):
+  """Child: a put that stops inside its copy (numpy.copyto, the copy step, hangs) until it is SIGKILLed."""
+  import functools  # pylint: disable=g-import-not-at-top
+  import numpy  # pylint: disable=g-import-not-at-top
+  numpy.copyto = functools.partial(_hang, conn)
+  channel.put(lib.item(5, 5))
+
+
+def get_and_die_mid_copy(channel, conn):
+  """Child: a get that stops while it builds the record it copied out, until it is SIGKILLed."""
+  import functools  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.transport import specs  # pylint: disable=g-import-not-at-top
+  specs.RecordSpec.build = functools.partial(_hang, conn)
+  channel.get()
+
+
+def publish_and_die_mid_copy(store, conn):
+  import functools  # pylint: disable=g-import-not-at-top
+  import numpy  # pylint: disable=g-import-not-at-top
+  numpy.copyto = functools.partial(_hang, conn)
+  store.publish(1, lib.params_filled(1))
+
+
+def take_the_lock_and_die(obj, conn):
+  obj._lock.acquire()  # pylint: disable=protected-access
+  _hang(conn)
+
+
+def _killed_inside(target, obj):
+  reader, writer = CTX.Pipe(duplex=False)
+  child = _start(target, obj, writer)
+  assert reader.poll(60), 'the child never got inside the call'
+  reader.recv()
+  os.kill(child.pid, signal.SIGKILL)
+  child.join(10)
+  assert child.exitcode == -signal.SIGKILL
+
+
+def test_a_writer_killed_mid_copy_gives_its_slot_back_and_it_is_counted():
+  with transport.ShmRegistry() as registry:
+    channel = transport.ShmChannel(lib.ITEM_SPEC, 2, registry=registry)
+    _killed_inside(put_and_die_mid_copy, channel)
+    for seq in range(2):  # the whole capacity: the dead writer's slot is free again
+      channel.put(lib.item(0, seq), timeout=3)
+    assert [int(channel.get(timeout=1).seq) for _ in range(2)] == [0, 1]  # its half-copied record never appears
+    assert channel.try_get() is None
+    assert channel.recovered() == (1, 0)
+
+
+def test_a_reader_killed_mid_copy_leaves_its_record_to_the_next_reader():
+  with transport.ShmRegistry() as registry:
+    channel = transport.ShmChannel(lib.ITEM_SPEC, 2, registry=registry)
+    channel.put(lib.item(0, 0))
+    channel.put(lib.item(0, 1))
+    _killed_inside(get_and_die_mid_copy, channel)  # it took record 0
+    assert sorted(int(channel.get(timeout=3).seq) for _ in range(2)) == [0, 1]  # 0 delivered again, 1 once
+    assert channel.try_get() is None
+    for seq in (2, 3):
+      channel.put(lib.item(0, seq), timeout=1)
+    assert channel.recovered() == (1, 0)
+
+
+def test_a_lock_whose_holder_was_killed_blocks_nobody():
+  with transport.ShmRegistry() as registry:
+    channel = transport.ShmChannel(lib.ITEM_SPEC, 2, registry=registry)
+    store = transport.ShmParamStore(lib.params_template(10), registry=registry)
+    _killed_inside(take_the_lock_and_die, channel)
+    _killed_inside(take_the_lock_and_die, store)
+    start = time.monotonic()
+    channel.put(lib.item(0, 1), timeout=1)
+    assert int(channel.get(timeout=1).seq) == 1
+    store.publish(1, lib.params_filled(1, 10))
+    assert store.latest()[0] == 1
+    assert time.monotonic() - start < 1.0
+    assert channel.recovered() == (0, 1) and store.recovered() == (0, 1)
+
+
+def test_a_publisher_killed_mid_copy_leaves_the_store_whole():
+  with transport.ShmRegistry() as registry:
+    store = transport.ShmParamStore(lib.params_template(), registry=registry)
+    _killed_inside(publish_and_die_mid_copy, store)  # it held the lock, its buffer half written
+    with pytest.raises(LookupError):
+      store.latest()  # its version never became the latest
+    for version in (2, 3, 4):
+      store.publish(version, lib.params_filled(version))
+      version_read, params = store.latest()
+      assert version_read == version
+      lib.check_params(version, params)
+    assert store.recovered() == (1, 1)
+
+
+def wait_for_a_record(channel, out):
+  """Grandchild: waits for a record; writes which exception ended the wait, and when."""
+  from ebrl_jax.transport import base  # pylint: disable=g-import-not-at-top
+  with open(out + '.ready', 'w'):
+    pass
+  try:
+    channel.get(timeout=30)
+    outcome = 'record'
+  except base.PeerDied:
+    outcome = 'PeerDied'
+  except TimeoutError:
+    outcome = 'TimeoutError'
+  with open(out, 'w') as f:
+    f.write(f'{outcome} {time.time()!r}')
+
+
+_OWNER_SCRIPT = textwrap.dedent('''
+    import multiprocessing, os, signal, sys, time
+    sys.path[:0] = [{root!r}, {testdir!r}]
+    from ebrl_jax import transport
+    import transport_testlib as lib
+    import test_shm_processes as t
+    if __name__ == '__main__':
+      registry = transport.ShmRegistry()
+      channel = transport.ShmChannel(lib.ITEM_SPEC, 2, registry=registry)
+      store = transport.ShmParamStore(lib.params_template(10), registry=registry)
+      child = multiprocessing.get_context('spawn').Process(target=t.wait_for_a_record, args=(channel, {out!r}))
+      child.start()
+      while not os.path.exists({out!r} + '.ready'):
+        time.sleep(0.01)
+      print(' '.join(registry.names), flush=True)
+      if {suicide!r}:
+        os.kill(os.getpid(), signal.SIGKILL)
+      time.sleep(600)
+''')
+
+
+def _owner(tmp_path, suicide):
+  out = str(tmp_path / 'outcome')
+  script = _OWNER_SCRIPT.format(root=ROOT, testdir=os.path.dirname(os.path.abspath(__file__)), out=out, suicide=suicide)
+  owner = subprocess.Popen([sys.executable, '-c', script], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+  return owner, owner.stdout.readline().split(), out
+
+
+def _wait_until(predicate, timeout):
+  deadline = time.monotonic() + timeout
+  while not predicate() and time.monotonic() < deadline:
+    time.sleep(0.01)
+  return predicate()
+
+
+def test_a_waiter_whose_channel_creator_died_is_told_within_a_second(tmp_path):
+  owner, _, out = _owner(tmp_path, suicide=False)
+  killed = time.time()
+  owner.kill()
+  owner.wait()
+  assert _wait_until(lambda: os.path.exists(out) and open(out).read(), 10), 'the waiter never returned'
+  outcome, when = open(out).read().split()
+  assert outcome == 'PeerDied' and float(when) - killed < 1.0
+
+
+def test_a_sigkilled_owners_segments_go_with_its_last_attached_child(tmp_path):
+  """The attachers leave the owner's registration with the resource tracker they share, which unlinks the
+  segments once the last of them has exited; nothing needs a sweep."""
+  owner, names, out = _owner(tmp_path, suicide=True)
+  owner.wait()
+  assert len(names) == 2 and all(n.startswith(f'ebrl_{owner.pid}_') for n in names)
+  assert _wait_until(lambda: os.path.exists(out), 10)  # the child saw its channel's creator die, and exited
+  assert _wait_until(lambda: not _shm_entries(owner.pid), 10), _shm_entries(owner.pid)
+
+
+def test_sweep_frees_dead_and_zombie_owners_segments_and_leaves_live_ones(tmp_path):
+  dead = int(subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True).stdout)
+  zombie = subprocess.Popen(['true'])  # exited, not reaped until wait(): its pid still exists
+  assert _wait_until(lambda: open(f'/proc/{zombie.pid}/stat').read().rsplit(')', 1)[1].split()[0] == 'Z', 10)
+  files = {
+      f'ebrl_{dead}_aaaa': 100,
+      f'ebrl_{zombie.pid}_bbbb': 50,
+      f'ebrl_{os.getpid()}_cccc': 10,
+      'ebrl_notapid_dddd': 1,
+      f'other_{dead}_eeee': 1
+  }
+  for name, size in files.items():
+    (tmp_path / name).write_bytes(b'x' * size)
+  swept = transport.ShmRegistry.sweep(shm_dir=str(tmp_path))
+  zombie.wait()
+  assert sorted(swept.names) == sorted([f'ebrl_{dead}_aaaa', f'ebrl_{zombie.pid}_bbbb'])
+  assert swept.nbytes == 150 and swept.owners == sorted([dead, zombie.pid])
+  assert sorted(os.listdir(tmp_path)) == sorted([f'ebrl_{os.getpid()}_cccc', 'ebrl_notapid_dddd', f'other_{dead}_eeee'])
+
+
+def test_a_put_interrupted_mid_copy_gives_its_slot_back(monkeypatch):
+  with transport.ShmRegistry() as registry:
+    channel = transport.ShmChannel(lib.ITEM_SPEC, 1, registry=registry)
+
+    def interrupted(*args, **kwargs):
+      raise KeyboardInterrupt('Ctrl-C mid-copy')
+
+    with monkeypatch.context() as patch:
+      patch.setattr(np, 'copyto', interrupted)
+      with pytest.raises(KeyboardInterrupt):
+        channel.put(lib.item(0, 0))
+    channel.put(lib.item(0, 1), timeout=1)
+    assert int(channel.get(timeout=1).seq) == 1 and channel.try_get() is None
