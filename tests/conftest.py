@@ -48,6 +48,10 @@ FILE_TIERS = {
     'test_render.py': 'unit',
     'test_checkpoint.py': 'contract',
     'test_driver_startup.py': 'contract',
+    'test_checkpoint_fallback.py': 'contract',
+    'test_driver_budget.py': 'contract',
+    'test_token_training.py': 'contract',
+    'test_mjx_warp.py': 'contract',
     'test_startup_accounting.py': 'contract',
     # resources: plans and profiles by hand
     'test_profiles.py': 'unit',
@@ -75,6 +79,9 @@ FILE_TIERS = {
     'test_layering.py': 'contract',
     'test_readme.py': 'contract',
     'test_structure_tool.py': 'unit',
+    'test_format.py': 'contract',
+    'test_validation.py': 'contract',
+    'test_signals.py': 'e2e',
 }
 DIR_TIERS = {
     'generation': 'unit',
