@@ -215,7 +215,7 @@ def run(cfg: config_lib.Config, start_unix: Optional[float] = None) -> driver.Ru
       logging.info('Resuming the run in %s from checkpoint %d (env step %s, iteration %s)%s.', cfg.schedule.run_dir,
                    resumed['step'], resumed['env_steps'], resumed['iterations'],
                    f', past damaged step(s) {resumed["skipped"]}' if resumed['skipped'] else '')
-    os.makedirs(cfg.schedule.run_dir, exist_ok=True)
+    storage.ensure_private_dir(cfg.schedule.run_dir)
     storage.write_json(os.path.join(cfg.schedule.run_dir, 'config.json'), dataclasses.asdict(cfg), indent=2)
     startup.configure_jax(cfg.resources.platform, cfg.schedule.compilation_cache_dir)
     metrics.quiet_library_logs()

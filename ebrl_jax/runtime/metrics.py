@@ -15,6 +15,8 @@ from typing import Dict, Mapping, Optional
 from absl import logging
 import numpy as np
 
+from ebrl_jax.runtime import storage
+
 
 class _DropChattyInfo(logging.logging.Filter):
   """Keeps orbax's per-save INFO lines out of the run's log; its warnings and errors still show."""
@@ -113,7 +115,7 @@ class MetricsLogger:
                initial_env_steps: int = 0,
                check_finite: tuple = ('loss', 'return')):
     os.makedirs(run_dir, exist_ok=True)
-    self._jsonl = open(os.path.join(run_dir, 'metrics.jsonl'), 'a', buffering=1)
+    self._jsonl = storage.open_append(os.path.join(run_dir, 'metrics.jsonl'))
     self._start = time.monotonic()
     self._check_finite = check_finite
     try:

@@ -12,6 +12,8 @@ from typing import Dict, List, Optional, Sequence
 
 from absl import logging
 
+from ebrl_jax.runtime import storage
+
 
 @dataclasses.dataclass(frozen=True)
 class ProcessConfig:
@@ -66,10 +68,8 @@ def configure_jax(platform: str, compilation_cache_dir: str) -> None:
     jax.config.update('jax_platforms', platform)
   if compilation_cache_dir:
     cache_dir = os.path.abspath(os.path.expanduser(compilation_cache_dir))
-    try:
-      os.makedirs(cache_dir, exist_ok=True)
-    except OSError as e:
-      raise ValueError(f'--compilation_cache_dir={compilation_cache_dir!r} cannot be created: {e}') from e
+    # NOTE: JAX loads and runs the executables it finds there: a cache others can write to is refused.
+    storage.ensure_private_dir(cache_dir, '--compilation_cache_dir', group_may_write=False)
     jax.config.update('jax_compilation_cache_dir', cache_dir)
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
     logging.info('Persistent compilation cache: %s', cache_dir)

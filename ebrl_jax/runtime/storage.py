@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
 from typing import Any, Optional
 
 _CODES = {errno.ENOSPC: 'No space left on device', errno.EDQUOT: 'Disk quota exceeded'}
@@ -38,9 +39,12 @@ def write_json(path: str, data: Any, **dump_kwargs) -> None:
   the temporary file does not stay behind."""
   tmp = f'{path}.{os.getpid()}.tmp'
   try:
-    with open(tmp, 'w') as f:
+    if os.path.lexists(tmp):  # left by a crash, or planted: removed, never written through
+      os.remove(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, 'w') as f:
       json.dump(data, f, **dump_kwargs)
-    os.replace(tmp, path)
+    os.replace(tmp, path)  # NOTE: a rename replaces a symlink at `path` itself; it never writes through it
   finally:
     if os.path.exists(tmp):
       os.remove(tmp)
@@ -65,3 +69,31 @@ def resume_advice(run_dir: str) -> str:
             'resume: free space and start again.')
   return (f'checkpoint {step} in {checkpoints} is intact and loadable (saves are atomic): free space, then '
           'continue with --resume.')
+
+
+def ensure_private_dir(path: str, flag: str = '--run_dir', group_may_write: bool = True) -> None:
+  """Creates `path` for this user only (0700) or checks an existing one: refused (a ValueError naming `flag`) when
+  another user owns it, or when every user (or, with `group_may_write` False, the group) may write to it without
+  the sticky bit: another user could plant files or symlinks the run would then write through or load."""
+  try:
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+  except OSError as e:
+    raise ValueError(f'{flag}={path} cannot be created: {e}') from None
+  if st.st_uid != os.geteuid():
+    raise ValueError(f'{flag}={path} belongs to another user (uid {st.st_uid}); choose a directory of your own.')
+  others = stat.S_IWOTH | (0 if group_may_write else stat.S_IWGRP)
+  if st.st_mode & others and not st.st_mode & stat.S_ISVTX:
+    raise ValueError(f'{flag}={path} is writable by other users (mode {stat.S_IMODE(st.st_mode):o}); '
+                     f'`chmod go-w {path}` or choose another directory.')
+
+
+def open_append(path: str):
+  """`path` opened for appending lines (line-buffered, 0600 when new), refusing to follow a symbolic link."""
+  try:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+  except OSError as e:
+    if e.errno == errno.ELOOP:
+      raise ValueError(f'{path} is a symbolic link; the run writes no file through one.') from None
+    raise
+  return os.fdopen(fd, 'a', buffering=1)
