@@ -58,7 +58,7 @@ def _probe_and_check(tmp_path, bin_dir, env):
   out = tmp_path / 'out' / 'mps_kill.json'
   proc = subprocess.run([
       sys.executable, 'experiments/mps_kill.py', f'--out={out}', f'--run_dir={tmp_path / "run"}',
-      '--start_timeout_s=240', '--stop_timeout_s=60', '--', '--flagfile=experiments/quickstart.flags',
+      '--start_timeout_s=240', '--stop_timeout_s=60', '--', '--flagfile=experiments/quickstart.flags', '--platform=',
       '--schedule=async', '--num_groups=2', '--num_timesteps=100000000', '--num_evals=2000', '--target_return=100000',
       '--noprogress_bar', '--compilation_cache_dir='
   ],
