@@ -41,8 +41,8 @@ def arm_parent_death_signal(sig: int = PARENT_DEATH_SIGNAL) -> bool:
     return False
 
 
-def _alive(pid: int) -> bool:
-  """Whether `pid` runs (a zombie counts as gone)."""
+def pid_alive(pid: int) -> bool:
+  """Whether process `pid` (> 0) exists and has not exited (a zombie, exited but not yet reaped, counts as dead)."""
   try:
     os.kill(pid, 0)
     with open(f'/proc/{pid}/stat') as f:
@@ -59,7 +59,7 @@ def end_with_creator(creator: int) -> None:
   nothing."""
   if os.getppid() == creator:
     arm_parent_death_signal()
-  if os.getppid() != creator and not _alive(creator):
+  if os.getppid() != creator and not pid_alive(creator):
     os.kill(os.getpid(), PARENT_DEATH_SIGNAL)
 
 
@@ -111,7 +111,7 @@ class ParentWatch:
   def __init__(self, stop):
     self._stop, self._parent = stop, os.getppid()
     creator = getattr(stop, 'creator', None)  # a StopFlag: the controller, which may have died before now
-    self._orphaned = creator is not None and creator != self._parent and not _alive(creator)
+    self._orphaned = creator is not None and creator != self._parent and not pid_alive(creator)
 
   def is_set(self) -> bool:
     return self._orphaned or os.getppid() != self._parent or self._stop.is_set()

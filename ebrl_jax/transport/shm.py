@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
+from ebrl_jax.runtime.lifecycle import pid_alive
 from ebrl_jax.transport import base
 from ebrl_jax.transport.specs import RecordSpec, align_up
 
@@ -42,18 +43,6 @@ LOCK_TIMEOUT_S = 10.0  # a live holder keeps a lock for a few integer ops; past 
 WAIT_SLICE_S = 0.1  # a blocked put/get looks for dead peers this often
 _TRACK_KWARG = sys.version_info >= (3, 13)
 _UNTRACKED = threading.Lock()
-
-
-def pid_alive(pid: int) -> bool:
-  """Whether process `pid` (> 0) exists and has not exited (a zombie, exited but not yet reaped, counts as dead)."""
-  try:
-    os.kill(pid, 0)
-    with open(f'/proc/{pid}/stat') as f:
-      return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
-  except (ProcessLookupError, FileNotFoundError):
-    return False
-  except (OSError, IndexError):  # another user's process, or no /proc: it exists
-    return True
 
 
 def attach(name: str) -> shared_memory.SharedMemory:
