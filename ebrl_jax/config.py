@@ -20,7 +20,7 @@ BACKENDS = ('mujoco_cpu', 'mjx', 'mjx_warp')
 POLICIES = ('mlp', 'transformer', 'token')
 COMPUTE_DTYPES = ('float32', 'bfloat16')
 ALGORITHMS = ('ppo', 'grpo')
-SCHEDULES = ('fused', 'sync', 'async')
+SCHEDULES = ('fused', 'sync', 'async', 'overlap')
 TRANSPORTS = ('shm', 'thread')
 FAULT_POLICIES = ('restart', 'stop')
 
@@ -206,7 +206,7 @@ class ScheduleConfig:
 
   @property
   def staleness_bound(self) -> int:
-    """Versions a segment's policy may lag the trainer's: 0 for fused and sync (on-policy)."""
+    """Versions a segment's policy may lag the trainer's: 0 for fused, sync and overlap (on-policy)."""
     return self.max_staleness if self.name == 'async' else 0
 
 
@@ -239,10 +239,13 @@ class Config:
                        f'whole GRPO groups of --group_size={self.sim.group_size}.')
     if self.resources.plan and self.schedule.name == 'fused':
       raise ValueError('--plan chooses env groups and SM quotas for the process schedules; it needs '
-                       '--schedule=sync or --schedule=async.')
+                       '--schedule=sync or --schedule=async (or --schedule=overlap).')
     if self.resources.quota_schedule and self.schedule.name == 'fused':
       raise ValueError(f'--quota_schedule={self.resources.quota_schedule} swaps rollout workers; it needs '
-                       '--schedule=sync or --schedule=async.')
+                       '--schedule=sync or --schedule=async (or --schedule=overlap).')
+    if self.resources.slack_quotas and self.schedule.name == 'fused':
+      raise ValueError('--slack_quotas changes the rollout workers\' quota; it needs a process schedule (sync, '
+                       'async or overlap).')
     if not self.schedule.colocate_generation and self.sim.backend != 'mujoco_cpu':
       raise ValueError('--nocolocate_generation (a separate generation worker) needs --backend=mujoco_cpu; '
                        f'got --backend={self.sim.backend}.')
@@ -253,8 +256,9 @@ class Config:
       if 'rollout' in self.resources.quotas:
         raise ValueError(f'--sm_quotas={self.resources.sm_quotas} gives the rollout workers a quota, but {hint}; '
                          'give --sm_quotas=generation=...,trainer=... instead.')
-      if self.resources.quota_schedule or self.resources.replan:
-        raise ValueError(f'--quota_schedule / --replan change the rollout workers\' quota, but {hint}.')
+      if self.resources.quota_schedule or self.resources.replan or self.resources.slack_quotas:
+        raise ValueError(f'--quota_schedule / --replan / --slack_quotas change the rollout workers\' quota, but '
+                         f'{hint}.')
     if self.algo.unroll_length % self.policy.action_chunk:
       raise ValueError(f'--unroll_length={self.algo.unroll_length} must be a multiple of '
                        f'--action_chunk={self.policy.action_chunk}.')

@@ -7,6 +7,7 @@ from typing import Dict, Tuple
 
 from ebrl_jax.config_checks import check_choice as _check_choice
 from ebrl_jax.config_checks import check_positive as _check_positive
+from ebrl_jax.config_checks import check_range as _check_range
 
 QUOTA_ROLES = ('trainer', 'rollout', 'generation')
 
@@ -80,6 +81,12 @@ class ResourceConfig:
   # Manual rollout quota changes through the same warm-standby swaps, 'iteration:rollout=percent[,...]', e.g.
   # '10:rollout=40' switches every rollout worker to 40 % at trainer iteration 10 (measures a change's cost).
   quota_schedule: str = ''
+  # Slack-aware rollout quotas (docs/architecture.md, The overlap schedule): each iteration's measured stage times
+  # give the critical path and the slack beside it; a quota that shrinks work with slack and grows the critical
+  # path's is tried by the same swaps, kept only if --slack_trial_iterations iterations run faster, else reverted.
+  slack_quotas: bool = False
+  slack_trial_iterations: int = 5
+  slack_step: int = 10  # quota points moved per candidate
 
   def __post_init__(self):
     _check_choice('platform', self.platform, ('', 'cpu', 'gpu', 'cuda'))
@@ -103,6 +110,12 @@ class ResourceConfig:
     changes = self.quota_changes  # parses and checks
     if changes and not self.use_mps:
       raise ValueError(f'--quota_schedule={self.quota_schedule} needs --use_mps (quotas are an MPS setting).')
+    _check_positive('slack_trial_iterations', self.slack_trial_iterations)
+    _check_range('slack_step', self.slack_step, 1, 90)
+    if self.slack_quotas and not self.use_mps:
+      raise ValueError('--slack_quotas changes SM quotas, an MPS setting; it needs --use_mps.')
+    if self.slack_quotas and (changes or self.replan):
+      raise ValueError('--slack_quotas, --replan and --quota_schedule each change the rollout quota; give one.')
     if changes and self.replan:
       raise ValueError(f'--quota_schedule={self.quota_schedule} and --replan both change the rollout quota '
                        'during the run; use one of them.')

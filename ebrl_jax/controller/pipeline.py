@@ -1,11 +1,13 @@
-"""The process schedules, `sync` and `async`: one trainer worker and one rollout worker per env group (and, with
-`--nocolocate_generation`, one generation worker), composed from the topology, the transport and the supervisor.
+"""The process schedules, `sync`, `async` and `overlap`: one trainer worker and one rollout worker per env group
+(and, with `--nocolocate_generation`, one generation worker), composed from the topology, the transport and the
+supervisor.
 
 The controller builds the transport (a segment channel and a versioned parameter store) from the topology, lets
 the supervisor start and watch the workers, and on exit — normal, error, Ctrl-C or SIGTERM — stops every child and
 unlinks every shared-memory segment. `sync` is the staleness bound 0 (a barrier each iteration); `async` lets each
-group run up to `--max_staleness` versions ahead of the trainer, with the decoupled PPO correction. With
-`--quota_schedule` or `--replan`, the watch loop also changes the rollout workers' SM quota during the run by
+group run up to `--max_staleness` versions ahead of the trainer, with the decoupled PPO correction; `overlap` is
+`sync` plus the windows of its iteration graph (controller/iteration_graph.py). With `--quota_schedule`,
+`--replan` or `--slack_quotas`, the watch loop also changes the rollout workers' SM quota during the run by
 warm-standby swaps (controller/replan.py).
 """
 from __future__ import annotations
@@ -185,6 +187,7 @@ def run(cfg: config_lib.Config,
       mps_daemon = None
     cfg, topology, plan_record, memory_plan = _plan(cfg, topology, memory_plan, mps_daemon)
     logging.info('topology: %s', topology.describe())
+    logging.info('%s', topology.iteration_graph.lines())
     placement = supervisor_lib.Placement(cfg, topology, mps_daemon, memory_plan)
     seg_channel, store, mailbox = _transport(cfg, topology, registry)
     parts = [seg_channel, store] + ([mailbox.requests] + mailbox.replies if mailbox is not None else [])
@@ -223,6 +226,7 @@ def _add_extra(cfg, summary, workers, topology, plan_record, memory_plan, change
   """What the controller saw, into `summary.extra`: restarts, rollout figures, the plan, memory, live changes,
   the generation worker's batching and the topology."""
   summary.extra['topology'] = topology.describe()
+  summary.extra['iteration_graph'] = topology.iteration_graph.describe()
   summary.extra['worker_restarts'] = workers.restarts
   summary.extra['rollout'] = rollout_figures(cfg, workers.control_history)
   if summary.extra['rollout']['env_steps_per_s']:

@@ -300,7 +300,7 @@ def make_replanner(cfg: config_lib.Config, store, start_iteration: int = 0) -> p
   fixed = {'num_groups': cfg.schedule.num_groups, planner.TRAINER: quotas[planner.TRAINER]}
   if not cfg.schedule.colocate_generation:
     fixed[planner.GENERATION] = quotas[planner.GENERATION]
-  schedule = 'sync' if cfg.schedule.name == 'sync' else 'async'
+  schedule = 'async' if cfg.schedule.name == 'async' else 'sync'  # overlap plans as sync (its semantics)
   initial = planner.evaluate(store, space, cfg.schedule.num_groups, quotas, schedule)
   r = cfg.resources
   return planner.Replanner(space,

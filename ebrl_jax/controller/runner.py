@@ -43,7 +43,8 @@ def _run_fused(cfg: config_lib.Config, pids: Dict[str, int], start: driver.Start
 SCHEDULES: Dict[str, Callable[[config_lib.Config, Dict[str, int], driver.StartClock], driver.RunSummary]] = {
     'fused': _run_fused,
     'sync': pipeline.run,
-    'async': pipeline.run
+    'async': pipeline.run,
+    'overlap': pipeline.run
 }
 
 

@@ -12,6 +12,7 @@ from ebrl_jax import config as config_lib
 from ebrl_jax import sim
 from ebrl_jax import types
 from ebrl_jax import transport
+from ebrl_jax.controller import iteration_graph as graph_lib
 from ebrl_jax.generation import policies
 from ebrl_jax.generation import worker as generation_worker
 from ebrl_jax.rollout import groups
@@ -44,6 +45,7 @@ class Topology:
   trainer: driver.TrainerConfig
   rollout: groups.RolloutConfig  # every group's (the group index is the worker's argument)
   generation: Optional[generation_worker.GenerationConfig]  # None: generation is co-located with simulation
+  iteration_graph: graph_lib.IterationGraph  # the tasks of one iteration and the windows the schedule runs
 
   @property
   def roles(self) -> Tuple[str, ...]:
@@ -132,7 +134,9 @@ def process_config(cfg: config_lib.Config) -> startup.ProcessConfig:
                                compilation_cache_dir=cfg.schedule.compilation_cache_dir)
 
 
-def _worker_configs(cfg: config_lib.Config):
+def _worker_configs(cfg: config_lib.Config, switches: Tuple[str, ...]):
+  """The trainer's, the rollout workers' and the generation worker's parts; `switches` are the overlap windows
+  the iteration graph realises (each worker runs the ones it owns)."""
   process = process_config(cfg)
   rollout = groups.RolloutConfig(process=process,
                                  sim=cfg.sim,
@@ -141,7 +145,8 @@ def _worker_configs(cfg: config_lib.Config):
                                  seed=cfg.schedule.seed,
                                  group_envs=cfg.group_envs,
                                  staleness_bound=cfg.schedule.staleness_bound,
-                                 env_slices=cfg.schedule.env_slices)
+                                 env_slices=cfg.schedule.env_slices,
+                                 windows=switches)
   generation = None
   if not cfg.schedule.colocate_generation:
     generation = generation_worker.GenerationConfig(process=process,
@@ -151,7 +156,7 @@ def _worker_configs(cfg: config_lib.Config):
                                                     num_requesters=cfg.schedule.num_groups * cfg.schedule.env_slices,
                                                     slice_envs=cfg.slice_envs,
                                                     total_envs=cfg.sim.num_envs)
-  return driver.trainer_config(cfg, process), rollout, generation
+  return dataclasses.replace(driver.trainer_config(cfg, process), windows=switches), rollout, generation
 
 
 def make_topology(cfg: config_lib.Config) -> Topology:
@@ -160,12 +165,13 @@ def make_topology(cfg: config_lib.Config) -> Topology:
   # Native-MuJoCo rollout workers served by a generation worker hold no GPU context.
   gpu_roles = tuple(r for r in feeders + cpu_roles if not (cfg.rollout_on_host and r.startswith('rollout/')))
   planned = gpu_roles
-  if (cfg.resources.quota_schedule or cfg.resources.replan) and 'rollout/0' in gpu_roles:
+  if (cfg.resources.quota_schedule or cfg.resources.replan or cfg.resources.slack_quotas) and 'rollout/0' in gpu_roles:
     planned += tuple(f'standby/{g}' for g in range(cfg.schedule.num_groups))
   request = reply = None
   if not cfg.schedule.colocate_generation:
     request, reply = mailbox_specs(cfg, spec)
-  trainer, rollout, generation = _worker_configs(cfg)
+  graph = graph_lib.make_graph(cfg)
+  trainer, rollout, generation = _worker_configs(cfg, graph.switches())
   return Topology(env_spec=spec,
                   num_groups=cfg.schedule.num_groups,
                   cpu_roles=cpu_roles,
@@ -179,4 +185,5 @@ def make_topology(cfg: config_lib.Config) -> Topology:
                   param_template=param_template(cfg, spec),
                   trainer=trainer,
                   rollout=rollout,
-                  generation=generation)
+                  generation=generation,
+                  iteration_graph=graph)

@@ -160,7 +160,7 @@ def plan_run(cfg: config_lib.Config, mps_active: bool, worker_env) -> Tuple[conf
     calibrated_s = time.monotonic() - t0
   space = plan_space(cfg, mps_active)
   pinned = {role: q for role, q in cfg.resources.quotas.items() if role in space.roles} if mps_active else {}
-  schedule = 'sync' if cfg.schedule.name == 'sync' else 'async'
+  schedule = 'async' if cfg.schedule.name == 'async' else 'sync'  # overlap plans as sync (its semantics)
   chosen = planner.plan(store, space, schedule, pinned)
   fused_like = planner.evaluate(store, space, 1, {r: 100 for r in space.roles}, 'sync') if not mps_active else None
   logging.info('--plan chose %s', chosen.reason)

@@ -91,6 +91,7 @@ class CpuCollector:
     self._unrolls, self._steps, self._episodic = unrolls, steps, episodic
     self.buffer = SegmentBuffer(steps, unrolls * self._n, spec, action_chunk)
     self._obs: Optional[np.ndarray] = None if episodic else pool.reset()
+    self._prepared = False  # episodic: the next collect's reset has been done ahead (`prepare_next`)
 
   def set_act(self, act_fn) -> None:
     """Replaces the (unsliced) act, e.g. by its ahead-of-time compiled program."""
@@ -100,9 +101,17 @@ class CpuCollector:
     """Fresh episodes for every env (after a fault, say)."""
     self._obs = None if self._episodic else self._pool.reset()
 
-  def collect(self, params, version: int, key) -> Tuple[types.Transition, types.EpisodeStats]:
-    if self._episodic:
+  def prepare_next(self) -> None:
+    """Episodic: the next collect's reset, now (the overlap schedule calls it while the trainer trains). The
+    pool's reset draws its numbers in call order, so the next episodes start from the same states."""
+    if self._episodic and not self._prepared:
       self._obs = self._pool.reset()
+      self._prepared = True
+
+  def collect(self, params, version: int, key) -> Tuple[types.Transition, types.EpisodeStats]:
+    if self._episodic and not self._prepared:
+      self._obs = self._pool.reset()
+    self._prepared = False
     if self._executor is None:
       stats = self._collect_envs(self._act, 0, self._n, params, version, key)
     else:

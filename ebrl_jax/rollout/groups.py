@@ -32,6 +32,9 @@ class RolloutConfig:
   group_envs: int
   staleness_bound: int
   env_slices: int = 1
+  # Overlap windows this worker runs (controller/iteration_graph.py): 'reset_next' resets a native-MuJoCo
+  # group's envs for its next episodes right after it hands in a segment.
+  windows: Tuple[str, ...] = ()
 
 
 class Group(Protocol):
@@ -43,6 +46,9 @@ class Group(Protocol):
 
   def set_min_version(self, version: int) -> None:
     """The oldest policy version a remote act may answer with (a local act is given its parameters)."""
+
+  def prepare_next(self) -> None:
+    """Work for the next collect that needs no parameters (the 'reset_next' overlap window), or nothing."""
 
   def close(self) -> None:
     """Frees the group's envs and threads."""
@@ -74,6 +80,9 @@ class MjxGroup:
 
   def set_min_version(self, version: int) -> None:
     del version
+
+  def prepare_next(self) -> None:
+    pass  # the reset is inside the jitted collect program
 
   def close(self) -> None:
     pass
@@ -146,6 +155,9 @@ class CpuGroup:
 
   def collect(self, params, version: int, key):
     return self.collector.collect(params, version, key)
+
+  def prepare_next(self) -> None:
+    self.collector.prepare_next()
 
   def close(self) -> None:
     self.collector.close()

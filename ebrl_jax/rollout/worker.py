@@ -139,6 +139,9 @@ def rollout_main(cfg: groups.RolloutConfig,
             break
           except TimeoutError:
             continue
+      if 'reset_next' in cfg.windows:  # the overlap window: next episodes' reset while the trainer trains
+        with tracer.span('rollout/reset_next', iteration=iteration + 1):
+          worker.prepare_next()
       iteration += 1
   except (ChannelClosed, InterruptedError):
     pass

@@ -250,14 +250,14 @@ class Checkpointer:
     self.close()
 
 
-def open_and_resume(run_dir: str, schedule, template_state: TrainState):
+def open_and_resume(run_dir: str, schedule, template_state: TrainState, async_save: bool = False):
   """A run's start, by its `config.ScheduleConfig`: (checkpointer or None, train_state, None) for a fresh run, or
   (checkpointer, the state of the newest intact checkpoint, {'step', 'env_steps', 'iterations', 'schedule',
   'skipped_damaged'}) with --resume. The controller checked the directory before anything started; these errors
-  guard a driver run on its own."""
+  guard a driver run on its own. `async_save`: saves write in the background (the overlap schedule)."""
   checkpointer = None
   if schedule.checkpoint_every or schedule.resume:
-    checkpointer = Checkpointer(os.path.join(os.path.abspath(run_dir), 'checkpoints'))
+    checkpointer = Checkpointer(os.path.join(os.path.abspath(run_dir), 'checkpoints'), async_save=async_save)
   state, resumed = _resume(checkpointer, template_state, schedule.resume, run_dir, schedule.name)
   return checkpointer, state, resumed
 

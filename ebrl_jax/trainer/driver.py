@@ -25,6 +25,7 @@ from ebrl_jax.runtime import metrics as metrics_lib
 from ebrl_jax.runtime import startup
 from ebrl_jax.runtime import storage
 from ebrl_jax.trainer import checkpoint as checkpoint_lib
+from ebrl_jax.trainer import evaluations
 from ebrl_jax.trainer import stages as trainer_stages
 
 
@@ -55,6 +56,7 @@ class TrainerConfig:
   env_steps_per_iteration: int
   start: Optional[StartClock] = None
   fixed_chunks: bool = False
+  windows: Tuple[str, ...] = ()  # overlap windows it runs: 'h2d', 'evaluate', 'checkpoint' (iteration_graph.py)
 
 
 def trainer_config(cfg: config_lib.Config,
@@ -189,19 +191,8 @@ def _iteration_plan(cfg: TrainerConfig) -> Tuple[int, int, int]:
 
 def _evaluate(cfg, source, train_state, root_key, progress: _Progress, logger, clock: _Clock) -> float:
   eval_metrics = source.evaluate(train_state.params, keys.eval_key(root_key, progress.iterations))
-  eval_return = eval_metrics['eval/episode_return']
-  progress.eval_curve.append({
-      'env_steps': progress.env_steps,
-      'wall_s': round(clock.now(), 3),
-      'train_s': round(progress.train_wall, 3),
-      'return': eval_return,
-      'unix': round(time.time(), 3)
-  })
-  logger.log(progress.env_steps, eval_metrics)
-  target = cfg.schedule.target_return
-  if target is not None and progress.target_hit is None and eval_return >= target:
-    progress.target_hit = (progress.env_steps, clock.now(), progress.train_wall)
-  return eval_return
+  return evaluations.record(progress, logger, cfg.schedule.target_return, eval_metrics, progress.env_steps, clock.now(),
+                            progress.train_wall)
 
 
 def _save(cfg, checkpointer, train_state, progress: _Progress, spec) -> None:
@@ -312,8 +303,10 @@ def _summary(cfg, progress: _Progress, clock: _Clock, num_params: int, extra: di
                     start_unix=clock.start_unix)
 
 
-def _loop(cfg, source, train_state, root_key, progress: _Progress, logger, clock, checkpointer, spec) -> str:
-  """Evaluates, checkpoints and trains until the run is done; returns why it stopped (see RunSummary.stopped)."""
+def _loop(cfg, source, train_state, root_key, progress: _Progress, logger, clock, checkpointer, spec,
+          off_path: Optional[evaluations.OffPath]) -> str:
+  """Evaluates, checkpoints and trains until the run is done; returns why it stopped (see RunSummary.stopped).
+  With `off_path` (the 'evaluate' window) every evaluation but the first runs beside the training after it."""
   per_iteration, total, per_eval = _iteration_plan(cfg)
   first, eval_return = True, None
   while True:
@@ -323,7 +316,11 @@ def _loop(cfg, source, train_state, root_key, progress: _Progress, logger, clock
       _save(cfg, checkpointer, train_state, progress, spec)
       return 'max_wall_s'
     if first or progress.iterations % per_eval == 0 or progress.iterations >= total:
-      eval_return = _evaluate(cfg, source, train_state, root_key, progress, logger, clock)
+      if off_path is None or first:
+        eval_return = _evaluate(cfg, source, train_state, root_key, progress, logger, clock)
+      else:
+        eval_return = off_path.drain(progress, logger, clock.now) or eval_return
+        off_path.submit(source, train_state.params, keys.eval_key(root_key, progress.iterations), progress)
       if first:
         clock.mark('first_eval')
       every = cfg.schedule.checkpoint_every  # the cadence: every `every` evaluations, and at the run's end
@@ -359,7 +356,10 @@ def train(cfg: TrainerConfig, make_source) -> RunSummary:
                                                 cfg.policy.normalize_observations)
   num_params = policies.count_params(train_state.params.network)
   clock.mark('state_init')
-  checkpointer, train_state, resumed = checkpoint_lib.open_and_resume(run_dir, cfg.schedule, train_state)
+  checkpointer, train_state, resumed = checkpoint_lib.open_and_resume(run_dir,
+                                                                      cfg.schedule,
+                                                                      train_state,
+                                                                      async_save='checkpoint' in cfg.windows)
   env_steps, iterations = (resumed['env_steps'], resumed['iterations']) if resumed else (0, 0)
   clock.mark('restore')
   per_iteration, total_iterations, per_eval = _iteration_plan(cfg)
@@ -373,16 +373,21 @@ def train(cfg: TrainerConfig, make_source) -> RunSummary:
   clock.mark('env_build')
   progress = _Progress(env_steps, iterations, iterations, resumed['step'] if resumed else None)
   stopped = 'start-up'
+  off_path = evaluations.OffPath(cfg.schedule.target_return) if 'evaluate' in cfg.windows else None
   try:
     if cfg.start is None:  # a driver run on its own: its figures count from its compile
       clock = _Clock(StartClock(time.time()))
     clock.mark('compile', seconds=source.compile(train_state, per_eval))
-    stopped = _loop(cfg, source, train_state, root_key, progress, logger, clock, checkpointer, spec)
+    stopped = _loop(cfg, source, train_state, root_key, progress, logger, clock, checkpointer, spec, off_path)
+    if off_path is not None:
+      off_path.drain(progress, logger, clock.now)
   except errors.StopRequested as stop:
     stopped = stop.reason
   except KeyboardInterrupt as interrupt:  # SIGINT, or SIGTERM turned into one (runtime/errors.interrupt)
     stopped = errors.stop_reason(interrupt)
   finally:
+    if off_path is not None:  # a run stopped part-way: the evaluations asked for before the stop still count
+      off_path.close(progress, logger, clock.now, quiet=(errors.StopRequested, KeyboardInterrupt))
     extra = source.summary_extra() if hasattr(source, 'summary_extra') else {}
     if progress.startup_s is not None:  # kept so a rate with the first iteration counted in can be recomputed
       extra['startup_s'] = progress.startup_s

@@ -17,6 +17,7 @@ from typing import Any, Dict, NamedTuple, Optional
 
 from absl import logging
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ebrl_jax import types
@@ -57,6 +58,8 @@ class ChannelSource:
     self._cfg, self._spec, self._ch = cfg, spec, channels
     self._num_groups = cfg.schedule.num_groups
     self._bound = cfg.schedule.staleness_bound
+    self._h2d = 'h2d' in cfg.windows
+    self._on_device: Dict[int, Any] = {}
     self._train = trainer_stages.make_train_fn(network,
                                                optimizer,
                                                cfg.algo,
@@ -105,8 +108,10 @@ class ChannelSource:
       raise errors.StopRequested('stopped by the controller')
 
   def _next_records(self, version: int):
-    """Blocks until `num_groups` usable records are in; drops stale ones. Raises StopRequested on a stop."""
-    records = []
+    """Blocks until `num_groups` usable records are in; drops stale ones. Raises StopRequested on a stop. With
+    the 'h2d' window each record's transition is copied to the device as it arrives (`self._on_device`, by
+    group), while the groups still simulating go on."""
+    records, self._on_device = [], {}
     while len(records) < self._num_groups:
       if self._startup_s is None:
         self._phase(f'waiting for the first segments ({len(records)} of {self._num_groups} groups in)')
@@ -126,7 +131,18 @@ class ChannelSource:
         continue
       self.counts['max_staleness_seen'] = max(self.counts['max_staleness_seen'], staleness)
       records.append(record)
+      if self._h2d:
+        with self.tracer.span('train/h2d', version=version, group=int(record.group[0])):
+          self._on_device[int(record.group[0])] = jax.device_put(record.transition)
     return records
+
+  def _batch(self, records):
+    """The iteration's batch [T, S, ...]: the groups' transitions in group order, joined on the env axis (on the
+    device from the copies made as they arrived, with the 'h2d' window; the same values either way)."""
+    if self._h2d:
+      parts = [self._on_device[int(r.group[0])] for r in records]
+      return jax.tree.map(lambda *p: jnp.concatenate(p, axis=1), *parts)
+    return jax.tree.map(lambda *parts: np.concatenate(parts, axis=1), *(r.transition for r in records))
 
   def run_iterations(self, train_state, num_iterations: int):
     acc = metrics_lib.IterationMetrics(self._cfg.algo.name)
@@ -152,7 +168,7 @@ class ChannelSource:
       records = self._next_records(version)
     t1 = time.monotonic()
     records.sort(key=lambda r: int(r.group[0]))
-    batch = jax.tree.map(lambda *parts: np.concatenate(parts, axis=1), *(r.transition for r in records))
+    batch = self._batch(records)
     train_key = keys.train_key(self._root_key, version)
     if self._startup_s is None:
       self._phase('first train step (compiling it)')
@@ -192,7 +208,7 @@ class ChannelSource:
   def evaluate(self, params, key) -> Dict[str, float]:
     self._check_stop()  # a stop asked for meanwhile is not kept waiting by an evaluation
     self._phase('the first evaluation')  # no-op once training has started
-    with self.tracer.span('train/evaluate'):
+    with self.tracer.span('train/evaluate', thread=threading.current_thread().name):
       return self._evaluator.evaluate(params, key)
 
   def summary_extra(self) -> Dict[str, Any]:

@@ -1,0 +1,70 @@
+"""The driver's evaluation curve: each evaluation recorded in order, in line or off the critical path.
+
+`record` appends one point to a run's curve (and notes the target); `OffPath` is the overlap schedule's
+'evaluate' window (controller/iteration_graph.py): version v's evaluation runs in one background thread on a
+device copy of its parameters (the next train step donates the train state) while training goes on, and its point
+is recorded, in order, before the next evaluation and at the end, with the step counts of the moment it was asked
+for. The same parameters and key as in line: the same return, bit for bit.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from typing import Callable, List, Optional, Tuple
+
+import jax
+
+
+def record(progress, logger, target: Optional[float], eval_metrics, env_steps: int, wall_s: float,
+           train_s: float) -> float:
+  """Appends an evaluation to `progress.eval_curve` (and `progress.target_hit` once `target` is reached); logs
+  it at `env_steps`. Returns the evaluation's return."""
+  eval_return = eval_metrics['eval/episode_return']
+  progress.eval_curve.append({
+      'env_steps': env_steps,
+      'wall_s': round(wall_s, 3),
+      'train_s': round(train_s, 3),
+      'return': eval_return,
+      'unix': round(time.time(), 3)
+  })
+  logger.log(env_steps, eval_metrics)
+  if target is not None and progress.target_hit is None and eval_return >= target:
+    progress.target_hit = (env_steps, wall_s, train_s)
+  return eval_return
+
+
+def device_copy(tree):
+  """A copy of every array of `tree` that a later donation of the original leaves intact."""
+  return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, tree)
+
+
+class OffPath:
+  """Evaluations in one background thread, recorded in the order they were asked for."""
+
+  def __init__(self, target: Optional[float]):
+    self._target = target
+    self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='evaluate')
+    self._pending: List[Tuple[concurrent.futures.Future, int, float]] = []
+
+  def submit(self, source, params, key, progress) -> None:
+    """`source.evaluate(params, key)` in the background, for the point at `progress`'s step counts now."""
+    future = self._executor.submit(source.evaluate, device_copy(params), key)
+    self._pending.append((future, progress.env_steps, progress.train_wall))
+
+  def drain(self, progress, logger, now: Callable[[], float]) -> Optional[float]:
+    """Waits for every pending evaluation and records it; returns the last return (None: none pending)."""
+    eval_return = None
+    while self._pending:
+      future, env_steps, train_s = self._pending.pop(0)
+      eval_return = record(progress, logger, self._target, future.result(), env_steps, now(), train_s)
+    return eval_return
+
+  def close(self, progress, logger, now: Callable[[], float], quiet: Tuple[type, ...] = ()) -> None:
+    """Records what is still pending (an evaluation that raised one of `quiet`, a stop request say, ends it
+    without a word), then stops the thread."""
+    try:
+      self.drain(progress, logger, now)
+    except quiet:
+      pass
+    finally:
+      self._executor.shutdown(wait=True, cancel_futures=True)
