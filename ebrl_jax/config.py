@@ -12,10 +12,13 @@ from typing import Optional, Tuple
 from ebrl_jax.config_checks import check_choice as _check_choice
 from ebrl_jax.config_checks import check_positive as _check_positive
 from ebrl_jax.config_checks import check_range as _check_range
+from ebrl_jax.config_randomize import RANDOMIZE_PARAMS, RandomizationConfig, parse_randomize
 from ebrl_jax.config_resources import QUOTA_ROLES, ResourceConfig
 
 # Names accepted by the registries; the registries themselves check membership against these same tuples.
 TASKS = ('ant', 'halfcheetah', 'hopper', 'walker2d', 'humanoid', 'pusher', 'reacher', 'inverted_pendulum', 'push_cube')
+# `--task=playground:CartpoleBalance`: a MuJoCo Playground env by its registry name (the `playground` extra).
+PLAYGROUND_PREFIX = 'playground:'
 BACKENDS = ('mujoco_cpu', 'mjx', 'mjx_warp')
 POLICIES = ('mlp', 'transformer', 'token')
 COMPUTE_DTYPES = ('float32', 'bfloat16')
@@ -38,10 +41,18 @@ class SimConfig:
   # GRPO: envs come in groups of `group_size` that reset to the same initial state. 1 disables grouping.
   group_size: int = 1
   num_eval_envs: int = 16
+  # Domain randomisation, e.g. 'friction=0.8:1.2,mass=0.9:1.1,gain=0.9:1.1' (see config_randomize); '' is off.
+  randomize: str = ''
 
   def __post_init__(self):
-    _check_choice('task', self.task, TASKS)
     _check_choice('backend', self.backend, BACKENDS)
+    if self.task.startswith(PLAYGROUND_PREFIX):
+      self._check_playground()
+    else:
+      _check_choice('task', self.task, TASKS)
+    if self.randomization.enabled and (self.backend == 'mjx_warp' or self.task.startswith(PLAYGROUND_PREFIX)):
+      raise ValueError(f'--randomize={self.randomize} runs on --backend=mujoco_cpu or mjx with the project\'s own '
+                       f'tasks (got --backend={self.backend}, --task={self.task}).')
     _check_positive('num_envs', self.num_envs)
     _check_positive('episode_length', self.episode_length)
     _check_positive('action_repeat', self.action_repeat)
@@ -50,6 +61,18 @@ class SimConfig:
     _check_positive('num_eval_envs', self.num_eval_envs)
     if self.num_envs % self.group_size:
       raise ValueError(f'--num_envs={self.num_envs} must be a multiple of --group_size={self.group_size}.')
+
+  def _check_playground(self) -> None:
+    if not self.task[len(PLAYGROUND_PREFIX):]:
+      raise ValueError(f'--task={self.task} must name a Playground env, e.g. --task=playground:CartpoleBalance.')
+    if self.backend == 'mujoco_cpu':
+      raise ValueError(f'--task={self.task} is a MuJoCo Playground env, which runs on MJX: it needs --backend=mjx '
+                       'or --backend=mjx_warp (got --backend=mujoco_cpu).')
+
+  @property
+  def randomization(self) -> RandomizationConfig:
+    """The parsed `randomize` ranges (nothing randomised when it is '')."""
+    return parse_randomize(self.randomize)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,6 +34,7 @@ LAYERS = (
     ('ebrl_jax.config', 0),
     ('ebrl_jax.config_checks', 0),
     ('ebrl_jax.config_resources', 0),
+    ('ebrl_jax.config_randomize', 0),
     ('ebrl_jax.types', 0),
     ('ebrl_jax.generation.worker', 3),
     ('ebrl_jax.rollout.groups', 3),
@@ -66,7 +67,12 @@ STAGE_COMMON = frozenset({
     'os', 'concurrent', 'threading', 'enum', 'abc', 'itertools', 'time', 'json', 'shutil', 'contextlib', 'logging',
     'etils', 'importlib', 'pathlib', 'warnings'
 })
-STAGE_EXTRA = {'sim': {'brax', 'mujoco'}, 'generation': set(), 'trainer': {'orbax'}, 'rollout': set()}
+STAGE_EXTRA = {
+    'sim': {'brax', 'mujoco', 'mujoco_playground'},
+    'generation': set(),
+    'trainer': {'orbax'},
+    'rollout': set()
+}
 
 # A reason after `lazy:` in a comment, e.g. `# lazy: mujoco is heavy and only the cpu path needs it`.
 _LAZY_REASON = re.compile(r'(?:^|#)\s*lazy:\s*\S')

@@ -45,6 +45,8 @@ FILE_TIERS = {
     'test_agreement.py': 'contract',  # both backends agree to 5e-4; compiles MJX
     'test_agreement_push_cube.py': 'contract',  # the same for push_cube
     'test_push_cube.py': 'unit',
+    'test_randomize.py': 'contract',  # --randomize: spec, draws, both backends read back; compiles MJX
+    'test_playground.py': 'contract',  # a bundled Playground task through our MJX stages; compiles MJX
     'test_render.py': 'unit',
     'test_checkpoint.py': 'contract',
     'test_driver_startup.py': 'contract',

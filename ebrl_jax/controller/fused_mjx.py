@@ -55,7 +55,8 @@ class MjxFusedLoop:
                                         cfg.sim.episode_length,
                                         cfg.sim.action_repeat,
                                         auto_reset=not cfg.algo.episodic,
-                                        impl=sim_stages.impl_for_backend(cfg.sim.backend))
+                                        impl=sim_stages.impl_for_backend(cfg.sim.backend),
+                                        randomization=cfg.sim.randomization)
     self._network, self._optimizer = network, optimizer
     self._root_key = keys.root(cfg.schedule.seed)
     self._env_state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(self._env,

@@ -25,7 +25,8 @@ def make_pool(sim: config_lib.SimConfig, num_envs: int, seed: int, auto_reset: b
                             sim.num_threads,
                             seed=seed,
                             group_size=sim.group_size,
-                            auto_reset=auto_reset)
+                            auto_reset=auto_reset,
+                            randomization=sim.randomization)
 
 
 class SegmentBuffer:

@@ -51,7 +51,8 @@ class MjxEvaluator:
                                   sim.episode_length,
                                   sim.action_repeat,
                                   auto_reset=False,
-                                  impl=sim_stages.impl_for_backend(sim.backend))
+                                  impl=sim_stages.impl_for_backend(sim.backend),
+                                  randomization=sim.randomization)
     self._eval = jax.jit(
         functools.partial(mjx_rollout.evaluate_policy,
                           env,

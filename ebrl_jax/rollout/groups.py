@@ -66,7 +66,8 @@ class MjxGroup:
                                   sim.episode_length,
                                   sim.action_repeat,
                                   auto_reset=not cfg.collect.episodic,
-                                  impl=sim_stages.impl_for_backend(sim.backend))
+                                  impl=sim_stages.impl_for_backend(sim.backend),
+                                  randomization=sim.randomization)
     key = keys.env_reset_key(keys.root(cfg.seed), group)
     self._env_state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(env, key, num_envs, sim.group_size)
     self._program = jax.jit(functools.partial(mjx_rollout.collect_iteration, env, network, cfg.collect, num_envs),

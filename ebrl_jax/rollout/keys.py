@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from ebrl_jax import types
+from ebrl_jax.sim import randomize
 
 # Purposes: fixed numbers, so a key never changes when a purpose is added.
 INIT = 1  # network and train state initialisation
@@ -21,6 +22,9 @@ TRAIN = 4  # minibatch shuffles of one iteration's update (per iteration)
 EVAL = 5  # an evaluation (per trainer iteration at which it runs)
 EVAL_ENV = 6  # the evaluation envs (native MuJoCo pool seed)
 GENERATION = 7  # a generation worker's sampling
+# Domain randomisation: folded into each MJX env's reset key; a native-MuJoCo pool's draws are seeded with
+# (pool seed, ENV_RANDOMIZE). See ebrl_jax.sim.randomize.
+ENV_RANDOMIZE = randomize.KEY_PURPOSE
 
 
 def root(seed: int) -> types.PRNGKey:

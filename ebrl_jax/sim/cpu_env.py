@@ -32,7 +32,9 @@ from typing import Dict, Optional, Sequence, Tuple
 import mujoco
 import numpy as np
 
+from ebrl_jax import config as config_lib
 from ebrl_jax import types
+from ebrl_jax.sim import randomize
 from ebrl_jax.sim import registry
 from ebrl_jax.sim import render
 from ebrl_jax.sim import tasks
@@ -47,12 +49,12 @@ def load_model(task: registry.TaskDef) -> mujoco.MjModel:
   return model
 
 
-def _step_slice(model, datas, ids, ctrl, nstep, frame, fields) -> None:
+def _step_slice(models, datas, ids, ctrl, nstep, frame, fields) -> None:
   """Steps envs `ids` (ctrl [len(ids), A]) and gathers their data fields into `frame` rows."""
   for j, i in enumerate(ids):
     d = datas[i]
     d.ctrl[:] = ctrl[j]
-    mujoco.mj_step(model, d, nstep)  # releases the GIL
+    mujoco.mj_step(models[i], d, nstep)  # releases the GIL
     for f in fields:
       frame[f][i] = getattr(d, f)
 
@@ -61,7 +63,8 @@ class CpuEnvPool:
   """`num_envs` native-MuJoCo envs of one task; numpy in, numpy out (obs float32).
 
   With `camera`, each env also renders stacked camera frames after every reset and step: `pixels()`
-  (see `ebrl_jax.sim.render`).
+  (see `ebrl_jax.sim.render`). With `randomization` enabled, each env steps (and renders) its own copy of the
+  model, whose fields `reset` redraws (`ebrl_jax.sim.randomize`); `env_model(i)` is env i's model.
   """
 
   def __init__(self,
@@ -73,7 +76,8 @@ class CpuEnvPool:
                seed: int = 0,
                group_size: int = 1,
                auto_reset: bool = True,
-               camera: Optional[render.CameraObs] = None):
+               camera: Optional[render.CameraObs] = None,
+               randomization: Optional[config_lib.RandomizationConfig] = None):
     for field, value in (('num_envs', num_envs), ('episode_length', episode_length), ('action_repeat', action_repeat),
                          ('group_size', group_size)):
       if value <= 0:
@@ -88,6 +92,13 @@ class CpuEnvPool:
     self.group_size, self.auto_reset = group_size, auto_reset
     self.model = load_model(self._task)
     self._consts = tasks.make_consts(self.model, self._task.n_frames, self._task.params)
+    self.randomization = randomization if randomization is not None and randomization.enabled else None
+    if self.randomization is None:
+      self._models = [self.model] * num_envs
+    else:
+      self._models = [self.model.__copy__() for _ in range(num_envs)]  # deep copies (mj_copyModel)
+      self._base_fields = {f: v.copy() for f, v in randomize.base_fields(self.randomization, self.model).items()}
+      self._randomize_rng = np.random.default_rng(np.random.SeedSequence((seed, randomize.KEY_PURPOSE)))
     self._datas = [mujoco.MjData(self.model) for _ in range(num_envs)]
     self._fields = self._task.data_fields
     self._frame: Dict[str, np.ndarray] = {
@@ -102,7 +113,8 @@ class CpuEnvPool:
     self.num_threads = min(num_threads or len(os.sched_getaffinity(0)), num_envs)
     self._executor = (concurrent.futures.ThreadPoolExecutor(self.num_threads, thread_name_prefix='mj_step')
                       if self.num_threads > 1 else None)
-    self._pixels = render.PixelRenderer(self.model, camera, num_envs) if camera is not None else None
+    models = self._models if self.randomization is not None else None
+    self._pixels = render.PixelRenderer(self.model, camera, num_envs, models) if camera is not None else None
     self.reset()
 
   # -------------------------------------------------------------------------------------------- properties
@@ -113,6 +125,10 @@ class CpuEnvPool:
   @property
   def task(self) -> registry.TaskDef:
     return self._task
+
+  def env_model(self, env_id: int) -> mujoco.MjModel:
+    """The MjModel env `env_id` steps with (the shared `model` unless randomised)."""
+    return self._models[int(self._ids([env_id])[0])]
 
   # ------------------------------------------------------------------------------------------------ state
   def _ids(self, env_ids) -> np.ndarray:
@@ -129,10 +145,10 @@ class CpuEnvPool:
     """Puts envs `ids` at (qpos, qvel) as a fresh episode; data fields are recomputed with mj_forward."""
     for j, i in enumerate(ids):
       d = self._datas[i]
-      mujoco.mj_resetData(self.model, d)  # zero ctrl, time and solver warm start, like mjx.make_data
+      mujoco.mj_resetData(self._models[i], d)  # zero ctrl, time and solver warm start, like mjx.make_data
       d.qpos[:] = qpos[j]
       d.qvel[:] = qvel[j]
-      mujoco.mj_forward(self.model, d)
+      mujoco.mj_forward(self._models[i], d)
       for f in self._fields:
         self._frame[f][i] = getattr(d, f)
     self._steps[ids] = 0
@@ -147,7 +163,18 @@ class CpuEnvPool:
     groups = ids // self.group_size if grouped else ids
     uniq, inverse = np.unique(groups, return_inverse=True)
     qpos, qvel = self._task.reset_fn(self._rng, uniq.size, self._consts)
+    if grouped and self.randomization is not None:
+      self._randomize(ids, uniq.size, inverse)
     self._set(ids, qpos[inverse], qvel[inverse])
+
+  def _randomize(self, ids: np.ndarray, num_draws: int, inverse: np.ndarray) -> None:
+    """New model fields for envs `ids`: `num_draws` draws, env ids[j] taking draw inverse[j] (a group's envs
+    share one)."""
+    cfg, base = self.randomization, self._base_fields
+    draws = [randomize.apply(cfg, base, randomize.draw_numpy(cfg, base, self._randomize_rng)) for _ in range(num_draws)]
+    for j, i in enumerate(ids):
+      for field, value in draws[inverse[j]].items():
+        getattr(self._models[i], field)[:] = value
 
   def _obs(self, ids: np.ndarray) -> np.ndarray:
     frame = {f: v[ids] for f, v in self._frame.items()}
@@ -176,7 +203,7 @@ class CpuEnvPool:
 
   # ------------------------------------------------------------------------------------------------- step
   def _physics(self, ids: np.ndarray, ctrl: np.ndarray) -> None:
-    args = (self.model, self._datas)
+    args = (self._models, self._datas)
     tail = (self._task.n_frames, self._frame, self._fields)
     if self._executor is None or ids.size < 2:
       _step_slice(*args, ids, ctrl, *tail)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Optional
 
 import jax
 from jax import numpy as jnp
@@ -28,6 +29,8 @@ from brax import envs as brax_envs
 from brax.envs import base as brax_base
 from brax.envs.wrappers import training as brax_training
 
+from ebrl_jax import config as config_lib
+from ebrl_jax.sim import randomize
 from ebrl_jax.sim import registry
 
 
@@ -102,13 +105,68 @@ def make_mjx_env(task: str,
                  episode_length: int,
                  action_repeat: int = 1,
                  auto_reset: bool = True,
-                 impl: str = 'jax') -> brax_base.Wrapper:
+                 impl: str = 'jax',
+                 randomization: Optional[config_lib.RandomizationConfig] = None) -> brax_base.Wrapper:
   """The wrapped batch env: `reset(keys [B, 2])`, `step(state, actions [B, A])` (Brax's API).
 
   impl: MJX's implementation of the physics, 'jax' (--backend=mjx) or 'warp' (--backend=mjx_warp; CUDA GPU and
-  warp-lang needed). Memoised: equal arguments (defaults filled in) give the same env object.
+  warp-lang needed). randomization (enabled, impl='jax' only): each env steps with its own model fields, drawn
+  at reset (`RandomizedVmapWrapper`). Memoised: equal arguments (defaults filled in) give the same env object.
   """
-  return _make_mjx_env(task, int(episode_length), int(action_repeat), bool(auto_reset), impl)
+  if randomization is not None and not randomization.enabled:
+    randomization = None
+  return _make_mjx_env(task, int(episode_length), int(action_repeat), bool(auto_reset), impl, randomization)
+
+
+class RandomizedVmapWrapper(brax_training.VmapWrapper):
+  """Brax's VmapWrapper with a model per env: `reset` draws each env's randomised `mjx.Model` fields from its
+  reset key folded with `randomize.KEY_PURPOSE` into `state.info[randomize.INFO_KEY]` ([B, ...] each), and
+  `step` vmaps the env's step over them (the model's fields with in_axes 0, the rest shared). An auto-reset
+  keeps them (Brax's AutoResetWrapper restores the physics state only), a `reset` redraws them."""
+
+  def __init__(self, env, randomization: config_lib.RandomizationConfig):
+    super().__init__(env)
+    self.randomization = randomization
+    self._base = randomize.base_fields(randomization, env.unwrapped.sys)
+
+  def _draw(self, rng: jax.Array) -> dict:
+    key = jax.random.fold_in(rng, randomize.KEY_PURPOSE)
+    shapes = randomize.draw_shapes(self.randomization, self._base)
+    uniforms = {
+        name: jax.random.uniform(jax.random.fold_in(key, i), shape) for i, (name, shape) in enumerate(shapes.items())
+    }
+    return randomize.apply(self.randomization, self._base, uniforms, xp=jnp)
+
+  def reset(self, rng: jax.Array) -> brax_base.State:
+    state = jax.vmap(self.env.reset)(rng)
+    state.info[randomize.INFO_KEY] = jax.vmap(self._draw)(rng)
+    return state
+
+  def _step_one(self, state: brax_base.State, action: jax.Array) -> brax_base.State:
+    unwrapped = self.env.unwrapped
+    sys = unwrapped.sys
+    unwrapped.sys = sys.replace(**state.info[randomize.INFO_KEY])  # read by pipeline_step while this traces
+    try:
+      return self.env.step(state, action)
+    finally:
+      unwrapped.sys = sys
+
+  def step(self, state: brax_base.State, action: jax.Array) -> brax_base.State:
+    return jax.vmap(self._step_one)(state, action)
+
+
+def model_fields(env, state: brax_base.State) -> dict:
+  """The randomised model fields ([B, ...] each) the envs of `state` step with; {} for an env without
+  randomisation."""
+  if not isinstance(_vmap_wrapper(env), RandomizedVmapWrapper):
+    return {}
+  return dict(state.info[randomize.INFO_KEY])
+
+
+def _vmap_wrapper(env):
+  while not isinstance(env, brax_training.VmapWrapper) and hasattr(env, 'env'):
+    env = env.env
+  return env
 
 
 class WhereAutoResetWrapper(brax_training.AutoResetWrapper):
@@ -127,18 +185,22 @@ class WhereAutoResetWrapper(brax_training.AutoResetWrapper):
 
 
 @functools.lru_cache(maxsize=None)
-def _make_mjx_env(task: str, episode_length: int, action_repeat: int, auto_reset: bool, impl: str) -> brax_base.Wrapper:
+def _make_mjx_env(task: str, episode_length: int, action_repeat: int, auto_reset: bool, impl: str,
+                  randomization: Optional[config_lib.RandomizationConfig]) -> brax_base.Wrapper:
   task_def = registry.load(task)
   if episode_length <= 0 or action_repeat <= 0:
     raise ValueError(f'episode_length={episode_length} and action_repeat={action_repeat} must be > 0.')
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r} is not an MJX implementation; allowed: {', '.join(IMPLS)} "
                      "(--backend=mjx is 'jax', --backend=mjx_warp is 'warp').")
+  if randomization is not None and impl != 'jax':
+    raise ValueError(f'--randomize runs on --backend=mjx (impl=\'jax\'), not impl={impl!r}.')
   if impl == 'warp':
     from ebrl_jax.sim import warp as warp_lib  # lazy: imports mujoco.mjx.warp; only --backend=mjx_warp needs it
     env = warp_lib.WarpVmapWrapper(warp_lib.make_brax_env(task_def.brax_name))
   else:
-    env = brax_training.VmapWrapper(brax_envs.get_environment(task_def.brax_name, backend='mjx'))
+    env = brax_envs.get_environment(task_def.brax_name, backend='mjx')
+    env = brax_training.VmapWrapper(env) if randomization is None else RandomizedVmapWrapper(env, randomization)
   env = brax_training.EpisodeWrapper(env, episode_length, action_repeat)
   if auto_reset:
     return WhereAutoResetWrapper(env) if impl == 'warp' else brax_training.AutoResetWrapper(env)

@@ -139,12 +139,23 @@ class PixelRenderer:
 
   NOTE: `reset` and `push` may be called concurrently from several threads for disjoint env ids; each writes
   only its envs' rows of the stack, and each render thread runs one job at a time on its own renderer.
+
+  models: one MjModel per env (domain randomisation: its camera pose and colours); None renders every env with
+  `model`. They must be copies of `model` (the renderers' GL assets are made from `model`).
   """
 
-  def __init__(self, model: mujoco.MjModel, camera: CameraObs, num_envs: int):
+  def __init__(self,
+               model: mujoco.MjModel,
+               camera: CameraObs,
+               num_envs: int,
+               models: Optional[Sequence[mujoco.MjModel]] = None):
     _check_gl()
     self.camera = camera
     self._model = model
+    if models is not None and len(models) != num_envs:
+      raise ValueError(f'PixelRenderer: {len(models)} models for {num_envs} envs.')
+    self._models = models
+    self._scene_option = mujoco.MjvOption()
     self._camera_id = mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_CAMERA, camera.camera)
     if self._camera_id < 0:
       cameras = [mujoco.mj_id2name(model, mujoco.mjtObj.mjOBJ_CAMERA, i) for i in range(model.ncam)]
@@ -168,22 +179,30 @@ class PixelRenderer:
     renderer.scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
     return renderer
 
-  def _render_into(self, renderer: mujoco.Renderer, datas: Sequence[mujoco.MjData], out: np.ndarray) -> None:
+  def _render_into(self, renderer: mujoco.Renderer, datas: Sequence[mujoco.MjData], out: np.ndarray,
+                   models: Optional[Sequence[mujoco.MjModel]]) -> None:
     """Runs in the renderer's thread: frames of `datas` into out [len(datas), H, W, C]."""
     for j, data in enumerate(datas):
-      renderer.update_scene(data, self._camera_id)
+      if models is None:
+        renderer.update_scene(data, self._camera_id)
+      else:  # the env's own model: its camera pose (in data, from its cam_pos/cam_quat) and geom colours
+        camera = mujoco.MjvCamera()
+        camera.type, camera.fixedcamid = mujoco.mjtCamera.mjCAMERA_FIXED, self._camera_id
+        mujoco.mjv_updateScene(models[j], data, self._scene_option, None, camera, mujoco.mjtCatBit.mjCAT_ALL.value,
+                               renderer.scene)
       out[j, ..., :3] = renderer.render()
       if self.camera.depth:
         renderer.enable_depth_rendering()
         out[j, ..., 3:] = depth_to_uint8(renderer.render(), self.camera.depth_max)
         renderer.disable_depth_rendering()
 
-  def render(self, datas: Sequence[mujoco.MjData]) -> np.ndarray:
-    """One frame per data: [len(datas), H, W, C] uint8, split over the render threads."""
+  def render(self, datas: Sequence[mujoco.MjData], models: Optional[Sequence[mujoco.MjModel]] = None) -> np.ndarray:
+    """One frame per data (each with its model in `models`, else with `model`): [len(datas), H, W, C] uint8,
+    split over the render threads."""
     out = np.empty((len(datas), self.camera.height, self.camera.width, self.camera.channels), np.uint8)
     bounds = np.linspace(0, len(datas), len(self._renderers) + 1).astype(int)
     futures = [
-        thread.submit(self._render_into, renderer, datas[lo:hi], out[lo:hi])
+        thread.submit(self._render_into, renderer, datas[lo:hi], out[lo:hi], None if models is None else models[lo:hi])
         for thread, renderer, lo, hi in zip(self._threads, self._renderers, bounds[:-1], bounds[1:])
         if hi > lo
     ]
@@ -194,12 +213,15 @@ class PixelRenderer:
   def reset(self, ids: np.ndarray, datas: Sequence[mujoco.MjData]) -> None:
     """Fills the stacks of envs `ids` with their current frame."""
     if len(ids):
-      self._stack[ids] = fill_stack(self.render([datas[i] for i in ids]), self.camera.frame_stack)
+      self._stack[ids] = fill_stack(self.render([datas[i] for i in ids], self._models_of(ids)), self.camera.frame_stack)
 
   def push(self, ids: np.ndarray, datas: Sequence[mujoco.MjData]) -> None:
     """Appends the current frame of envs `ids` to their stacks (dropping the oldest)."""
     if len(ids):
-      self._stack[ids] = stack_frames(self._stack[ids], self.render([datas[i] for i in ids]))
+      self._stack[ids] = stack_frames(self._stack[ids], self.render([datas[i] for i in ids], self._models_of(ids)))
+
+  def _models_of(self, ids: np.ndarray) -> Optional[List[mujoco.MjModel]]:
+    return None if self._models is None else [self._models[i] for i in ids]
 
   def frames(self, ids: Optional[np.ndarray] = None) -> np.ndarray:
     """A copy of the stacks of envs `ids` (all by default): [n, H, W, C * frame_stack] uint8."""
