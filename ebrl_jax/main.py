@@ -12,10 +12,25 @@ import time
 
 _IMPORTED_UNIX = time.time()  # the clock's origin where /proc cannot say when the process started
 
+import signal  # pylint: disable=g-import-not-at-top,wrong-import-order
+
+# A stop (SIGTERM, or Ctrl-C's SIGINT) that arrives while modules load is held until they have: an interrupt
+# inside an import surfaces as some other ImportError with a traceback, and leaves half-initialised modules.
+_PENDING_STOP = []
+
+
+def _hold_stop(signum, frame) -> None:
+  del frame
+  _PENDING_STOP.append(signal.Signals(signum).name)
+
+
+if __name__ == '__main__':  # the command line only: a process that imports this module keeps its own handlers
+  for _signal in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(_signal, _hold_stop)
+
 # pylint: disable=wrong-import-position
 import dataclasses
 import os
-import signal
 import sys
 import typing
 from typing import Dict, Tuple, Type
@@ -45,10 +60,7 @@ _SECTIONS: Tuple[Tuple[str, Type, Dict[str, str]], ...] = (
     ('resources', config_lib.ResourceConfig, {}),
 )
 _HELP = {
-    'task': (f'Task to train on: {", ".join(config_lib.TASKS)}, or {config_lib.PLAYGROUND_PREFIX}NAME for a MuJoCo '
-             'Playground env (the playground extra; --backend=mjx or mjx_warp).'),
-    'randomize': ('Domain randomisation drawn per env at reset, name=lo:hi,...: '
-                  f'{", ".join(config_lib.RANDOMIZE_PARAMS)} (e.g. friction=0.8:1.2,mass=0.9:1.1); empty: off.'),
+    'task': f'Task to train on: {", ".join(config_lib.TASKS)}.',
     'backend': f'Simulator: {", ".join(config_lib.BACKENDS)} (mjx runs on the accelerator).',
     'policy': f'Policy network: {", ".join(config_lib.POLICIES)}.',
     'num_bins': 'Token policy: discrete bins per action dimension (bin centres span [-1, 1]).',
@@ -157,15 +169,21 @@ def _stop_line(cfg: config_lib.Config, summary) -> str:
 
 def main(argv):
   start_unix = process_start_unix()
-  signal.signal(signal.SIGTERM, errors.interrupt)  # from here on SIGTERM stops the run as Ctrl-C does
+  held = {s: signal.signal(s, _hold_stop) for s in (signal.SIGINT, signal.SIGTERM)}
   if len(argv) > 1:
     return _usage_error(f'Unexpected positional arguments: {" ".join(argv[1:])}')
   try:
     cfg = config_from_flags()
   except ValueError as e:
     return _usage_error(str(e))
+  from ebrl_jax import controller  # lazy: a flag error is reported before JAX and the simulators load
+  if _PENDING_STOP:
+    print(f'STOPPED: {_PENDING_STOP[0]} before the run started; nothing was written.', file=sys.stderr)
+    return EXIT_SIGNAL[_PENDING_STOP[0]]
+  signal.signal(signal.SIGTERM, errors.interrupt)  # from here on SIGTERM stops the run as Ctrl-C does
+  interrupt = held[signal.SIGINT]  # Python's own KeyboardInterrupt, unless a caller installed another handler
+  signal.signal(signal.SIGINT, signal.default_int_handler if interrupt in (_hold_stop, None) else interrupt)
   try:
-    from ebrl_jax import controller  # lazy: a flag error is reported before JAX and the simulators load
     summary = controller.run(cfg, start_unix=start_unix)
   except KeyboardInterrupt as interrupt:  # before the run had a summary to write
     reason = errors.stop_reason(interrupt)

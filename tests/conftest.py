@@ -58,6 +58,7 @@ FILE_TIERS = {
     # resources: plans and profiles by hand
     'test_profiles.py': 'unit',
     'test_planner.py': 'unit',
+    'test_slack.py': 'unit',
     'test_memory.py': 'unit',
     'test_autoplan.py': 'unit',
     'test_mps_and_cpus.py': 'contract',
@@ -70,6 +71,8 @@ FILE_TIERS = {
     'test_fused_e2e.py': 'e2e',
     'test_pipeline.py': 'e2e',
     'test_replan.py': 'e2e',
+    'test_overlap.py': 'e2e',  # sync and overlap runs, native MuJoCo
+    'test_overlap_mjx.py': 'e2e',  # the same on MJX (compiles MJX)
     'test_env_slices.py': 'e2e',
     'test_bench.py': 'e2e',
     'test_disk_full.py': 'e2e',
@@ -81,6 +84,7 @@ FILE_TIERS = {
     'test_layering.py': 'contract',
     'test_readme.py': 'contract',
     'test_structure_tool.py': 'unit',
+    'test_timeline_tool.py': 'unit',
     'test_format.py': 'contract',
     'test_validation.py': 'contract',
     'test_signals.py': 'e2e',
@@ -201,6 +205,8 @@ SLOW = frozenset({
     ('test_env_slices.py', 'test_async_with_env_slices_learns_without_losing_or_duplicating_segments'),
     ('test_replan.py', 'test_quota_schedule_swaps_each_group_through_a_warm_standby'),
     ('test_pipeline.py', 'test_sync_with_one_group_replays_fused_exactly'),
+    ('test_overlap.py', 'test_overlap_replays_sync_bit_for_bit_on_native_mujoco'),
+    ('test_overlap_mjx.py', 'test_overlap_replays_sync_bit_for_bit_on_mjx'),
     ('test_pipeline.py', 'test_async_processes_learn_with_bounded_staleness'),
     ('test_pipeline.py', 'test_killed_worker_is_restarted_without_losing_or_duplicating_segments'),
     ('test_pipeline.py', 'test_ctrl_c_leaves_no_process_and_no_shared_memory'),

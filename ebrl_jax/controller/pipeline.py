@@ -27,6 +27,7 @@ from absl import logging
 from ebrl_jax import config as config_lib
 from ebrl_jax import transport
 from ebrl_jax.controller import replan
+from ebrl_jax.controller import slack_quotas
 from ebrl_jax.controller import supervisor as supervisor_lib
 from ebrl_jax.controller import topology as topology_lib
 from ebrl_jax.generation import worker as generation_worker
@@ -194,7 +195,10 @@ def run(cfg: config_lib.Config,
     start = start.mark('workers_setup')  # topology, memory plan, MPS, --plan, shared memory
     topology = dataclasses.replace(topology, trainer=dataclasses.replace(topology.trainer, start=start))
     workers = supervisor_lib.Supervisor(cfg, topology, seg_channel, store, use_processes, mailbox, placement, pids)
-    changer = replan.make_changer(cfg, workers, plan_record, mps_daemon is not None)
+    if cfg.resources.slack_quotas:
+      changer = slack_quotas.make_changer(cfg, workers, mps_daemon is not None)
+    else:
+      changer = replan.make_changer(cfg, workers, plan_record, mps_daemon is not None)
     workers.tick = changer.poll if changer is not None else None
     stopped = _start_and_watch(cfg, workers)
   finally:

@@ -16,8 +16,9 @@ NOTE: the env group's state is reset in the new worker (its envs start new episo
 state across processes is not done. Only rollout quotas change: the trainer holds the training state and is
 never swapped, and the number of groups stays fixed for the run.
 
-Triggers: `--quota_schedule` (at trainer iteration N, switch to quota Q; measures a change on demand) and
-`--replan` (every `--replan_period_s`, the measured stage times correct the store's profiles through `observe`
+Triggers: `--quota_schedule` (at trainer iteration N, switch to quota Q; measures a change on demand),
+`--slack_quotas` (controller/slack_quotas.py: `resources/slack.py` decides, each candidate validated end to end)
+and `--replan` (every `--replan_period_s`, the measured stage times correct the store's profiles through `observe`
 and a `planner.Replanner` with the trainer's quota and the group count pinned decides whether a change pays).
 """
 from __future__ import annotations

@@ -109,7 +109,8 @@ class Supervisor:
                                  daemon=True)
     else:
       worker = threading.Thread(target=target, args=args, kwargs=kwargs, name=role, daemon=True)
-    worker.start()
+    with _sigint_ignored_by_children(self._use_processes):
+      worker.start()
     if register:
       self.workers[role] = worker
       self._write_pids()
@@ -276,6 +277,23 @@ class Supervisor:
           w.join(timeout=2.0)
         if w.is_alive():  # in an uninterruptible wait (a driver call): the kernel ends it when that returns
           logging.error('%s (pid %d) survived SIGKILL for 2 s; leaving it to the kernel.', w.name, w.pid)
+
+
+@contextlib.contextmanager
+def _sigint_ignored_by_children(processes: bool):
+  """While a worker process starts, SIGINT is ignored, and the child keeps that across exec (Python installs its
+  KeyboardInterrupt handler only over the default disposition). Ctrl-C at a terminal signals the whole process
+  group: the controller alone decides how the run stops (it stops the trainer, which sends its summary, then every
+  worker) instead of each worker dying with a traceback wherever it was. A Ctrl-C landing in those microseconds is
+  lost, not half-handled. Only the main thread may set handlers; elsewhere nothing changes."""
+  if not processes or threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, previous)
 
 
 @contextlib.contextmanager

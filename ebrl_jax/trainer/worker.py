@@ -178,7 +178,7 @@ class ChannelSource:
     t2 = time.monotonic()
     if not all(np.isfinite(float(v)) for v in metrics.values()):
       self._dump_nonfinite(batch, records, metrics, version)
-    with self.tracer.span('train/publish_params'):
+    with self.tracer.span('train/publish_params', version=version):
       self._ch.params.publish(int(train_state.policy_version), _host_params(train_state.params))
     if self._startup_s is None:
       self._startup_s = time.monotonic() - t0

@@ -40,7 +40,7 @@ from experiments.bench import figures as run_figures
 
 _FLAGFILE = flags.DEFINE_string('bench_flagfile', None, 'The workload flagfile (passed on as --flagfile).')
 _SCHEDULES = flags.DEFINE_list('schedules', ['fused', 'sync', 'async'],
-                               'Schedules to run, in order: fused, sync, async, brax, or label=schedule.')
+                               'Schedules to run, in order: fused, sync, async, overlap, brax, or label=schedule.')
 _ONLY = flags.DEFINE_multi_string('only', [], 'label:--flag, a flag for one label\'s runs, e.g. async:--use_mps.')
 _GPUS = flags.DEFINE_list('gpus', [], 'GPU indices to run on concurrently, one run per GPU (default: in sequence).')
 _SEEDS = flags.DEFINE_list('seeds', ['0'], 'Seeds, run in sequence for every schedule.')
@@ -63,7 +63,7 @@ _TELEMETRY = flags.DEFINE_list(
     'lacks it.')
 _QUICK = flags.DEFINE_bool('quick', False, 'Tiny CPU workload (native MuJoCo pendulum) that exercises the harness.')
 
-SCHEDULES = ('fused', 'sync', 'async', 'brax')
+SCHEDULES = ('fused', 'sync', 'async', 'overlap', 'brax')
 QUICK_FLAGFILE = 'experiments/quickstart.flags'
 QUICK_EXTRA = [
     '--num_envs=16', '--batch_size=16', '--num_minibatches=4', '--num_timesteps=6400', '--num_evals=2',
