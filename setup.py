@@ -10,6 +10,8 @@ with open(os.path.join(_here, 'ebrl_jax', '__init__.py')) as f:
 with open(os.path.join(_here, 'README.md')) as f:
   _readme = f.read()
 
+_PLAYGROUND = ['playground==0.2.0', 'warp-lang==1.18.0']
+
 setup(
     name='ebrl_jax',
     version=_version,
@@ -42,11 +44,15 @@ setup(
         # Notebooks run headless in the tests: nbclient drives an ipykernel.
         'test': [
             'pytest>=8,<10', 'pytest-xdist>=3.5,<4', 'nbformat>=5.9,<6', 'nbclient>=0.10,<0.12', 'ipykernel>=6.29,<8',
-            'yapf==0.43.0'
+            'yapf==0.43.0', *_PLAYGROUND
         ],
         'cuda': ['jax[cuda12]>=0.10,<0.12'],
         # --backend=mjx_warp: MJX's Warp implementation (warp-lang comes with it); needs a CUDA GPU.
         'warp': ['mujoco-mjx[warp]==3.17.0'],
+        # --task=playground:NAME: MuJoCo Playground's envs (imports as mujoco_playground). warp-lang pinned to the
+        # version mujoco-mjx[warp] pins, so the two extras install together. In the test extra too: ~30-50 s of
+        # CI install (most of it unpacking warp-lang), and the Playground tests run there.
+        'playground': _PLAYGROUND,
     },
     entry_points={'console_scripts': ['ebrl_jax=ebrl_jax.main:run_main']},
     classifiers=[

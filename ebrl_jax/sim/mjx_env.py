@@ -30,6 +30,7 @@ from brax.envs import base as brax_base
 from brax.envs.wrappers import training as brax_training
 
 from ebrl_jax import config as config_lib
+from ebrl_jax.sim import playground
 from ebrl_jax.sim import randomize
 from ebrl_jax.sim import registry
 
@@ -187,7 +188,7 @@ class WhereAutoResetWrapper(brax_training.AutoResetWrapper):
 @functools.lru_cache(maxsize=None)
 def _make_mjx_env(task: str, episode_length: int, action_repeat: int, auto_reset: bool, impl: str,
                   randomization: Optional[config_lib.RandomizationConfig]) -> brax_base.Wrapper:
-  task_def = registry.load(task)
+  task_def = None if playground.is_playground(task) else registry.load(task)
   if episode_length <= 0 or action_repeat <= 0:
     raise ValueError(f'episode_length={episode_length} and action_repeat={action_repeat} must be > 0.')
   if impl not in IMPLS:
@@ -195,7 +196,14 @@ def _make_mjx_env(task: str, episode_length: int, action_repeat: int, auto_reset
                      "(--backend=mjx is 'jax', --backend=mjx_warp is 'warp').")
   if randomization is not None and impl != 'jax':
     raise ValueError(f'--randomize runs on --backend=mjx (impl=\'jax\'), not impl={impl!r}.')
-  if impl == 'warp':
+  if task_def is None:  # a Playground env: batched like ours; its config's impl does the physics
+    if randomization is not None:
+      raise ValueError(f'--randomize is not wired for --task={task} (Playground ships its own randomisers).')
+    if impl == 'warp':
+      from ebrl_jax.sim import warp as warp_lib  # lazy: imports mujoco.mjx.warp; only --backend=mjx_warp needs it
+      warp_lib.check_available()
+    env = brax_training.VmapWrapper(playground.PlaygroundEnv(task, impl))
+  elif impl == 'warp':
     from ebrl_jax.sim import warp as warp_lib  # lazy: imports mujoco.mjx.warp; only --backend=mjx_warp needs it
     env = warp_lib.WarpVmapWrapper(warp_lib.make_brax_env(task_def.brax_name))
   else:
@@ -213,7 +221,10 @@ make_mjx_env.cache_clear = _make_mjx_env.cache_clear
 
 def env_impl(env: brax_base.Env) -> str:
   """'warp' if the env's physics runs on MJX-Warp, else 'jax'."""
-  return 'warp' if type(getattr(env.unwrapped, '_pipeline', None)).__name__ == 'WarpPipeline' else 'jax'
+  unwrapped = env.unwrapped
+  if isinstance(unwrapped, playground.PlaygroundEnv):
+    return unwrapped.impl
+  return 'warp' if type(getattr(unwrapped, '_pipeline', None)).__name__ == 'WarpPipeline' else 'jax'
 
 
 def is_auto_reset(env: brax_base.Env) -> bool:

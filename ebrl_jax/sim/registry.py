@@ -90,9 +90,19 @@ def names() -> Tuple[str, ...]:
   return tuple(sorted(_REGISTRY))
 
 
+def _playground():
+  """`ebrl_jax.sim.playground`, for a `playground:` task."""
+  # lazy: MuJoCo Playground (an optional extra) and JAX load only for a playground: task; this module stays light.
+  from ebrl_jax.sim import playground  # pylint: disable=g-import-not-at-top
+  return playground
+
+
 def load(name: str) -> TaskDef:
   """The task's definition. NOTE: for a task with `brax_module` this imports that module (and so brax and
   jax, which `cpu_env.load_model` imports anyway) to register the task's Brax env."""
+  if name.startswith(config_lib.PLAYGROUND_PREFIX):
+    raise ValueError(f'--task={name} is a MuJoCo Playground env: it has no TaskDef and runs on MJX only '
+                     '(--backend=mjx or mjx_warp).')
   if name not in _REGISTRY:
     raise ValueError(f'Unknown task {name!r}; valid tasks: {", ".join(names())}.')
   task = _REGISTRY[name]
@@ -104,6 +114,11 @@ def load(name: str) -> TaskDef:
 def get_default_config(name: str) -> config_lib.SimConfig:
   """A `SimConfig` for the task with its default episode length (Brax's 1000 for Brax's tasks) and no action
   repeat."""
+  if name.startswith(config_lib.PLAYGROUND_PREFIX):
+    return config_lib.SimConfig(task=name,
+                                backend='mjx',
+                                episode_length=_playground().default_episode_length(name),
+                                action_repeat=1)
   task = load(name)
   return config_lib.SimConfig(task=name, episode_length=task.default_episode_length, action_repeat=1)
 
@@ -116,6 +131,8 @@ def _timestep(xml_path: str) -> float:
 
 def env_spec(name: str, episode_length: int, action_repeat: int = 1) -> types.EnvSpec:
   """EnvSpec of the wrapped env: dt is the simulated time of one wrapped step (n_frames x action_repeat)."""
+  if name.startswith(config_lib.PLAYGROUND_PREFIX):
+    return _playground().env_spec(name, episode_length, action_repeat)
   task = load(name)
   if episode_length <= 0 or action_repeat <= 0:
     raise ValueError(f'episode_length={episode_length} and action_repeat={action_repeat} must be > 0.')
