@@ -2,7 +2,7 @@ r"""One iteration's timeline of a traced process-schedule run, as JSON: (task, p
 its critical path and each task's slack (`ebrl_jax.resources.slack`).
 
   python -m ebrl_jax.main --flagfile=experiments/w2_transformer.flags --schedule=overlap --trace_dir=/tmp/tr ...
-  python -m experiments.bench.timeline --trace_dir=/tmp/tr --iteration=20 --timeline_out=/tmp/overlap_it20.json
+  python -m experiments.bench.timeline --traces=/tmp/tr --timeline_iteration=20 --timeline_out=/tmp/it20.json
 
 Reads the per-process trace files (`<trace_dir>/<role>.trace.json`, written by `runtime.tracing.Tracer`; the
 role names the process, also when the workers are threads of one process) and maps their spans to the iteration
@@ -24,8 +24,9 @@ from absl import flags
 
 from ebrl_jax.resources import slack
 
-_TRACE_DIR = flags.DEFINE_string('trace_dir', None, 'The run\'s --trace_dir.')
-_ITERATION = flags.DEFINE_integer('iteration', 10, 'Which iteration (a steady one: past the first compiles).')
+# Names of their own: `--trace_dir` and the like are ebrl_jax.main's flags, defined in the same process by a test.
+_TRACE_DIR = flags.DEFINE_string('traces', None, 'The run\'s --trace_dir.')
+_ITERATION = flags.DEFINE_integer('timeline_iteration', 10, 'Which iteration (a steady one: past the first compiles).')
 _OUT = flags.DEFINE_string('timeline_out', None, 'Where to write the JSON.')
 
 
@@ -108,7 +109,7 @@ def report(trace_dir: str, iteration: int) -> dict:
 def main(argv):
   del argv
   if not _TRACE_DIR.value or not _OUT.value:
-    raise app.UsageError('--trace_dir and --timeline_out are required.')
+    raise app.UsageError('--traces and --timeline_out are required.')
   try:
     out = report(_TRACE_DIR.value, _ITERATION.value)
   except (ValueError, FileNotFoundError) as e:
