@@ -111,6 +111,8 @@ TEST_TIERS = {
         'e2e',
     ('test_mps_and_cpus.py', 'test_core_plan_by_hand'):
         'unit',
+    ('test_slack.py', 'test_slack_trigger_rebuilds_a_timeline_and_swaps_only_on_try_and_revert'):
+        'contract',  # imports the controller (jax, orbax, brax): seconds of imports
     ('test_replan.py', 'test_replanner_changes_the_rollout_quota_when_it_pays'):
         'unit',
     ('test_replan.py', 'test_replanner_keeps_the_quota_within_hysteresis'):

@@ -98,3 +98,50 @@ def test_a_critical_role_that_runs_alone_grows_when_nothing_has_slack():
   assert candidate == {'rollout': 50, 'trainer': 60} and 'nothing beside it' in why
   rejected = frozenset({(('rollout', 50), ('trainer', 60))})
   assert slack.propose({'rollout': 40, 'trainer': 60}, a, frozenset({'rollout'}), 10, rejected=rejected)[0] is None
+
+
+class _Feedback:
+
+  def __init__(self):
+    self.snap = None
+
+  def snapshot(self):
+    return self.snap
+
+
+def _snap(iterations, stage_s, last_t):
+  from ebrl_jax.runtime import feedback  # pylint: disable=g-import-not-at-top
+  return feedback.FeedbackSnapshot(iterations, stage_s, 0.0, last_t, 0.0, 0.0, 0.0, iterations - 1, 0.0)
+
+
+def test_slack_trigger_rebuilds_a_timeline_and_swaps_only_on_try_and_revert():
+  """controller/slack_quotas.py with stand-ins for the workers' feedback and the quota changer."""
+  import types  # pylint: disable=g-import-not-at-top
+  from ebrl_jax import config as config_lib  # pylint: disable=g-import-not-at-top
+  from ebrl_jax.controller import slack_quotas  # pylint: disable=g-import-not-at-top
+  cfg = config_lib.Config(schedule=config_lib.ScheduleConfig(name='overlap', num_groups=2),
+                          sim=config_lib.SimConfig(num_envs=32),
+                          algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
+                          resources=config_lib.ResourceConfig(use_mps=True,
+                                                              sm_quotas='rollout=40,trainer=60',
+                                                              slack_quotas=True,
+                                                              slack_trial_iterations=2,
+                                                              replan_period_s=1e-9))
+  rollouts, trainer = {'rollout/0': _Feedback(), 'rollout/1': _Feedback()}, _Feedback()
+  workers = types.SimpleNamespace(controls={
+      r: types.SimpleNamespace(feedback=f) for r, f in rollouts.items()
+  },
+                                  trainer_feedback=trainer)
+  trigger = slack_quotas.SlackTrigger(cfg, workers)
+  changes = []
+  changer = types.SimpleNamespace(quota=40, change=lambda q, why: changes.append((q, why)))
+  for look in range(3):  # 2 iterations per look: collect 1.0 and 1.5 s, train 0.5 s, 2.0 s per iteration
+    n = 2 * look
+    rollouts['rollout/0'].snap, rollouts['rollout/1'].snap = _snap(n, 1.0 * n, 0.0), _snap(n, 1.5 * n, 0.0)
+    trainer.snap = _snap(n, 0.5 * n, 2.0 * n)
+    trigger.poll(changer)
+  # The first look sets baselines; two measured looks make the baseline; the collect runs alone: grow it.
+  assert [d['action'] for d in trigger.decisions] == ['try'] and changes[0][0] == 50
+  assert 'nothing beside it' in changes[0][1]
+  spans = trigger.tuner.decisions[0]
+  assert spans.baseline_s == pytest.approx(2.0)
