@@ -7,7 +7,9 @@ transaction); timestamps are `time.time()` so they compare across processes.
 """
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
+import threading
 import time
 from typing import Any, NamedTuple, Optional
 
@@ -81,11 +83,33 @@ class WorkerControl(NamedTuple):
   go: Any = None
 
 
+class Flag:
+  """A one-way flag across processes: one byte of shared memory (`RawValue`), set by a plain store, read by a plain
+  load; `wait` polls it. NOTE: no lock, so a process SIGKILLed at any instruction cannot leave it unreadable or
+  unsettable, which a `multiprocessing.Event` (a condition variable whose lock a killed holder keeps) can. Picklable
+  only while spawning (a `Process` argument)."""
+
+  _POLL_S = 0.002
+
+  def __init__(self):
+    self._value = multiprocessing.get_context('spawn').RawValue(ctypes.c_ubyte, 0)
+
+  def set(self) -> None:
+    self._value.value = 1
+
+  def is_set(self) -> bool:
+    return self._value.value != 0
+
+  def wait(self, timeout: Optional[float] = None) -> bool:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not self.is_set():
+      if deadline is not None and time.monotonic() >= deadline:
+        return False
+      time.sleep(self._POLL_S)
+    return True
+
+
 def make_control(use_processes: bool, standby: bool) -> WorkerControl:
-  if use_processes:
-    ctx = multiprocessing.get_context('spawn')
-    event = ctx.Event
-  else:
-    import threading  # pylint: disable=g-import-not-at-top
-    event = threading.Event
-  return WorkerControl(Feedback(use_processes), event(), event(), event() if standby else None)
+  """A worker's control: `Flag`s for processes, `threading.Event`s for threads (which share one process)."""
+  flag = Flag if use_processes else threading.Event
+  return WorkerControl(Feedback(use_processes), flag(), flag(), flag() if standby else None)

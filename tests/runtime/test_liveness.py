@@ -103,6 +103,22 @@ def test_the_stop_flag_has_no_lock_a_killed_process_could_keep():
   assert isinstance(lifecycle.make_stop(use_processes=False), threading.Event)
 
 
+def test_a_workers_control_flags_have_no_lock_a_killed_process_could_keep():
+  """retire / ready / go (quota swaps) were multiprocessing Events: a standby SIGKILLed inside `ready.set()` would
+  have frozen the controller's watch loop. Now each is a lock-free byte; a killed setter leaves it set."""
+  from ebrl_jax.runtime import feedback  # pylint: disable=g-import-not-at-top
+  control = feedback.make_control(use_processes=True, standby=True)
+  for flag in (control.retire, control.ready, control.go):
+    assert isinstance(flag, feedback.Flag) and not hasattr(flag, '_cond')
+    _kill_holder(hold_every_lock_then_hang, flag)
+    assert not flag.is_set() and not flag.wait(timeout=0.05)
+  _kill_holder(set_then_hang, control.ready)
+  assert control.ready.is_set() and control.ready.wait(timeout=0)
+  waiter = _in_thread(lambda: control.go.wait(timeout=5))
+  control.go.set()
+  assert _wait_until(lambda: waiter.get('result') is True, 1.0)
+
+
 # A controller stand-in: starts one child (a function of this file) with a StopFlag and waits to be SIGKILLed.
 _PARENT = textwrap.dedent('''
     import multiprocessing, os, sys, time
