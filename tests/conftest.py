@@ -51,6 +51,7 @@ FILE_TIERS = {
     'test_checkpoint.py': 'contract',
     'test_driver_startup.py': 'contract',
     'test_checkpoint_fallback.py': 'contract',
+    'test_data_parallel.py': 'contract',  # 2 trainer ranks on jax.distributed (gloo): helper child processes
     'test_driver_budget.py': 'contract',
     'test_token_training.py': 'contract',
     'test_mjx_warp.py': 'contract',
@@ -185,6 +186,8 @@ HEAVY = frozenset({
 # Measured over ~5 s on the 2-core CPU machine: (file basename, test function name) marks every parametrisation,
 # (file basename, test id with its parameters) one of them.
 SLOW = frozenset({
+    ('test_data_parallel.py', 'test_two_ranks_match_one_rank_and_resume_on_one'),
+    ('test_data_parallel.py', 'test_a_killed_rank_stops_the_other_naming_it'),
     ('test_generation_stages.py', 'test_act_shapes_and_log_probs_match_evaluate'),
     ('test_trainer_stages.py', 'test_one_sgd_step_matches_brax'),
     ('test_token_policy.py', 'test_kv_cache_decode_equals_full_causal_forward'),

@@ -112,6 +112,15 @@ def shape_mismatch(directory: str, step: int, template) -> Optional[str]:
   return f'{len(diffs)} arrays differ ({"; ".join(diffs[:3])}{more})'
 
 
+def _this_process_only(ranks: int) -> Dict[str, Any]:
+  """Each process saves and restores on its own: with data-parallel trainer ranks only rank 0 saves (every rank
+  holds the same state) and every rank restores, so no save waits on the other ranks."""
+  if ranks == 1:
+    return {}
+  me = jax.process_index()
+  return {'multiprocessing_options': ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})}
+
+
 class Checkpointer:
   """Keeps the newest `max_to_keep` checkpoints of a TrainState in `directory`.
 
@@ -123,10 +132,14 @@ class Checkpointer:
   def __init__(self, directory: str, max_to_keep: int = 3, async_save: bool = False):
     self.directory = os.path.abspath(os.path.expanduser(directory))
     self._async_save = async_save
+    ranks = jax.process_count()
+    if ranks > 1:  # orbax creates the root only when every process takes part
+      os.makedirs(self.directory, exist_ok=True)
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
-                                           create=True,
+                                           create=ranks == 1,
                                            enable_async_checkpointing=async_save,
-                                           cleanup_tmp_directories=True)
+                                           cleanup_tmp_directories=True,
+                                           **_this_process_only(ranks))
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=_ITEMS)
 
   def save(self, step: int, state: TrainState, extra: Optional[Dict[str, Any]] = None) -> None:
@@ -138,6 +151,8 @@ class Checkpointer:
       raise ValueError(f'Checkpoint metadata `extra` must be JSON-serialisable: {e}') from e
     self._manager.wait_until_finished()  # one save in flight at most; surfaces a failed async save
     threads_before = set(threading.enumerate())
+    if jax.process_count() > 1:  # a rank's arrays are local to it; orbax saves only global ones or numpy
+      state = jax.device_get(state)
     try:
       saved = self._manager.save(int(step),
                                  args=ocp.args.Composite(state=ocp.args.StandardSave(state),
@@ -196,10 +211,13 @@ class Checkpointer:
         raise FileNotFoundError(f'No checkpoint in {self.directory} (no committed step directory found).')
     elif step not in self.all_steps():
       raise FileNotFoundError(f'No checkpoint for step {step} in {self.directory}; have {list(self.all_steps())}.')
+    multi = jax.process_count() > 1  # as in `save`: numpy in, then onto this rank's device
+    template = jax.device_get(template_state) if multi else template_state
     restored = self._manager.restore(int(step),
-                                     args=ocp.args.Composite(state=ocp.args.StandardRestore(template_state),
+                                     args=ocp.args.Composite(state=ocp.args.StandardRestore(template),
                                                              extra=ocp.args.JsonRestore()))
-    return restored.state, dict(restored.extra or {}), int(step)
+    state = jax.device_put(restored.state) if multi else restored.state
+    return state, dict(restored.extra or {}), int(step)
 
   def restore_newest_intact(self, template_state: TrainState):
     """Restores the newest step that restores whole, skipping (with a warning naming its path and why) every

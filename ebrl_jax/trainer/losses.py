@@ -6,7 +6,8 @@ K action chunk, A action dim.
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+import functools
+from typing import Dict, Optional, Tuple
 
 import chex
 import flax.linen as nn
@@ -21,9 +22,12 @@ Metrics = Dict[str, Array]
 ADVANTAGE_EPS = 1e-8
 
 
-def masked_mean(x: Array, mask: Array) -> Array:
-  """Weighted mean sum(x * mask) / sum(mask) (0 if the mask is empty)."""
-  return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+def masked_mean(x: Array, mask: Array, axis_name: Optional[str] = None) -> Array:
+  """Weighted mean sum(x * mask) / sum(mask) (0 if the mask is empty). With `axis_name` (data-parallel ranks under
+  `shard_map`) both sums run over every rank's shard, so the mean is the one of the global batch."""
+  if axis_name is None:
+    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+  return jax.lax.psum(jnp.sum(x * mask), axis_name) / jnp.maximum(jax.lax.psum(jnp.sum(mask), axis_name), 1.0)
 
 
 def compute_gae(reward: Array, value: Array, bootstrap_value: Array, termination: Array, truncation: Array,
@@ -82,8 +86,13 @@ def _evaluate_segments(network: nn.Module, params: gen_stages.PolicyParams, batc
 LOG_RATIO_LIMIT = 20.0
 
 
-def clipped_surrogate(log_probs: Array, proximal_log_prob: Array, behaviour_log_prob: Array, advantages: Array,
-                      mask: Array, algo: AlgoConfig) -> Tuple[Array, Metrics]:
+def clipped_surrogate(log_probs: Array,
+                      proximal_log_prob: Array,
+                      behaviour_log_prob: Array,
+                      advantages: Array,
+                      mask: Array,
+                      algo: AlgoConfig,
+                      axis_name: Optional[str] = None) -> Tuple[Array, Metrics]:
   """Decoupled PPO objective -mean(w * min(r A, clip(r) A)), r = pi/pi_prox, w = clip(pi_prox/pi_behav).
 
   NOTE: log-ratios are clamped to +-LOG_RATIO_LIMIT before `exp`. With a tanh-Gaussian whose scale can shrink to
@@ -98,19 +107,27 @@ def clipped_surrogate(log_probs: Array, proximal_log_prob: Array, behaviour_log_
   weight = jax.lax.stop_gradient(jnp.clip(jnp.exp(log_weight), 0.0, algo.max_behaviour_ratio))
   clipped = jnp.clip(ratio, 1.0 - algo.clip_epsilon, 1.0 + algo.clip_epsilon)
   surrogate = jnp.minimum(ratio * advantages, clipped * advantages)
-  policy_loss = -masked_mean(weight * surrogate, mask)
+  mean = functools.partial(masked_mean, mask=mask, axis_name=axis_name)
+  policy_loss = -mean(weight * surrogate)
   metrics = {
       'policy_loss': policy_loss,
-      'approx_kl': masked_mean((ratio - 1.0) - log_ratio, mask),  # k3 estimator of KL(prox || pi)
-      'clip_fraction': masked_mean((jnp.abs(ratio - 1.0) > algo.clip_epsilon).astype(jnp.float32), mask),
-      'behaviour_weight': masked_mean(weight, mask),
+      'approx_kl': mean((ratio - 1.0) - log_ratio),  # k3 estimator of KL(prox || pi)
+      'clip_fraction': mean((jnp.abs(ratio - 1.0) > algo.clip_epsilon).astype(jnp.float32)),
+      'behaviour_weight': mean(weight),
   }
   return policy_loss, metrics
 
 
-def ppo_loss(network: nn.Module, params: gen_stages.PolicyParams, batch: Transition, proximal_log_prob: Array,
-             key: PRNGKey, algo: AlgoConfig, min_std: float) -> Tuple[Array, Metrics]:
-  """PPO loss on a minibatch of segments.
+def ppo_loss(network: nn.Module,
+             params: gen_stages.PolicyParams,
+             batch: Transition,
+             proximal_log_prob: Array,
+             key: PRNGKey,
+             algo: AlgoConfig,
+             min_std: float,
+             axis_name: Optional[str] = None) -> Tuple[Array, Metrics]:
+  """PPO loss on a minibatch of segments (with `axis_name`, this rank's share of a minibatch spread over the
+  data-parallel ranks: every mean, the advantage normalisation's included, is over the whole minibatch).
 
   Args:
     batch: Transition with leading [T, B]; obs/next_obs [T, B, O], raw_action [T, B, K, A].
@@ -128,30 +145,38 @@ def ppo_loss(network: nn.Module, params: gen_stages.PolicyParams, batch: Transit
                                batch.truncation, algo.discount, algo.gae_lambda)
   mask = batch.mask.astype(jnp.float32)
   if algo.normalize_advantage:
-    mean = masked_mean(advantages, mask)
-    std = jnp.sqrt(masked_mean(jnp.square(advantages - mean), mask))
+    mean = masked_mean(advantages, mask, axis_name)
+    std = jnp.sqrt(masked_mean(jnp.square(advantages - mean), mask, axis_name))
     advantages = (advantages - mean) / (std + ADVANTAGE_EPS)
   policy_loss, metrics = clipped_surrogate(out.log_probs, proximal_log_prob, batch.behaviour_log_prob, advantages, mask,
-                                           algo)
-  value_loss = algo.value_cost * masked_mean(jnp.square(vs - out.values), mask)
-  entropy = masked_mean(out.entropy, mask)
+                                           algo, axis_name)
+  value_loss = algo.value_cost * masked_mean(jnp.square(vs - out.values), mask, axis_name)
+  entropy = masked_mean(out.entropy, mask, axis_name)
   entropy_loss = -algo.entropy_cost * entropy
   total = policy_loss + value_loss + entropy_loss
   metrics.update(total_loss=total, value_loss=value_loss, entropy_loss=entropy_loss, entropy=entropy)
   return total, metrics
 
 
-def grpo_loss(network: nn.Module, params: gen_stages.PolicyParams, batch: Transition, advantages: Array,
-              proximal_log_prob: Array, key: PRNGKey, algo: AlgoConfig, min_std: float) -> Tuple[Array, Metrics]:
+def grpo_loss(network: nn.Module,
+              params: gen_stages.PolicyParams,
+              batch: Transition,
+              advantages: Array,
+              proximal_log_prob: Array,
+              key: PRNGKey,
+              algo: AlgoConfig,
+              min_std: float,
+              axis_name: Optional[str] = None) -> Tuple[Array, Metrics]:
   """GRPO loss: the clipped surrogate with per-episode advantages [B] broadcast over T, masked, plus the
-  entropy bonus; no critic (value_loss reported as 0). Same metrics as `ppo_loss`."""
+  entropy bonus; no critic (value_loss reported as 0). Same metrics (and `axis_name`) as `ppo_loss`."""
   chex.assert_equal_shape([batch.reward, proximal_log_prob, batch.mask])
   chex.assert_shape(advantages, batch.reward.shape[1:])
   out = _evaluate_segments(network, params, batch, key, min_std)
   mask = batch.mask.astype(jnp.float32)
   adv = jnp.broadcast_to(advantages[None], batch.reward.shape)
-  policy_loss, metrics = clipped_surrogate(out.log_probs, proximal_log_prob, batch.behaviour_log_prob, adv, mask, algo)
-  entropy = masked_mean(out.entropy, mask)
+  policy_loss, metrics = clipped_surrogate(out.log_probs, proximal_log_prob, batch.behaviour_log_prob, adv, mask, algo,
+                                           axis_name)
+  entropy = masked_mean(out.entropy, mask, axis_name)
   entropy_loss = -algo.entropy_cost * entropy
   total = policy_loss + entropy_loss
   metrics.update(total_loss=total, value_loss=jnp.zeros(()), entropy_loss=entropy_loss, entropy=entropy)

@@ -7,11 +7,16 @@ Pure functions; jit with (network, optimizer, algo, min_std) static and the stat
   state, metrics = train_fn(network, optimizer, algo, min_std, state, batch, key)
 
 Axis names: T time, S segments (PPO: batch_size * num_minibatches) or envs (GRPO), O obs dim, K chunk, A action.
+
+Data-parallel ranks (`trainer/parallel.py`) run the same `train_step` under `shard_map` with `axis_name` set: the
+batch is this rank's cell's, every mean and the normaliser's update are over all ranks' batches (psum), and the
+gradients, as the transpose of the replicated parameters, are summed over the ranks by the same collectives, so
+every rank takes the same optimizer step. `axis_name=None` is the one-rank step, unchanged.
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import chex
 import flax.linen as nn
@@ -81,18 +86,25 @@ def _shuffle_into_minibatches(key: PRNGKey, time_major: Any, per_segment: Array,
                                                                          axis=0).reshape(num_minibatches, -1))
 
 
-def _minibatch_loss(network_params, network, algo, min_std, params, minibatch, key):
+def _minibatch_loss(network_params, network, algo, min_std, params, minibatch, key, axis_name=None):
   """Loss of one minibatch as a function of the network variables only (the normaliser is not trained)."""
   batch, proximal, advantages = minibatch
   params = params.replace(network=network_params)
   if algo.name == 'grpo':
-    return losses.grpo_loss(network, params, batch, advantages, proximal, key, algo, min_std)
-  return losses.ppo_loss(network, params, batch, proximal, key, algo, min_std)
+    return losses.grpo_loss(network, params, batch, advantages, proximal, key, algo, min_std, axis_name)
+  return losses.ppo_loss(network, params, batch, proximal, key, algo, min_std, axis_name)
 
 
-def _sgd_epoch(network, optimizer, algo, min_std, carry, key, data):
-  """One pass over the batch: reshuffle segments, then one optax update per minibatch (lax.scan)."""
-  key_perm, key_loss = jax.random.split(key)
+def _rank_key(key: PRNGKey, axis_name: Optional[str]) -> PRNGKey:
+  """`key` itself on one rank; folded with the rank's index under `axis_name` (each rank shuffles its own
+  segments and draws its own entropy noise)."""
+  return key if axis_name is None else jax.random.fold_in(key, jax.lax.axis_index(axis_name))
+
+
+def _sgd_epoch(network, optimizer, algo, min_std, carry, key, data, axis_name=None):
+  """One pass over the batch: reshuffle segments, then one optax update per minibatch (lax.scan). With
+  `axis_name`, minibatch m is the union of every rank's minibatch m."""
+  key_perm, key_loss = (_rank_key(k, axis_name) for k in jax.random.split(key))
   (batch, proximal), advantages = data
   (batch, proximal), advantages = _shuffle_into_minibatches(key_perm, (batch, proximal), advantages,
                                                             algo.num_minibatches)
@@ -101,7 +113,7 @@ def _sgd_epoch(network, optimizer, algo, min_std, carry, key, data):
   def minibatch_step(carry, xs):
     params, opt_state = carry
     minibatch, k = xs
-    grads, metrics = grad_fn(params.network, network, algo, min_std, params, minibatch, k)
+    grads, metrics = grad_fn(params.network, network, algo, min_std, params, minibatch, k, axis_name)
     updates, opt_state = optimizer.update(grads, opt_state, params.network)
     metrics['grad_norm'] = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree_util.tree_leaves(grads)))
     return (params.replace(network=optax.apply_updates(params.network, updates)), opt_state), metrics
@@ -119,7 +131,8 @@ def train_step(network: nn.Module,
                key: PRNGKey,
                *,
                group_size: int = 1,
-               recompute_proximal: bool = True) -> Tuple[TrainState, Dict[str, Array]]:
+               recompute_proximal: bool = True,
+               axis_name: Optional[str] = None) -> Tuple[TrainState, Dict[str, Array]]:
   """One training iteration on `batch` (leading axes [T, S]).
 
   1. Proximal log-probs of the stored raw actions under the params at entry (before the normaliser moves).
@@ -132,7 +145,8 @@ def train_step(network: nn.Module,
      minibatches and takes one optimizer step per minibatch.
   Returns the new state (policy_version + 1, num_updates + epochs * minibatches) and metrics averaged over all
   minibatch steps (total_loss, policy_loss, value_loss, entropy_loss, entropy, approx_kl, clip_fraction,
-  behaviour_weight, grad_norm).
+  behaviour_weight, grad_norm). `axis_name`: the data-parallel ranks' mesh axis (see the module's docstring); S is
+  then this rank's segments and GRPO's groups lie within one rank.
   """
   t, s = batch.reward.shape
   chex.assert_shape([batch.termination, batch.truncation, batch.behaviour_log_prob, batch.mask], (t, s))
@@ -151,10 +165,11 @@ def train_step(network: nn.Module,
 
   params = state.params
   if params.normalize_observations:
-    params = params.replace(normalizer=normalization.update_stats(params.normalizer, batch.obs, batch.mask))
+    params = params.replace(
+        normalizer=normalization.update_stats(params.normalizer, batch.obs, batch.mask, axis_name=axis_name))
 
   def epoch(carry, k):
-    return _sgd_epoch(network, optimizer, algo, min_std, carry, k, ((batch, proximal), advantages))
+    return _sgd_epoch(network, optimizer, algo, min_std, carry, k, ((batch, proximal), advantages), axis_name)
 
   (params, opt_state), metrics = jax.lax.scan(epoch, (params, state.opt_state),
                                               jax.random.split(key, algo.num_updates_per_batch))

@@ -1,0 +1,70 @@
+"""One data-parallel trainer rank on fixed synthetic batches (run by tests/trainer/test_data_parallel.py).
+
+  python dp_rank.py OUT.npz --ranks N --rank R --port P [--die_after STEP] [--save_dir DIR]
+
+Every rank builds the same global batches, trains on its own contiguous share of the segments (its "cell's"
+batch) and writes its final parameters per case to OUT.npz. With --die_after, rank R kills itself (SIGKILL)
+after that step and the others report what `runtime.distributed.failed_rank` names. With --save_dir, rank 0
+checkpoints the PPO state after step SAVE_STEP.
+"""
+import argparse
+import os
+import signal
+import time
+
+import jax
+import numpy as np
+
+from ebrl_jax.runtime import distributed
+from ebrl_jax.trainer import checkpoint
+from ebrl_jax.trainer import parallel
+
+import dp_cases  # pylint: disable=g-bad-import-order
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument('out')
+  p.add_argument('--ranks', type=int, required=True)
+  p.add_argument('--rank', type=int, required=True)
+  p.add_argument('--port', type=int, required=True)
+  p.add_argument('--die_after', type=int, default=-1)
+  p.add_argument('--dying_rank', type=int, default=-1)
+  p.add_argument('--save_dir', default='')
+  a = p.parse_args()
+  spec = distributed.resolve(f'127.0.0.1:{a.port}', a.ranks, a.rank, heartbeat_timeout_s=3)
+  distributed.initialize(spec)
+  mesh = parallel.rank_mesh()
+  out = {}
+  for case in (dp_cases.CASES if a.die_after < 0 else dp_cases.CASES[:1]):
+    net, optimizer, algo, state = dp_cases.setup(case)
+    train_fn = parallel.make_data_parallel_train_fn(net, optimizer, algo, dp_cases.MIN_STD, case.group_size, True, mesh)
+    for step, batch in enumerate(dp_cases.batches(case, state)):
+      share = dp_cases.share(batch, a.rank, a.ranks)
+      try:
+        state, metrics = train_fn(state, share, jax.random.PRNGKey(100 + step))
+        jax.block_until_ready(state)
+      except Exception as e:  # pylint: disable=broad-except
+        failed = distributed.failed_rank(spec, e)
+        print(f'NOTICED {time.time():.3f} {failed}', flush=True)
+        distributed.exit_now(3)
+      if a.die_after == step and a.rank == a.dying_rank:
+        print(f'DYING {time.time():.3f}', flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+      if a.save_dir and a.rank == 0 and case.name == 'ppo' and step + 1 == dp_cases.SAVE_STEP:
+        with checkpoint.Checkpointer(a.save_dir) as ckpt:
+          ckpt.save(step + 1, state, {'ranks': a.ranks})
+    out.update({f'{case.name}/{k}': np.asarray(v) for k, v in dp_cases.flat(state.params).items()})
+    out[f'{case.name}/loss'] = np.asarray(metrics['total_loss'])
+  np.savez(a.out, **out)
+  print('DONE', flush=True)
+  distributed.exit_now(0)  # JAX's shutdown barrier may find rank 0's coordinator gone already: nothing to wait for
+
+
+if __name__ == '__main__':
+  try:
+    main()
+  except BaseException:  # an error on one rank must not leave the others waiting in an all-reduce
+    import traceback  # pylint: disable=g-import-not-at-top
+    traceback.print_exc()
+    distributed.exit_now(1)

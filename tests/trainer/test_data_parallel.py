@@ -1,0 +1,104 @@
+"""Data-parallel trainer ranks on jax.distributed (CPU, gloo): 2 ranks reach the parameters of 1 rank on the same
+global batch (PPO and GRPO) and hold identical parameters; a checkpoint written by rank 0 of 2 resumes on 1 rank;
+killing a rank stops the other with a message naming it. The ranks are subprocesses running tests/trainer/dp_rank.py.
+"""
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from ebrl_jax.trainer import checkpoint
+from ebrl_jax.trainer import parallel
+
+import dp_cases  # pylint: disable=g-bad-import-order
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def _port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _ranks(tmp_path, n, *extra, timeout=120):
+  """Runs n rank processes to the end; returns their (returncode, stdout) and output files."""
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]), JAX_PLATFORMS='cpu')
+  port = _port()
+  outs = [str(tmp_path / f'rank{r}.npz') for r in range(n)]
+  procs = [
+      subprocess.Popen([
+          sys.executable,
+          os.path.join(HERE, 'dp_rank.py'), outs[r], '--ranks',
+          str(n), '--rank',
+          str(r), '--port',
+          str(port), *(extra if r == 0 or '--save_dir' not in extra else ())
+      ],
+                       env=env,
+                       stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT,
+                       text=True) for r in range(n)
+  ]
+  results = [p.communicate(timeout=timeout) for p in procs]
+  return [(p.returncode, out) for p, (out, _) in zip(procs, results)], outs
+
+
+def _one_rank():
+  """The one-rank reference, in this process: `parallel` on a one-device mesh is `stages.make_train_fn`."""
+  out = {}
+  for case in dp_cases.CASES:
+    net, optimizer, algo, state = dp_cases.setup(case)
+    train_fn = parallel.make_data_parallel_train_fn(net, optimizer, algo, dp_cases.MIN_STD, case.group_size, True,
+                                                    parallel.rank_mesh())
+    for step, batch in enumerate(dp_cases.batches(case, state)):
+      state, _ = train_fn(state, batch, jax.random.PRNGKey(100 + step))
+    out[case.name] = dp_cases.flat(state.params)
+  return out
+
+
+def test_two_ranks_match_one_rank_and_resume_on_one(tmp_path):
+  save_dir = str(tmp_path / 'checkpoints')
+  results, outs = _ranks(tmp_path, 2, '--save_dir', save_dir)
+  for rc, log in results:
+    assert rc == 0, log[-3000:]
+  reference = _one_rank()
+  ranks = [np.load(o) for o in outs]
+  for case in dp_cases.CASES:
+    for name, want in reference[case.name].items():
+      got = [r[f'{case.name}/{name}'] for r in ranks]
+      np.testing.assert_array_equal(got[0], got[1], err_msg=f'{case.name} {name}: the ranks differ')
+      np.testing.assert_allclose(got[0], np.asarray(want), rtol=2e-4, atol=2e-5, err_msg=f'{case.name} {name}')
+  # Rank 0 of 2 checkpointed PPO after SAVE_STEP steps; one rank resumes there and finishes the run.
+  case = dp_cases.CASES[0]
+  net, optimizer, algo, template = dp_cases.setup(case)
+  with checkpoint.Checkpointer(save_dir) as ckpt:
+    assert ckpt.all_steps() == (dp_cases.SAVE_STEP,)
+    state, extra, _ = ckpt.restore(template)
+  assert extra == {'ranks': 2}
+  train_fn = parallel.make_data_parallel_train_fn(net, optimizer, algo, dp_cases.MIN_STD, 1, True, parallel.rank_mesh())
+  for step, batch in enumerate(dp_cases.batches(case, template)):
+    if step >= dp_cases.SAVE_STEP:
+      state, _ = train_fn(state, batch, jax.random.PRNGKey(100 + step))
+  for name, value in dp_cases.flat(state.params).items():
+    np.testing.assert_allclose(np.asarray(value), reference['ppo'][name], rtol=2e-4, atol=2e-5, err_msg=name)
+
+
+def test_a_killed_rank_stops_the_other_naming_it(tmp_path):
+  results, _ = _ranks(tmp_path, 2, '--die_after', '0', '--dying_rank', '1')
+  (rc0, log0), (rc1, log1) = results
+  assert rc1 == -9 and 'DYING' in log1, log1[-2000:]
+  assert rc0 == 3, log0[-3000:]
+  noticed = re.search(r'NOTICED ([\d.]+) (.*)', log0)
+  assert noticed, log0[-3000:]
+  assert 'trainer rank 1 (' in noticed.group(2) and socket.gethostname() in noticed.group(2), noticed.group(2)
+  died = float(re.search(r'DYING ([\d.]+)', log1).group(1))
+  seconds = float(noticed.group(1)) - died
+  print(f'rank 0 named the dead rank {seconds:.1f} s after it died: {noticed.group(2)}')
+  assert seconds < 30  # the heartbeat timeout is 3 s; the all-reduce fails at once
