@@ -60,7 +60,10 @@ _SECTIONS: Tuple[Tuple[str, Type, Dict[str, str]], ...] = (
     ('resources', config_lib.ResourceConfig, {}),
 )
 _HELP = {
-    'task': f'Task to train on: {", ".join(config_lib.TASKS)}.',
+    'task': (f'Task to train on: {", ".join(config_lib.TASKS)}, or {config_lib.PLAYGROUND_PREFIX}NAME for a MuJoCo '
+             'Playground env (the playground extra; --backend=mjx or mjx_warp).'),
+    'randomize': ('Domain randomisation drawn per env at reset, name=lo:hi,...: '
+                  f'{", ".join(config_lib.RANDOMIZE_PARAMS)} (e.g. friction=0.8:1.2,mass=0.9:1.1); empty: off.'),
     'backend': f'Simulator: {", ".join(config_lib.BACKENDS)} (mjx runs on the accelerator).',
     'policy': f'Policy network: {", ".join(config_lib.POLICIES)}.',
     'num_bins': 'Token policy: discrete bins per action dimension (bin centres span [-1, 1]).',

@@ -89,6 +89,7 @@ FILE_TIERS = {
     'test_format.py': 'contract',
     'test_validation.py': 'contract',
     'test_signals.py': 'e2e',
+    'test_faults.py': 'e2e',  # the fault suite's short version: real runs
 }
 DIR_TIERS = {
     'generation': 'unit',
@@ -186,6 +187,7 @@ HEAVY = frozenset({
 # Measured over ~5 s on the 2-core CPU machine: (file basename, test function name) marks every parametrisation,
 # (file basename, test id with its parameters) one of them.
 SLOW = frozenset({
+    ('test_faults.py', 'test_the_short_suite_survives_every_trial'),
     ('test_data_parallel.py', 'test_two_ranks_match_one_rank_and_resume_on_one'),
     ('test_data_parallel.py', 'test_a_killed_rank_stops_the_other_naming_it'),
     ('test_generation_stages.py', 'test_act_shapes_and_log_probs_match_evaluate'),
