@@ -154,11 +154,13 @@ class MetricsLogger:
       raise OSError(e.errno, e.strerror, self._jsonl.name) from e
     self.history.append(record)
     if self._tb is not None:
-      if _TENSORBOARD_DISK['full']:
-        # NOTE: tensorboardX's writer thread has died on the full disk; its bounded queue would block add_scalar
-        # for good once full, so the run stops here with the disk named instead.
-        raise OSError(errno.ENOSPC, 'No space left on device', self._tb.logdir)
       for name, value in values.items():
+        if _TENSORBOARD_DISK['full']:
+          # NOTE: tensorboardX's writer thread has died on the full disk; its bounded queue (10 events) would block
+          # add_scalar for good once full, so the run stops here with the disk named instead. Asked before every
+          # event: the thread can die between two of one record's scalars (the fault suite caught a trainer
+          # blocked there for good).
+          raise OSError(errno.ENOSPC, 'No space left on device', self._tb.logdir)
         self._tb.add_scalar(name, value, global_step=int(env_steps))
     if echo:
       shown = ', '.join(f'{k}={v:.4g}' for k, v in values.items() if k.startswith(('eval/', 'rollout/', 'time/')))

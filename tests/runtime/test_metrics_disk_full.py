@@ -43,3 +43,32 @@ def test_tensorboard_disk_full_errors_become_one_line(monkeypatch, capsys):
   sys.unraisablehook(_Unraisable())
   assert seen == [('thread', before), ('thread', ours)]
   assert capsys.readouterr().err.count('TensorBoard events: the disk is full') == 1
+
+
+def test_a_writer_that_dies_between_two_scalars_of_one_record_stops_the_run_instead_of_blocking(tmp_path, monkeypatch):
+  """The fault suite's full-disk trial caught a trainer blocked for good in tensorboardX's queue: its writer thread
+  died while one record's scalars were being added. Every scalar now asks first; the run stops naming the disk."""
+  monkeypatch.setattr(metrics, '_TENSORBOARD_DISK', {'full': False, 'said': False})
+
+  class DyingWriter:  # stands in for tensorboardX's SummaryWriter: its writer thread dies at the second event
+    logdir = str(tmp_path / 'tb')
+    calls = 0
+
+    def add_scalar(self, *args, **kwargs):
+      del args, kwargs
+      self.calls += 1
+      if self.calls == 2:
+        metrics._TENSORBOARD_DISK['full'] = True  # pylint: disable=protected-access
+      assert self.calls <= 2, 'an event after the writer died: the real queue would block here for good'
+
+  logger = metrics.MetricsLogger(str(tmp_path), 100, progress_bar=False)
+  writer = DyingWriter()
+  logger._tb = writer  # pylint: disable=protected-access
+  try:
+    logger.log(10, {'a': 1.0, 'b': 2.0, 'c': 3.0, 'd': 4.0}, echo=False)
+    raise AssertionError('no error')
+  except OSError as e:
+    assert e.errno == errno.ENOSPC and e.filename == writer.logdir
+  assert writer.calls == 2
+  logger._tb = None  # pylint: disable=protected-access
+  logger.close()
