@@ -3,6 +3,7 @@
   python -m experiments.faults --out experiments/results/faults_cpu.json            # the long version
   python -m experiments.faults --short                                               # what CI runs (a few trials)
   python -m experiments.faults --kinds=kill_trainer,bad_input --trials=5             # some kinds
+  python -m experiments.faults merge OUT.json A.json B.json ...                      # one table from several
 
 Kinds (each trial is a real `python -m ebrl_jax.main` unless said otherwise; runs are `async`, 2 env groups, shared
 memory, native MuJoCo, inverted_pendulum, 32 envs, so a trial costs seconds, not minutes):
@@ -316,9 +317,14 @@ def kill_trainer(run_dir: str, rng: random.Random, max_delay_s: float, cache_dir
   record = {**moment, 'killed': killed, **finish(run, stop_timeout_s=60.0), **_checkpoint_state(run_dir)}
   lines = _stderr_lines(run.log_path)
   record['console'] = lines
+  newest = record['newest_checkpoint']
+  truthful = bool(lines) and ((newest is None and 'No checkpoint had been written' in lines[0]) or
+                              (newest is not None and f'checkpoint {newest} in' in lines[0]))
+  record['truthful_about_checkpoint'] = truthful
   record['survived'] = (killed and not record['hung'] and record['exit_code'] == 3 and len(lines) == 1 and
-                        lines[0].startswith('FATAL') and 'trainer' in lines[0] and not record['processes_left'] and
-                        not record['shm_bytes_left'] and record['newest_damage'] is None)
+                        lines[0].startswith('FATAL') and 'trainer' in lines[0] and truthful and
+                        not record['processes_left'] and not record['shm_bytes_left'] and
+                        record['newest_damage'] is None)
   return record
 
 
@@ -857,7 +863,37 @@ def _parse(argv: Optional[Sequence[str]] = None) -> Tuple[SuiteConfig, str]:
   return dataclasses.replace(suite, **changes), args.out
 
 
+def merge(paths: Sequence[str]) -> Dict:
+  """One table from several suite outputs (kinds run as separate invocations, side by side or one after another):
+  their rows and records side by side, each row keeping the suite settings and source file it came from."""
+  rows, records, suites = [], {}, []
+  for path in paths:
+    with open(path) as f:
+      table = json.load(f)
+    suites.append({'file': os.path.basename(path), **table['suite'], 'partial': bool(table.get('partial'))})
+    for row in table['rows']:
+      rows.append({**row, 'from': os.path.basename(path)})
+    for kind, out in table.get('records', {}).items():
+      records.setdefault(kind, []).extend(out)
+  kill_rows = [r for r in rows if r['kind'] in KILL_KINDS]
+  return {
+      'suites': suites,
+      'rows': rows,
+      'total_kills': sum(r.get('kills', 0) for r in kill_rows),
+      'all_survived': all(r.get('survived') == r.get('trials') for r in rows if r.get('trials')),
+      'records': records
+  }
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+  if argv is None:
+    argv = sys.argv[1:]
+  if argv and argv[0] == 'merge':  # python -m experiments.faults merge OUT IN [IN ...]
+    table = merge(argv[2:])
+    with open(argv[1], 'w') as f:
+      json.dump(table, f, indent=2)
+    print(json.dumps({k: v for k, v in table.items() if k != 'records'}, indent=2))
+    return 0 if table['all_survived'] else 1
   suite, out = _parse(argv)
   with tempfile.TemporaryDirectory(prefix='ebrl_faults_') as root:
     table = run_suite(suite, root, checkpoint_to=out)

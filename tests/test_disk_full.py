@@ -79,6 +79,18 @@ def test_resume_advice_names_the_newest_committed_checkpoint(tmp_path):
   assert storage.resume_advice(str(tmp_path)).startswith(f'checkpoint 6 in {tmp_path}/checkpoints is intact')
 
 
+def test_checkpoint_advice_says_truthfully_whether_there_is_a_checkpoint(tmp_path):
+  """The fault suite's kill_trainer trials found 'Its last checkpoint ... stays loadable' printed for a trainer
+  killed during start-up, before any checkpoint existed."""
+  line = storage.checkpoint_advice(str(tmp_path))
+  assert 'No checkpoint had been written' in line and 'nothing to resume' in line and '--resume' not in line
+  (tmp_path / 'checkpoints' / '3').mkdir(parents=True)
+  (tmp_path / 'checkpoints' / '7.orbax-checkpoint-tmp-1').mkdir()  # not committed: not offered
+  line = storage.checkpoint_advice(str(tmp_path), 'start MPS again')
+  assert line == (f'Its checkpoint 3 in {tmp_path}/checkpoints stays loadable: start MPS again, then continue with '
+                  '--resume.')
+
+
 @pytest.mark.parametrize('flags', ['', '--schedule=async --num_groups=2'], ids=['fused', 'async_processes'])
 def test_a_full_disk_stops_the_run_clearly_and_resume_continues(tmp_path, flags):
   if not _can_mount_a_tmpfs():

@@ -193,8 +193,7 @@ class Supervisor:
         code = getattr(trainer, 'exitcode', 0)
         if code not in (0, None):
           raise errors.WorkerFailure(f'the trainer worker (pid {trainer.pid}) died with exit code {code}; the '
-                                     f'run stopped. Its last checkpoint in {self._cfg.schedule.run_dir}/checkpoints '
-                                     'stays loadable: continue with --resume.')
+                                     f'run stopped. {storage.checkpoint_advice(self._cfg.schedule.run_dir)}')
         return
       for role, w in list(self.workers.items()):
         if role != 'trainer' and not w.is_alive() and not self.stop.is_set():
@@ -235,9 +234,8 @@ class Supervisor:
     logging.error('The MPS daemon serving pipe directory %s died (it no longer answers); stopping every worker.',
                   daemon.pipe_dir)
     raise errors.MpsDaemonDied(
-        f'the MPS daemon (pipe directory {daemon.pipe_dir}) died mid-run; every worker was '
-        f'stopped. The last checkpoint in {self._cfg.schedule.run_dir}/checkpoints stays loadable: '
-        'start MPS again (or run without --use_mps) and continue with --resume.')
+        f'the MPS daemon (pipe directory {daemon.pipe_dir}) died mid-run; every worker was stopped. ' +
+        storage.checkpoint_advice(self._cfg.schedule.run_dir, 'start MPS again (or run without --use_mps)'))
 
   def _on_rollout_death(self, role: str, w) -> None:
     code = getattr(w, 'exitcode', None)
@@ -247,8 +245,8 @@ class Supervisor:
     self._role_restarts[role] = self._role_restarts.get(role, 0) + 1
     if self._role_restarts[role] > self._cfg.schedule.max_restarts:
       raise errors.WorkerFailure(f'{role} died {self._role_restarts[role]} times (last exit code {code}), more than '
-                                 f'--max_restarts={self._cfg.schedule.max_restarts}; stopping. The last checkpoint in '
-                                 f'{self._cfg.schedule.run_dir}/checkpoints stays loadable.')
+                                 f'--max_restarts={self._cfg.schedule.max_restarts}; stopping. '
+                                 f'{storage.checkpoint_advice(self._cfg.schedule.run_dir)}')
     self.restarts += 1
     logging.warning('%s (pid %s) died with exit code %s; restarting it (restart %d).', role, getattr(w, 'pid', None),
                     code, self.restarts)

@@ -71,6 +71,18 @@ def resume_advice(run_dir: str) -> str:
           'continue with --resume.')
 
 
+def checkpoint_advice(run_dir: str, fix: str = '') -> str:
+  """The truth about what a stopped run can continue from: its newest committed checkpoint and `--resume` (after
+  `fix`, e.g. 'start MPS again'), or that none had been written yet, so there is nothing to resume."""
+  checkpoints = os.path.join(run_dir, 'checkpoints')
+  step = latest_checkpoint_step(checkpoints)
+  then = f'{fix}, then ' if fix else ''
+  if step is None:
+    return (f'No checkpoint had been written in {checkpoints} yet (see --first_checkpoint_iteration), so there is '
+            f'nothing to resume: {then}start the run again.')
+  return f'Its checkpoint {step} in {checkpoints} stays loadable: {then}continue with --resume.'
+
+
 def ensure_private_dir(path: str, flag: str = '--run_dir', group_may_write: bool = True) -> None:
   """Creates `path` for this user only (0700) or checks an existing one: refused (a ValueError naming `flag`) when
   another user owns it, or when every user (or, with `group_may_write` False, the group) may write to it without
