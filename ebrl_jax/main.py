@@ -30,6 +30,7 @@ if __name__ == '__main__':  # the command line only: a process that imports this
 
 # pylint: disable=wrong-import-position
 import dataclasses
+import logging as std_logging
 import os
 import sys
 import typing
@@ -179,6 +180,9 @@ def main(argv):
     cfg = config_from_flags()
   except ValueError as e:
     return _usage_error(str(e))
+  # PyOpenGL (imported by mujoco when MUJOCO_GL is set, as headless rendering asks) logs at INFO that it runs
+  # without its optional accelerator: a line before every message of the run, an error's included.
+  std_logging.getLogger('OpenGL').setLevel(std_logging.WARNING)
   from ebrl_jax import controller  # lazy: a flag error is reported before JAX and the simulators load
   if _PENDING_STOP:
     print(f'STOPPED: {_PENDING_STOP[0]} before the run started; nothing was written.', file=sys.stderr)

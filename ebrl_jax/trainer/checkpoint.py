@@ -59,6 +59,40 @@ def damage(directory: str, step: int) -> Optional[str]:
           json.load(f)
       except (OSError, ValueError) as e:
         return f'{path} is not whole ({e})'
+  return _ocdbt_damage(os.path.join(step_dir, 'state'))
+
+
+_OCDBT_MAGIC = b'\x0c\xdb\x3a\x2a'
+
+
+def _ocdbt_damage(state_dir: str) -> Optional[str]:
+  """Damage the restore would find only while reading, where it aborts with tensorstore callbacks printing
+  'Event loop is closed' tracebacks (the fault suite's truncated-checkpoint trials): an OCDBT manifest shorter than
+  its header or than the length its header states (magic, then the file's length as a little-endian u64), or an
+  array-metadata file that is empty or cut short of its JSON. Files of another layout are left to the restore."""
+  for base, _, names in os.walk(state_dir):
+    for name in names:
+      path = os.path.join(base, name)
+      try:
+        with open(path, 'rb') as f:
+          head = f.read() if os.path.basename(base) == 'array_metadatas' else f.read(12)
+        size = os.path.getsize(path)
+      except OSError as e:
+        return f'{path} cannot be read ({e})'
+      if name == 'manifest.ocdbt':
+        if size < 12:
+          return f'{path} is not whole ({size} bytes, shorter than its header)'
+        stated = int.from_bytes(head[4:12], 'little')
+        if head[:4] == _OCDBT_MAGIC and stated != size:
+          return f'{path} is not whole ({size} of the {stated} bytes its header states)'
+      elif os.path.basename(base) == 'array_metadatas':
+        if not head.strip():
+          return f'{path} is empty'
+        if head.lstrip()[:1] == b'{':
+          try:
+            json.loads(head)
+          except ValueError as e:
+            return f'{path} is not whole ({e})'
   return None
 
 
