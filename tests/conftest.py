@@ -245,8 +245,27 @@ def tier_of(path: str, name: str, fixturenames=()) -> str:
   return tier
 
 
+# Opt-in (EBRL_FULL_TESTS=1): each compiles MJX programs for minutes on 2 cores or starts several JAX processes, and
+# together they put the suite past CI's 20-minute budget. Each has a cheaper CI sibling: sync == fused bit for bit
+# on native MuJoCo (test_pipeline), the randomised draws reaching native MuJoCo's step (test_randomize), the
+# backends' agreement on the locomotion tasks (test_agreement), 2 ranks matching 1 (test_data_parallel). Run them
+# before a release: EBRL_FULL_TESTS=1 python -m pytest -q -n 2 tests
+OPT_IN = frozenset({
+    ('test_pipeline.py', 'test_sync_with_one_group_replays_fused_exactly_on_mjx'),
+    ('test_randomize.py', 'test_mjx_draws_reach_the_step'),
+    ('test_agreement_push_cube.py', 'test_push_cube_backends_agree'),
+    ('test_data_parallel.py', 'test_a_killed_rank_stops_the_other_naming_it'),
+    # the fault suite's kill_generation kind (80 kills, experiments/results/faults_cpu.json) covers it at length
+    ('test_pipeline.py', 'test_killed_worker_is_restarted_without_losing_or_duplicating_segments[generation_worker]'),
+})
+FULL = os.environ.get('EBRL_FULL_TESTS') == '1'
+
+
 def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argument
   for item in items:
+    key = os.path.basename(str(item.path))
+    if not FULL and ((key, getattr(item, 'originalname', None) or item.name) in OPT_IN or (key, item.name) in OPT_IN):
+      item.add_marker(pytest.mark.skip(reason='opt-in (EBRL_FULL_TESTS=1): past the CI time budget; see OPT_IN'))
     path, name = str(item.path), getattr(item, 'originalname', None) or item.name
     fixtures = getattr(item, 'fixturenames', ())
     if not any(item.get_closest_marker(t) for t in TIERS):  # a tier the test file sets itself wins

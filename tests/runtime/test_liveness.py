@@ -238,14 +238,14 @@ def test_the_next_run_sweeps_a_dead_controllers_segments_and_says_how_much_it_fr
 @pytest.mark.e2e
 @pytest.mark.slow
 def test_a_sigkilled_controller_leaves_no_process_and_once_swept_no_shared_memory(tmp_path):
-  """Five tiny `async` runs (2 groups, shared memory), each controller SIGKILLed at another moment of start-up:
-its own imports, its topology, its workers just spawned (still unpickling their arguments), importing, compiling."""
+  """Three tiny `async` runs (2 groups, shared memory), each controller SIGKILLed at another moment of start-up:
+its own imports, its workers just spawned (still unpickling their arguments), compiling."""
   sys.path.insert(0, ROOT)
   from experiments import faults_kill_controller as faults  # pylint: disable=g-import-not-at-top
-  moments = [(0.3, 'launch'), (2.0, 'launch'), (0.0, 'workers'), (1.5, 'workers'), (5.0, 'workers')]
+  moments = [(0.3, 'launch'), (0.0, 'workers'), (5.0, 'workers')]  # 20 more: experiments/results/faults_cpu.json
   records = [faults.trial(str(tmp_path / f'trial{i}'), delay, anchor) for i, (delay, anchor) in enumerate(moments)]
   for record in records:
     assert not record['processes_left'], record
     assert record['processes_gone_s'] < 3.0, record
     assert not record['segments_after_the_sweep'], record
-  assert all(r['workers_started'] for r in records[2:]), records
+  assert all(r['workers_started'] for r in records[1:]), records
