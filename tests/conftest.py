@@ -257,6 +257,10 @@ OPT_IN = frozenset({
     ('test_data_parallel.py', 'test_a_killed_rank_stops_the_other_naming_it'),
     # the fault suite's kill_generation kind (80 kills, experiments/results/faults_cpu.json) covers it at length
     ('test_pipeline.py', 'test_killed_worker_is_restarted_without_losing_or_duplicating_segments[generation_worker]'),
+    # 236 s: Brax's trainer and the stage profile beside the schedules; test_quick_bench_reports_every_figure stays
+    ('test_bench.py', 'test_labels_brax_and_stage_profile_in_one_quick_invocation'),
+    # 124 s: the fused variant stays, and the fault suite's disk_full kind runs this one (6 trials, faults_cpu.json)
+    ('test_disk_full.py', 'test_a_full_disk_stops_the_run_clearly_and_resume_continues[async_processes]'),
 })
 FULL = os.environ.get('EBRL_FULL_TESTS') == '1'
 
