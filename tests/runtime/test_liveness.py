@@ -20,15 +20,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _alive(pid):
-  try:
-    os.kill(pid, 0)
-    with open(f'/proc/{pid}/stat') as f:
-      return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
-  except (ProcessLookupError, FileNotFoundError):
-    return False
-
-
 def _wait_until(predicate, timeout):
   deadline = time.monotonic() + timeout
   while time.monotonic() < deadline:
@@ -174,7 +165,7 @@ def test_parent_watch_fires_within_a_second_of_the_parents_death(tmp_path):
     assert _wait_until(lambda: os.path.exists(out) and open(out).read(), 5.0), 'the child never noticed'
     assert float(open(out).read()) - killed < 1.0
   finally:
-    if _alive(child_pid):
+    if lifecycle.pid_alive(child_pid):
       os.kill(child_pid, signal.SIGKILL)
 
 
@@ -183,9 +174,9 @@ def test_a_worker_busy_in_start_up_is_ended_within_a_second_of_its_controllers_d
   parent.kill()
   parent.wait()
   try:
-    assert _wait_until(lambda: not _alive(child_pid), 1.0), 'the worker outlived its controller'
+    assert _wait_until(lambda: not lifecycle.pid_alive(child_pid), 1.0), 'the worker outlived its controller'
   finally:
-    if _alive(child_pid):
+    if lifecycle.pid_alive(child_pid):
       os.kill(child_pid, signal.SIGKILL)
   assert not os.path.exists(out)
 
