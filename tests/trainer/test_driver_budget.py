@@ -92,4 +92,6 @@ def test_a_stop_request_mid_chunk_keeps_the_finished_iterations_and_the_clock_st
   assert first['wall_s'] >= 5.0 and first['unix'] - first['wall_s'] == pytest.approx(start.unix, abs=0.05)
   parts = summary.compile_breakdown
   assert parts['imports'] == 4.0 and parts['controller'] == 1.0 and parts['state_init'] > 0
-  assert summary.compile_s == pytest.approx(sum(parts.values()), abs=1e-3) and summary.compile_s >= 5.0
+  # each part is rounded to 1 ms in the summary: their sum is within half a millisecond a part of compile_s
+  assert summary.compile_s == pytest.approx(sum(parts.values()), abs=5e-4 * len(parts) + 1e-6)
+  assert summary.compile_s >= 5.0
