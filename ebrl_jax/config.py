@@ -11,6 +11,7 @@ from typing import Optional, Tuple
 
 from ebrl_jax.config_checks import check_choice as _check_choice
 from ebrl_jax.config_checks import check_positive as _check_positive
+from ebrl_jax.config_checks import check_deterministic
 from ebrl_jax.config_checks import check_range as _check_range
 from ebrl_jax.config_randomize import RANDOMIZE_PARAMS, RandomizationConfig, parse_randomize
 from ebrl_jax.config_resources import QUOTA_ROLES, ResourceConfig
@@ -208,6 +209,10 @@ class ScheduleConfig:
   # With a separate generation worker: split each native-MuJoCo env group into this many slices that step and
   # ask for actions on their own, so a slice waiting for actions never holds its group's other envs.
   env_slices: int = 1
+  # sync / async: a repeatable run. Each group's iteration i acts with exactly version max(0, i - bound) (bound:
+  # --max_staleness for async, 0 for sync) and the trainer's iteration v trains on every group's iteration v, in
+  # group order, so two runs with the same seed give the same curve (on CPU; GPU reductions may still differ).
+  deterministic: bool = False
   resume: bool = False
   progress_bar: bool = True
 
@@ -273,6 +278,7 @@ class Config:
       raise ValueError('--nocolocate_generation (a separate generation worker) needs --backend=mujoco_cpu; '
                        f'got --backend={self.sim.backend}.')
     self._check_env_slices()
+    check_deterministic(self.schedule, self.resources)
     if self.rollout_on_host:
       hint = ('the rollout workers simulate on CPU cores and the separate generation worker acts for them, so '
               'they hold no GPU context and have no SM quota')

@@ -18,3 +18,19 @@ def check_positive(field: str, value, allow_zero: bool = False) -> None:
 def check_range(field: str, value: float, lo: float, hi: float) -> None:
   if not lo <= value <= hi:
     raise ValueError(f'--{field}={value!r} must lie in [{lo}, {hi}].')
+
+
+def check_deterministic(schedule, resources) -> None:
+  """`--deterministic` (a `ScheduleConfig` field) against what would let timing decide the run anyway."""
+  if not schedule.deterministic:
+    return
+  if schedule.name not in ('sync', 'async'):
+    raise ValueError(f'--deterministic fixes what the process schedules leave to timing; it needs --schedule=sync '
+                     f'or async (got --schedule={schedule.name}: fused and overlap are repeatable as they are).')
+  if not schedule.colocate_generation:
+    raise ValueError('--deterministic needs --colocate_generation: a separate generation worker batches whichever '
+                     'requests are ready, so its batches (and their keys) depend on timing.')
+  live = [f'--{name}' for name in ('quota_schedule', 'replan', 'slack_quotas') if getattr(resources, name)]
+  if live:
+    raise ValueError(f'--deterministic cannot be combined with {" / ".join(live)}: a live quota change replaces a '
+                     'rollout worker, whose replacement starts new episodes at a moment set by timing.')

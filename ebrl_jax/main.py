@@ -79,6 +79,9 @@ _HELP = {
     'compilation_cache_dir': "JAX's persistent compilation cache; '' disables it.",
     'resume': 'Continue the run in --run_dir from its newest intact checkpoint.',
     'max_wall_s': 'Wall-clock budget in seconds from process start (0: none); the run stops cleanly after it.',
+    'deterministic': ('sync/async: a repeatable run: each group acts with exactly the version its iteration is '
+                      'due (--max_staleness behind) and the trainer takes every group\'s segment of each '
+                      'iteration in group order.'),
     'first_checkpoint_iteration': 'A first checkpoint after this many iterations (0: only --checkpoint_every).',
 }
 

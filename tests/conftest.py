@@ -75,6 +75,7 @@ FILE_TIERS = {
     'test_overlap.py': 'e2e',  # sync and overlap runs, native MuJoCo
     'test_overlap_mjx.py': 'e2e',  # the same on MJX (compiles MJX)
     'test_env_slices.py': 'e2e',
+    'test_deterministic.py': 'e2e',  # --deterministic: two async runs (processes, threads) give one curve
     'test_bench.py': 'e2e',
     'test_disk_full.py': 'e2e',
     'test_mps_kill_probe.py': 'e2e',
@@ -136,6 +137,8 @@ TEST_TIERS = {
     ('test_env_slices.py', 'test_reply_to_a_dead_slice_is_dropped_and_its_restarted_worker_gets_its_own'):
         'contract',
     ('test_pipeline.py', 'test_phase_reports_write_on_change_stop_after_done_and_never_raise'):
+        'contract',
+    ('test_deterministic.py', 'test_deterministic_refuses_what_timing_would_decide'):
         'contract',
     ('test_bench.py', 'test_overlap_bounds_by_hand'):
         'unit',
@@ -215,6 +218,7 @@ SLOW = frozenset({
     ('test_overlap.py', 'test_overlap_replays_sync_bit_for_bit_on_native_mujoco'),
     ('test_overlap_mjx.py', 'test_overlap_replays_sync_bit_for_bit_on_mjx'),
     ('test_pipeline.py', 'test_async_processes_learn_with_bounded_staleness'),
+    ('test_deterministic.py', 'test_deterministic_async_repeats_its_curve_and_parameters_under_different_timing'),
     ('test_pipeline.py', 'test_killed_worker_is_restarted_without_losing_or_duplicating_segments'),
     ('test_pipeline.py', 'test_ctrl_c_leaves_no_process_and_no_shared_memory'),
     ('test_pipeline.py', 'test_trace_dir_writes_a_timeline_of_every_process'),

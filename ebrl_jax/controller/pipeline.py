@@ -77,7 +77,7 @@ def _transport(cfg: config_lib.Config, topology: topology_lib.Topology, registry
   """(segment channel, parameter store, mailbox or None) of the run, as the topology describes them."""
   kind = cfg.schedule.transport
   channel = transport.make_channel(kind, topology.segment_spec, topology.segment_capacity, registry)
-  store = transport.make_param_store(kind, topology.param_template, registry)
+  store = transport.make_param_store(kind, topology.param_template, registry, topology.param_history)
   mailbox = None
   if topology.request_spec is not None:
     mailbox = transport.make_mailbox(kind,

@@ -46,6 +46,9 @@ class Topology:
   rollout: groups.RolloutConfig  # every group's (the group index is the worker's argument)
   generation: Optional[generation_worker.GenerationConfig]  # None: generation is co-located with simulation
   iteration_graph: graph_lib.IterationGraph  # the tasks of one iteration and the windows the schedule runs
+  # Versions the parameter store holds: 2 (double buffering), or with --deterministic every version a group may
+  # still be due (the bound's + 1) and one being written.
+  param_history: int = 2
 
   @property
   def roles(self) -> Tuple[str, ...]:
@@ -65,7 +68,8 @@ class Topology:
         'num_groups': self.num_groups,
         'segment_bytes': self.segment_spec.nbytes,
         'segment_capacity': self.segment_capacity,
-        'param_bytes': param_bytes
+        'param_bytes': param_bytes,
+        'param_history': self.param_history
     }
     if self.request_spec is not None:
       out['request_bytes'], out['reply_bytes'] = self.request_spec.nbytes, self.reply_spec.nbytes
@@ -146,7 +150,8 @@ def _worker_configs(cfg: config_lib.Config, switches: Tuple[str, ...]):
                                  group_envs=cfg.group_envs,
                                  staleness_bound=cfg.schedule.staleness_bound,
                                  env_slices=cfg.schedule.env_slices,
-                                 windows=switches)
+                                 windows=switches,
+                                 deterministic=cfg.schedule.deterministic)
   generation = None
   if not cfg.schedule.colocate_generation:
     generation = generation_worker.GenerationConfig(process=process,
@@ -186,4 +191,5 @@ def make_topology(cfg: config_lib.Config) -> Topology:
                   trainer=trainer,
                   rollout=rollout,
                   generation=generation,
-                  iteration_graph=graph)
+                  iteration_graph=graph,
+                  param_history=cfg.schedule.staleness_bound + 2 if cfg.schedule.deterministic else 2)

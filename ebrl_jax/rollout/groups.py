@@ -35,6 +35,8 @@ class RolloutConfig:
   # Overlap windows this worker runs (controller/iteration_graph.py): 'reset_next' resets a native-MuJoCo
   # group's envs for its next episodes right after it hands in a segment.
   windows: Tuple[str, ...] = ()
+  # --deterministic: iteration i acts with exactly version max(0, i - staleness_bound), not the newest.
+  deterministic: bool = False
 
 
 class Group(Protocol):

@@ -114,7 +114,10 @@ def rollout_main(cfg: groups.RolloutConfig,
         if remote:
           params_version = max(0, iteration - bound)
           worker.set_min_version(params_version)
-        elif store.version() != params_version:
+        elif cfg.deterministic and params_version != max(0, iteration - bound):
+          params_version = max(0, iteration - bound)  # the version this iteration is due, not the newest
+          params = jax.device_put(store.get(params_version))
+        elif not cfg.deterministic and store.version() != params_version:
           params_version, host_params = store.latest()
           params = jax.device_put(host_params)
       roll_key = keys.rollout_key(root_key, iteration, group)

@@ -59,6 +59,8 @@ class ChannelSource:
     self._num_groups = cfg.schedule.num_groups
     self._bound = cfg.schedule.staleness_bound
     self._h2d = 'h2d' in cfg.windows
+    self._deterministic = cfg.schedule.deterministic
+    self._ahead: Dict[tuple, Any] = {}  # --deterministic: (group, iteration) -> a record that came early
     self._on_device: Dict[int, Any] = {}
     self._train = trainer_stages.make_train_fn(network,
                                                optimizer,
@@ -110,8 +112,14 @@ class ChannelSource:
   def _next_records(self, version: int):
     """Blocks until `num_groups` usable records are in; drops stale ones. Raises StopRequested on a stop. With
     the 'h2d' window each record's transition is copied to the device as it arrives (`self._on_device`, by
-    group), while the groups still simulating go on."""
+    group), while the groups still simulating go on. With --deterministic the records are every group's segment
+    of iteration `version`: one of a later iteration waits in `self._ahead` for its turn."""
     records, self._on_device = [], {}
+    if self._deterministic:
+      for group in range(self._num_groups):
+        record = self._ahead.pop((group, version), None)
+        if record is not None:
+          self._accept(record, version, records)
     while len(records) < self._num_groups:
       if self._startup_s is None:
         self._phase(f'waiting for the first segments ({len(records)} of {self._num_groups} groups in)')
@@ -125,16 +133,28 @@ class ChannelSource:
         self.counts['segments_duplicated'] += 1
         continue
       self._seen[key] = version
+      if self._deterministic:
+        group, iteration = key[0], key[2]
+        if iteration > version and (group, iteration) not in self._ahead:
+          self._ahead[(group, iteration)] = record
+          continue
+        if iteration != version or any(int(r.group[0]) == group for r in records):
+          self.counts['segments_duplicated' if iteration >= version else 'segments_dropped_stale'] += 1
+          continue
       staleness = version - int(record.transition.policy_version.min())
       if staleness > self._bound:
         self.counts['segments_dropped_stale'] += 1
         continue
-      self.counts['max_staleness_seen'] = max(self.counts['max_staleness_seen'], staleness)
-      records.append(record)
-      if self._h2d:
-        with self.tracer.span('train/h2d', version=version, group=int(record.group[0])):
-          self._on_device[int(record.group[0])] = jax.device_put(record.transition)
+      self._accept(record, version, records)
     return records
+
+  def _accept(self, record, version: int, records: list) -> None:
+    staleness = version - int(record.transition.policy_version.min())
+    self.counts['max_staleness_seen'] = max(self.counts['max_staleness_seen'], staleness)
+    records.append(record)
+    if self._h2d:
+      with self.tracer.span('train/h2d', version=version, group=int(record.group[0])):
+        self._on_device[int(record.group[0])] = jax.device_put(record.transition)
 
   def _batch(self, records):
     """The iteration's batch [T, S, ...]: the groups' transitions in group order, joined on the env axis (on the

@@ -22,7 +22,7 @@ _CHANNELS: Dict[str, Callable[..., Channel]] = {
     'shm': lambda spec, capacity, **kw: ShmChannel(spec, capacity, **kw),
 }
 _PARAM_STORES: Dict[str, Callable[..., ParamStore]] = {
-    'thread': lambda template, **kw: ThreadParamStore(template),
+    'thread': lambda template, **kw: ThreadParamStore(template, kw.get('history', 2)),
     'shm': lambda template, **kw: ShmParamStore(template, **kw),
 }
 KINDS = tuple(_CHANNELS)
@@ -44,10 +44,11 @@ def make_channel(kind: str, spec: RecordSpec, capacity: int, registry: Optional[
   return _CHANNELS[kind](spec, capacity, **({'registry': registry} if registry is not None else {}))
 
 
-def make_param_store(kind: str, template: Any, registry: Optional[ShmRegistry] = None) -> ParamStore:
-  """A parameter store of `kind` for pytrees shaped like `template` (arrays or ShapeDtypeStructs)."""
+def make_param_store(kind: str, template: Any, registry: Optional[ShmRegistry] = None, history: int = 2) -> ParamStore:
+  """A parameter store of `kind` for pytrees shaped like `template` (arrays or ShapeDtypeStructs), holding the
+  newest `history` versions (`ParamStore.get`)."""
   _check_kind(kind, _PARAM_STORES)
-  return _PARAM_STORES[kind](template, **({'registry': registry} if registry is not None else {}))
+  return _PARAM_STORES[kind](template, history=history, **({'registry': registry} if registry is not None else {}))
 
 
 def make_mailbox(kind: str,

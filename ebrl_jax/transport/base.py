@@ -133,6 +133,14 @@ class ParamStore(abc.ABC):
   def version(self) -> int:
     """Version of the newest publish, -1 before the first. Cheap: poll it, then call `latest()` when it moves."""
 
+  def get(self, version: int) -> Any:
+    """The params of `version` if the store still holds it (a store made with `history` h holds the newest h
+    versions); LookupError otherwise. This default holds the newest only."""
+    held, params = self.latest()
+    if held != version:
+      raise LookupError(f'parameter version {version} is not held (the store keeps the newest only: {held}).')
+    return params
+
   def wait_for_version(self,
                        min_version: int,
                        timeout: Optional[float] = None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import jax
 import numpy as np
@@ -88,12 +88,15 @@ def check_params(specs: Any, params: Any) -> list:
 class ThreadParamStore(base.ParamStore):
   """Parameter store for threads. `publish` copies; `latest` returns that copy read-only, without copying."""
 
-  def __init__(self, template: Any):
-    self.specs = template_specs(template)
+  def __init__(self, template: Any, history: int = 2):
+    if history < 2:
+      raise ValueError(f'a parameter store holds at least 2 versions (double buffering); got history={history}.')
+    self.specs, self.history = template_specs(template), int(history)
     self._treedef = jax.tree_util.tree_structure(self.specs)
     self._lock = threading.Lock()
     self._version = -1
     self._params = None
+    self._held: Dict[int, Any] = {}  # the newest `history` versions
 
   def publish(self, version: int, params: Any) -> None:
     leaves = [np.array(x, copy=True) for x in check_params(self.specs, params)]
@@ -103,12 +106,22 @@ class ThreadParamStore(base.ParamStore):
       if version <= self._version:
         raise ValueError(f'version {version} must be greater than the latest published {self._version}.')
       self._version, self._params = int(version), jax.tree_util.tree_unflatten(self._treedef, leaves)
+      self._held[self._version] = self._params
+      for old in sorted(self._held)[:-self.history]:
+        del self._held[old]
 
   def latest(self) -> Tuple[int, Any]:
     with self._lock:
       if self._version < 0:
         raise LookupError('no parameters published yet.')
       return self._version, self._params
+
+  def get(self, version: int) -> Any:
+    with self._lock:
+      if version not in self._held:
+        raise LookupError(f'parameter version {version} is not held (the store keeps the newest '
+                          f'{self.history}: {sorted(self._held)}).')
+      return self._held[version]
 
   def version(self) -> int:
     return self._version

@@ -21,8 +21,8 @@ def make(request):
     def __call__(self, spec, capacity):
       return transport.make_channel(kind, spec, capacity, registry=registry)
 
-    def store(self, template):
-      return transport.make_param_store(kind, template, registry=registry)
+    def store(self, template, history=2):
+      return transport.make_param_store(kind, template, registry=registry, history=history)
 
   yield Factory()
   registry.close()
@@ -187,6 +187,52 @@ def test_param_store_latest_version(make):
   assert store.wait_for_version(5, timeout=1)[0] == 5
   with pytest.raises(TimeoutError):
     store.wait_for_version(6, timeout=0.05)
+
+
+def test_param_store_holds_the_newest_history_versions(make):
+  """`get(v)`: an older version while the store still holds it (--deterministic's groups act with one), a
+  LookupError naming the versions held once it is overwritten; `latest()` is unchanged by the ring."""
+  store = make.store(params_template(100), history=3)
+  with pytest.raises(LookupError):
+    store.get(0)
+  for version in range(6):
+    store.publish(version, params_filled(version, 100))
+    assert store.latest()[0] == version
+    for held in range(max(0, version - 2), version + 1):
+      check_params(held, store.get(held))
+  with pytest.raises(LookupError, match=r'version 2 is not held .*newest 3: \[3, 4, 5\]'):
+    store.get(2)
+  with pytest.raises(ValueError, match='at least 2 versions'):
+    make.store(params_template(100), history=1)
+
+
+def test_param_store_get_is_never_torn(make):
+  """A reader of an older version while the writer laps the ring: a whole set of that version or a
+  LookupError, never a mix."""
+  store = make.store(params_template(), history=3)
+  store.publish(0, params_filled(0))
+  stop = threading.Event()
+
+  def write():
+    version = 0
+    while not stop.is_set():
+      version += 1
+      store.publish(version, params_filled(version))
+
+  thread, out = _in_thread(write)
+  whole = lost = 0
+  deadline = time.monotonic() + 1.0
+  while time.monotonic() < deadline:
+    want = max(0, store.version() - 1)
+    try:
+      check_params(want, store.get(want))
+      whole += 1
+    except LookupError:
+      lost += 1
+  stop.set()
+  thread.join(5)
+  assert 'error' not in out, out
+  assert whole > 0
 
 
 def test_param_store_never_torn(make):
