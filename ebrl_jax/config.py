@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 
 from ebrl_jax.config_checks import check_choice as _check_choice
 from ebrl_jax.config_checks import check_positive as _check_positive
-from ebrl_jax.config_checks import check_deterministic
+from ebrl_jax.config_checks import check_schedule_options
 from ebrl_jax.config_checks import check_range as _check_range
 from ebrl_jax.config_randomize import RANDOMIZE_PARAMS, RandomizationConfig, parse_randomize
 from ebrl_jax.config_resources import QUOTA_ROLES, ResourceConfig
@@ -24,7 +24,7 @@ BACKENDS = ('mujoco_cpu', 'mjx', 'mjx_warp')
 POLICIES = ('mlp', 'transformer', 'token')
 COMPUTE_DTYPES = ('float32', 'bfloat16')
 ALGORITHMS = ('ppo', 'grpo')
-SCHEDULES = ('fused', 'sync', 'async', 'overlap')
+SCHEDULES = ('fused', 'sync', 'async', 'overlap', 'auto')  # auto: one of the first three, from stage profiles
 TRANSPORTS = ('shm', 'thread')
 FAULT_POLICIES = ('restart', 'stop')
 
@@ -278,7 +278,7 @@ class Config:
       raise ValueError('--nocolocate_generation (a separate generation worker) needs --backend=mujoco_cpu; '
                        f'got --backend={self.sim.backend}.')
     self._check_env_slices()
-    check_deterministic(self.schedule, self.resources)
+    check_schedule_options(self.schedule, self.resources)
     if self.rollout_on_host:
       hint = ('the rollout workers simulate on CPU cores and the separate generation worker acts for them, so '
               'they hold no GPU context and have no SM quota')

@@ -20,10 +20,20 @@ def check_range(field: str, value: float, lo: float, hi: float) -> None:
     raise ValueError(f'--{field}={value!r} must lie in [{lo}, {hi}].')
 
 
-def check_deterministic(schedule, resources) -> None:
-  """`--deterministic` (a `ScheduleConfig` field) against what would let timing decide the run anyway."""
-  if not schedule.deterministic:
-    return
+def check_schedule_options(schedule, resources) -> None:
+  """`--schedule=auto` and `--deterministic` (of a `ScheduleConfig`) against what they cannot be combined with."""
+  if schedule.name == 'auto':
+    live = [f'--{name}' for name in ('quota_schedule', 'replan', 'slack_quotas') if getattr(resources, name)]
+    if live:
+      raise ValueError(f'--schedule=auto cannot be combined with {" / ".join(live)}: they change a process '
+                       'schedule\'s quotas during the run, and auto may choose fused; choose the schedule yourself '
+                       'to use them.')
+  if schedule.deterministic:
+    _check_deterministic(schedule, resources)
+
+
+def _check_deterministic(schedule, resources) -> None:
+  """`--deterministic` against what would let timing decide the run anyway."""
   if schedule.name not in ('sync', 'async'):
     raise ValueError(f'--deterministic fixes what the process schedules leave to timing; it needs --schedule=sync '
                      f'or async (got --schedule={schedule.name}: fused and overlap are repeatable as they are).')

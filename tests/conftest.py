@@ -62,6 +62,7 @@ FILE_TIERS = {
     'test_slack.py': 'unit',
     'test_memory.py': 'unit',
     'test_autoplan.py': 'unit',
+    'test_schedule_choice.py': 'unit',  # --schedule=auto by hand (its CPU runs are e2e, below)
     'test_mps_and_cpus.py': 'contract',
     'test_telemetry.py': 'contract',
     # transport and the runtime's error paths
@@ -140,6 +141,8 @@ TEST_TIERS = {
         'contract',
     ('test_deterministic.py', 'test_deterministic_refuses_what_timing_would_decide'):
         'contract',
+    ('test_schedule_choice.py', 'test_auto_runs_the_schedule_its_profiles_choose'):
+        'e2e',
     ('test_bench.py', 'test_overlap_bounds_by_hand'):
         'unit',
     ('test_bench.py', 'test_steady_pace_is_taken_between_the_second_and_the_last_evaluation'):
@@ -219,6 +222,7 @@ SLOW = frozenset({
     ('test_overlap_mjx.py', 'test_overlap_replays_sync_bit_for_bit_on_mjx'),
     ('test_pipeline.py', 'test_async_processes_learn_with_bounded_staleness'),
     ('test_deterministic.py', 'test_deterministic_async_repeats_its_curve_and_parameters_under_different_timing'),
+    ('test_schedule_choice.py', 'test_auto_runs_the_schedule_its_profiles_choose'),
     ('test_pipeline.py', 'test_killed_worker_is_restarted_without_losing_or_duplicating_segments'),
     ('test_pipeline.py', 'test_ctrl_c_leaves_no_process_and_no_shared_memory'),
     ('test_pipeline.py', 'test_trace_dir_writes_a_timeline_of_every_process'),

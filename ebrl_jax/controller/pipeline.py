@@ -39,7 +39,7 @@ from ebrl_jax.runtime import lifecycle
 from ebrl_jax.trainer import driver
 
 
-def _calibration_env(mps_daemon: Optional[mps.MpsDaemon], quota: int) -> Dict[str, str]:
+def calibration_env(mps_daemon: Optional[mps.MpsDaemon], quota: int) -> Dict[str, str]:
   """A calibration process runs alone: most of the memory, and its quota under the run's MPS daemon."""
   env = {'EBRL_ROLE': f'calibrate/q{quota}', 'XLA_PYTHON_CLIENT_MEM_FRACTION': '0.850'}
   if mps_daemon is not None:
@@ -111,7 +111,7 @@ def _plan(cfg: config_lib.Config, topology, memory_plan, mps_daemon):
   (cfg, topology, plan record, memory plan), or the run's own without --plan."""
   if not cfg.resources.plan:
     return cfg, topology, None, memory_plan
-  cfg, plan_record = autoplan.plan_run(cfg, mps_daemon is not None, functools.partial(_calibration_env, mps_daemon))
+  cfg, plan_record = autoplan.plan_run(cfg, mps_daemon is not None, functools.partial(calibration_env, mps_daemon))
   topology = topology_lib.make_topology(cfg)  # the chosen number of groups: budgets again, before any worker
   memory_plan = memory.plan_for_run(cfg, topology.env_spec, list(topology.planned_roles))
   memory_plan.log()

@@ -15,6 +15,7 @@ import jax
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import config_resources
+from ebrl_jax.controller import auto
 from ebrl_jax.controller import fused
 from ebrl_jax.controller import pipeline
 from ebrl_jax.controller import supervisor
@@ -44,7 +45,8 @@ SCHEDULES: Dict[str, Callable[[config_lib.Config, Dict[str, int], driver.StartCl
     'fused': _run_fused,
     'sync': pipeline.run,
     'async': pipeline.run,
-    'overlap': pipeline.run
+    'overlap': pipeline.run,
+    'auto': auto.run
 }
 
 
@@ -110,7 +112,7 @@ def _check_gpu_sharing(cfg: config_lib.Config) -> None:
   processes = cfg.schedule.name != 'fused' and cfg.schedule.transport == 'shm'
   if not (processes and cfg.resources.use_mps):
     return
-  if not cfg.resources.plan:  # --plan chooses the groups and the unpinned quotas itself
+  if not (cfg.resources.plan or cfg.schedule.name == 'auto'):  # these choose groups and unpinned quotas
     rollouts = 0 if cfg.rollout_on_host else cfg.schedule.num_groups
     config_resources.check_quota_sum(cfg.resources, {
         'trainer': 1,

@@ -32,6 +32,7 @@ from ebrl_jax.resources import calibrate
 from ebrl_jax.resources import cpus
 from ebrl_jax.resources import planner
 from ebrl_jax.resources import profiles
+from ebrl_jax.resources import schedule_choice
 from ebrl_jax.resources import telemetry
 
 _GROUP_CHOICES = (1, 2, 4, 8)
@@ -134,19 +135,17 @@ def plan_space(cfg: config_lib.Config, mps_active: bool) -> planner.PlanSpace:
                            quotas=_QUOTA_GRID if mps_active else (100,),
                            colocate_generation=cfg.schedule.colocate_generation,
                            quota_limit=mps_active,
-                           rollout_on_gpu=not cfg.rollout_on_host)
+                           rollout_on_gpu=not cfg.rollout_on_host,
+                           sim_on_gpu=cfg.sim.backend != 'mujoco_cpu')
 
 
-def plan_run(cfg: config_lib.Config, mps_active: bool, worker_env) -> Tuple[config_lib.Config, dict]:
-  """The config the run goes on with, and the record of the decision (for the log and the summary).
-
-  `worker_env(quota)` gives the environment of a calibration process at that quota (MPS pipe, memory share).
-  """
+def _profiles(cfg: config_lib.Config, mps_active: bool, worker_env):
+  """(profile store, its path, calibration seconds or None, the quotas calibrated): this machine and workload's
+  stage profiles, calibrated first where a stage is missing."""
   machine, workload = machine_key(), workload_key(cfg)
   path = store_path(cfg, machine, workload)
   store = profiles.ProfileStore.load(path, machine, workload)
-  choices = group_choices(cfg)
-  sizes = sorted({cfg.sim.num_envs // g for g in choices})
+  sizes = sorted({cfg.sim.num_envs // g for g in group_choices(cfg)})
   quotas = tuple(sorted(set(cfg.resources.calibration_quotas))) if mps_active else (100,)
   calibrated_s = None
   if not all(name in store for name in ('sim', 'generation', 'train')):
@@ -158,22 +157,21 @@ def plan_run(cfg: config_lib.Config, mps_active: bool, worker_env) -> Tuple[conf
       calibrate.add_to_store(store, profile)
     store.save(path)
     calibrated_s = time.monotonic() - t0
-  space = plan_space(cfg, mps_active)
-  pinned = {role: q for role, q in cfg.resources.quotas.items() if role in space.roles} if mps_active else {}
-  schedule = 'async' if cfg.schedule.name == 'async' else 'sync'  # overlap plans as sync (its semantics)
-  chosen = planner.plan(store, space, schedule, pinned)
-  fused_like = planner.evaluate(store, space, 1, {r: 100 for r in space.roles}, 'sync') if not mps_active else None
-  logging.info('--plan chose %s', chosen.reason)
-  if not mps_active:
-    logging.warning('--plan without MPS: only the number of groups is chosen; the processes time-slice the GPU, '
-                    'and the prediction adds up their GPU work.')
-  schedule_cfg = dataclasses.replace(cfg.schedule, num_groups=chosen.num_groups)
+  return store, path, calibrated_s, quotas
+
+
+def _apply(cfg: config_lib.Config, chosen: planner.Plan, mps_active: bool, schedule: str) -> config_lib.Config:
+  """`cfg` with the plan's groups (and quotas, under MPS) and the schedule that runs it."""
+  schedule_cfg = dataclasses.replace(cfg.schedule, name=schedule, num_groups=chosen.num_groups)
   resources_cfg = cfg.resources
   if mps_active:  # GPU roles only; a shared plan sets none: every process may use every SM
     quota_text = '' if chosen.shared else ','.join(f'{role}={q}' for role, q in sorted(chosen.quotas.items()))
     resources_cfg = dataclasses.replace(cfg.resources, sm_quotas=quota_text)
-  new_cfg = dataclasses.replace(cfg, schedule=schedule_cfg, resources=resources_cfg)
-  record = {
+  return dataclasses.replace(cfg, schedule=schedule_cfg, resources=resources_cfg)
+
+
+def _record(chosen: planner.Plan, mps_active: bool, store, path: str, calibrated_s, quotas) -> dict:
+  return {
       'num_groups': chosen.num_groups,
       'envs_per_group': chosen.envs_per_group,
       'quotas': chosen.quotas if mps_active and not chosen.shared else None,
@@ -191,6 +189,56 @@ def plan_run(cfg: config_lib.Config, mps_active: bool, worker_env) -> Tuple[conf
           name: store[name].fit_note for name in sorted(store)
       }
   }
+
+
+def _pinned(cfg: config_lib.Config, space: planner.PlanSpace, mps_active: bool) -> Dict[str, int]:
+  return {role: q for role, q in cfg.resources.quotas.items() if role in space.roles} if mps_active else {}
+
+
+def plan_run(cfg: config_lib.Config, mps_active: bool, worker_env) -> Tuple[config_lib.Config, dict]:
+  """The config the run goes on with, and the record of the decision (for the log and the summary).
+
+  `worker_env(quota)` gives the environment of a calibration process at that quota (MPS pipe, memory share).
+  """
+  store, path, calibrated_s, quotas = _profiles(cfg, mps_active, worker_env)
+  space = plan_space(cfg, mps_active)
+  schedule = 'async' if cfg.schedule.name == 'async' else 'sync'  # overlap plans as sync (its semantics)
+  chosen = planner.plan(store, space, schedule, _pinned(cfg, space, mps_active))
+  fused_like = planner.evaluate(store, space, 1, {r: 100 for r in space.roles}, 'sync') if not mps_active else None
+  logging.info('--plan chose %s', chosen.reason)
+  if not mps_active:
+    logging.warning('--plan without MPS: only the number of groups is chosen; the processes time-slice the GPU, '
+                    'and the prediction adds up their GPU work.')
+  record = _record(chosen, mps_active, store, path, calibrated_s, quotas)
   if fused_like is not None:
     record['predicted_sequential_env_steps_per_s'] = fused_like.env_steps_per_s
-  return new_cfg, record
+  return _apply(cfg, chosen, mps_active, cfg.schedule.name), record
+
+
+# The host's copy bandwidth through the shared-memory parameter store, publish to a reader's copy, measured on the
+# H200 host (experiments/results/transport_h200_host.json: 2.2-2.4 GB/s for 4 MB and 400 MB): `--schedule=auto`'s
+# estimate of a process schedule's hand-off per iteration.
+HOST_COPY_BYTES_PER_S = 2.3e9
+
+
+def handoff_s(segment_bytes_per_iteration: int, param_bytes: int) -> float:
+  """Seconds per iteration the process schedules spend handing data over: every segment through shared memory,
+  the new parameters published and read back (each a copy at the host's bandwidth)."""
+  return (segment_bytes_per_iteration + 2 * param_bytes) / HOST_COPY_BYTES_PER_S
+
+
+def plan_auto(cfg: config_lib.Config, mps_active: bool, worker_env, handoff: float) -> Tuple[config_lib.Config, dict]:
+  """`--schedule=auto`: the config with the chosen schedule (fused, or sync/async with the planned groups and
+  quotas) and the record of the choice (`schedule_choice`'s predictions and reason, plus the plan's figures)."""
+  store, path, calibrated_s, quotas = _profiles(cfg, mps_active, worker_env)
+  space = plan_space(cfg, mps_active)
+  choice = schedule_choice.choose(store, space, handoff, _pinned(cfg, space, mps_active))
+  logging.info('--schedule=auto chose %s', choice.reason)
+  if choice.plan is None:
+    chosen_cfg = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, name='fused', env_slices=1))
+    record = {'profile_store': path, 'calibrated_s': calibrated_s, 'mps': mps_active}
+  else:
+    chosen_cfg = _apply(cfg, choice.plan, mps_active, choice.schedule)
+    record = _record(choice.plan, mps_active, store, path, calibrated_s, quotas)
+  record.update(schedule=choice.schedule, predicted=choice.predicted, choice_reason=choice.reason, handoff_s=handoff)
+  return chosen_cfg, record

@@ -63,6 +63,9 @@ class PlanSpace:
   # (native MuJoCo, --nocolocate_generation): they hold no GPU context, so they get no quota and take none of
   # the 100 %; their sim profile is read at quota 100 (a CPU stage does not depend on it).
   rollout_on_gpu: bool = True
+  # False for native MuJoCo: the rollout simulates on CPU cores even where it acts on the GPU (co-located), so its
+  # sim time is no GPU work to add up in a `shared` prediction.
+  sim_on_gpu: bool = True
 
   def __post_init__(self):
     for name in ('num_envs', 'steps_per_iteration', 'train_calls_per_iteration'):
@@ -162,7 +165,7 @@ def evaluate(profiles: Mapping,
   rollout_s = space.steps_per_iteration * step
   train_s = space.train_calls_per_iteration * _profile(profiles, 'train').predict(space.effective_train_batch, q_t)
   if shared:  # the GPU work of processes running at once, added up
-    gpu_step = sim.predict(e, 100) if space.rollout_on_gpu else 0.0
+    gpu_step = sim.predict(e, 100) if space.rollout_on_gpu and space.sim_on_gpu else 0.0
     if 'generation' in profiles and (space.rollout_on_gpu or not space.colocate_generation):
       gpu_step += profiles['generation'].predict(e, 100)
     gpu_r = space.steps_per_iteration * num_groups * gpu_step

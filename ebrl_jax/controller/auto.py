@@ -1,0 +1,42 @@
+"""`--schedule=auto`: chooses fused, sync or async (with their groups and quotas) from this machine's stage
+profiles (`resources.schedule_choice`; calibrated first, as for `--plan`, where the profile store lacks a stage)
+and runs it. The choice, every schedule's prediction and the reason go to the log and to `summary.extra['auto']`;
+`summary.schedule` names the schedule that ran."""
+from __future__ import annotations
+
+import functools
+from typing import Dict, Tuple
+
+from ebrl_jax import config as config_lib
+from ebrl_jax.controller import fused
+from ebrl_jax.controller import pipeline
+from ebrl_jax.controller import topology as topology_lib
+from ebrl_jax.resources import autoplan
+from ebrl_jax.resources import mps
+from ebrl_jax.trainer import driver
+
+
+def resolve(cfg: config_lib.Config) -> Tuple[config_lib.Config, dict]:
+  """The config with the chosen schedule, and the record of the choice. Calibration (if needed) runs under an MPS
+  daemon of its own with --use_mps, stopped before the chosen schedule starts its own."""
+  topology = topology_lib.make_topology(cfg)
+  handoff = autoplan.handoff_s(topology.segment_spec.nbytes * topology.num_groups, topology.describe()['param_bytes'])
+  daemon = mps.MpsDaemon(cfg.schedule.run_dir) if cfg.resources.use_mps else None
+  try:
+    if daemon is not None and not daemon.start():
+      daemon = None
+    return autoplan.plan_auto(cfg, daemon is not None, functools.partial(pipeline.calibration_env, daemon), handoff)
+  finally:
+    if daemon is not None:
+      daemon.stop()
+
+
+def run(cfg: config_lib.Config, pids: Dict[str, int], start: driver.StartClock) -> driver.RunSummary:
+  chosen, record = resolve(cfg)
+  start = start.mark('auto_choice')  # profiles read (or calibrated) and the schedule chosen
+  if chosen.schedule.name == 'fused':
+    summary = fused.run(chosen, start)
+  else:
+    summary = pipeline.run(chosen, pids, start)
+  summary.extra['auto'] = record
+  return summary

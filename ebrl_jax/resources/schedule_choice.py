@@ -1,0 +1,64 @@
+"""`--schedule=auto`: fused, sync or async, chosen from the same stage profiles as `--plan`.
+
+Each schedule is predicted with the planner's iteration model (planner.py's docstring):
+  fused  one process: every stage in turn at the whole GPU, on all envs at once, no hand-off:
+         T = S * (t_sim(N, 100) + t_gen(N, 100)) + T_t(100);
+  sync   the best `planner.plan` layout for the barrier schedule, with the hand-off below;
+  async  the same for the overlapping schedule.
+The process schedules pay a hand-off the fused program does not: every iteration the segments cross shared memory
+(written once, read once) and the new parameters are published and read, `handoff_s` (the caller estimates it
+from the topology's bytes and the host copy bandwidth measured here, see autoplan.HOST_COPY_BYTES_PER_S).
+A process schedule is chosen only if its prediction beats fused by more than `margin` (default 5 %): the model
+leaves out what more processes cost beyond the hand-off (their start-up, contention for host cores and memory
+bandwidth), and within that margin the one-process program is the safer choice. Between sync and async the faster
+prediction wins; a tie goes to sync (on-policy).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Mapping, NamedTuple, Optional
+
+from ebrl_jax.resources import planner
+
+MARGIN = 0.05
+
+
+class Choice(NamedTuple):
+  schedule: str  # 'fused', 'sync' or 'async'
+  plan: Optional[planner.Plan]  # the process schedule's layout and quotas; None for fused
+  predicted: Dict[str, float]  # schedule -> predicted env steps/s
+  reason: str
+
+
+def predict_fused(profiles: Mapping, space: planner.PlanSpace) -> planner.Plan:
+  """The fused program's prediction: one group of all envs, each stage at 100 %, no hand-off."""
+  alone = dataclasses.replace(space, quota_limit=False, iteration_handoff_s=0.0, step_handoff_s=0.0)
+  plan = planner.evaluate(profiles, alone, 1, {}, 'sync', shared=True)
+  return dataclasses.replace(plan, schedule='fused', reason='one process, in turn')
+
+
+def choose(profiles: Mapping,
+           space: planner.PlanSpace,
+           handoff_s: float,
+           pinned: Optional[Mapping[str, int]] = None,
+           margin: float = MARGIN) -> Choice:
+  """The schedule with the best prediction (see the module docstring); `reason` gives every prediction."""
+  if margin < 0 or handoff_s < 0:
+    raise ValueError(f'margin={margin} and handoff_s={handoff_s} must be >= 0.')
+  fused = predict_fused(profiles, space)
+  with_handoff = dataclasses.replace(space, iteration_handoff_s=space.iteration_handoff_s + handoff_s)
+  plans = {name: planner.plan(profiles, with_handoff, name, pinned) for name in planner.SCHEDULES}
+  predicted = {'fused': fused.env_steps_per_s, **{name: p.env_steps_per_s for name, p in plans.items()}}
+  best = max(planner.SCHEDULES, key=lambda name: (plans[name].env_steps_per_s, name == 'sync'))
+  lines = [
+      f'fused {fused.env_steps_per_s:,.0f} env-steps/s (rollout {fused.rollout_s:.3f} s + train '
+      f'{fused.train_s:.3f} s)'
+  ] + [f'{name} {plans[name].describe()}' for name in planner.SCHEDULES]
+  gain = plans[best].env_steps_per_s / fused.env_steps_per_s - 1
+  text = '; '.join(lines) + f'; hand-off {handoff_s * 1e3:.2f} ms per iteration'
+  if gain > margin:
+    return Choice(best, plans[best], predicted, f'{best}: predicted {gain:+.1%} over fused (> {margin:.0%}); {text}')
+  return Choice(
+      'fused', None, predicted,
+      f'fused: the best process schedule ({best}) is predicted {gain:+.1%} over it, within the '
+      f'{margin:.0%} margin; {text}')
