@@ -14,7 +14,7 @@ from ebrl_jax.config_checks import check_positive as _check_positive
 from ebrl_jax.config_checks import check_schedule_options
 from ebrl_jax.config_checks import check_range as _check_range
 from ebrl_jax.config_randomize import RANDOMIZE_PARAMS, RandomizationConfig, parse_randomize
-from ebrl_jax.config_resources import QUOTA_ROLES, ResourceConfig
+from ebrl_jax.config_resources import EVALUATOR_QUOTA, QUOTA_ROLES, ResourceConfig
 
 # Names accepted by the registries; the registries themselves check membership against these same tuples.
 TASKS = ('ant', 'halfcheetah', 'hopper', 'walker2d', 'humanoid', 'pusher', 'reacher', 'inverted_pendulum', 'push_cube')
@@ -27,6 +27,7 @@ ALGORITHMS = ('ppo', 'grpo')
 SCHEDULES = ('fused', 'sync', 'async', 'overlap', 'auto')  # auto: one of the first three, from stage profiles
 TRANSPORTS = ('shm', 'thread')
 FAULT_POLICIES = ('restart', 'stop')
+EVALUATORS = ('process', 'trainer')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +194,13 @@ class ScheduleConfig:
   max_wall_s: float = 0.0
   # Evaluate the policy's mode (True) or sample actions as in training (False, Brax's default).
   deterministic_eval: bool = True
+  # sync / async: who evaluates the published versions. 'process': an evaluator process beside the trainer
+  # (docs/architecture.md, The evaluator); 'trainer': the trainer in line, between iterations. fused evaluates in
+  # line and overlap in its 'evaluate' window whatever this says.
+  evaluator: str = 'process'
+  # --evaluator=process: at the run's end, how long the trainer waits for the evaluations still outstanding (the
+  # final version's among them) before it writes its summary without them.
+  evaluator_wait_s: float = 120.0
   # Process schedules (sync, async): env groups, each stepped by its own rollout worker process.
   num_groups: int = 2
   # async: a group may run at most this many policy versions ahead of the trainer (sync is 0 by definition).
@@ -231,6 +239,8 @@ class ScheduleConfig:
     _check_choice('worker_fault', self.worker_fault, FAULT_POLICIES)
     _check_positive('max_restarts', self.max_restarts, allow_zero=True)
     _check_positive('env_slices', self.env_slices)
+    _check_choice('evaluator', self.evaluator, EVALUATORS)
+    _check_positive('evaluator_wait_s', self.evaluator_wait_s)
 
   @property
   def staleness_bound(self) -> int:
@@ -340,6 +350,11 @@ class Config:
     them: they run JAX on the CPU, hold no GPU context and get no SM quota or GPU memory budget."""
     return (self.schedule.name != 'fused' and self.sim.backend == 'mujoco_cpu' and
             not self.schedule.colocate_generation)
+
+  @property
+  def evaluator_process(self) -> bool:
+    """The run's evaluations come from an evaluator process (sync / async with --evaluator=process)."""
+    return self.schedule.name in ('sync', 'async') and self.schedule.evaluator == 'process'
 
   @property
   def group_envs(self) -> int:

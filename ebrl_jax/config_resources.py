@@ -3,13 +3,16 @@ telemetry, the planner and live quota changes. Part of `ebrl_jax.config` (re-exp
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 from ebrl_jax.config_checks import check_choice as _check_choice
 from ebrl_jax.config_checks import check_positive as _check_positive
 from ebrl_jax.config_checks import check_range as _check_range
 
-QUOTA_ROLES = ('trainer', 'rollout', 'generation')
+QUOTA_ROLES = ('trainer', 'rollout', 'generation', 'evaluator')
+# Under MPS the evaluator process (--evaluator=process) runs at this SM quota unless --sm_quotas gives it one: it is
+# off the critical path, so a small cap slows only the evaluations, never the trainer or the rollouts beside it.
+EVALUATOR_QUOTA = 10
 
 
 def _role_values(flag: str, text: str, convert, example: str) -> Dict[str, object]:
@@ -150,6 +153,12 @@ class ResourceConfig:
       if not 1 <= percent <= 100:
         raise ValueError(f'--sm_quotas: {role}={percent} must lie in [1, 100] percent.')
     return out
+
+  def quota_of(self, role: str) -> Optional[int]:
+    """The SM quota (percent) a process of `role` ('trainer', 'rollout/1', 'evaluator', ...) runs at under MPS:
+    --sm_quotas's, else EVALUATOR_QUOTA for the evaluator, else None (no cap)."""
+    kind = role.split('/')[0]
+    return self.quotas.get(kind, EVALUATOR_QUOTA if kind == 'evaluator' else None)
 
   @property
   def fractions(self) -> Dict[str, float]:

@@ -83,6 +83,8 @@ _HELP = {
                       'due (--max_staleness behind) and the trainer takes every group\'s segment of each '
                       'iteration in group order.'),
     'first_checkpoint_iteration': 'A first checkpoint after this many iterations (0: only --checkpoint_every).',
+    'evaluator': 'sync/async: who evaluates the published versions: process (an evaluator process) or trainer.',
+    'evaluator_wait_s': "--evaluator=process: seconds the run's end waits for the outstanding evaluations.",
 }
 
 

@@ -151,3 +151,15 @@ class ActReply(NamedTuple):
   actions: Any
   raw_actions: Any
   log_probs: Any
+
+
+class EvalReport(NamedTuple):
+  """Evaluator process -> trainer: the evaluation of one published policy version. version: [] int64 (the
+  trainer iteration it was published at, which also picks the evaluation's key); episode_return, episode_length:
+  [] float64, the means over the evaluation's episodes (what the in-trainer evaluation returns, bit for bit);
+  seconds: [] float64, how long the evaluation took; unix: [] float64, `time.time()` when it finished."""
+  version: Any
+  episode_return: Any
+  episode_length: Any
+  seconds: Any
+  unix: Any

@@ -72,6 +72,7 @@ FILE_TIERS = {
     # the whole system
     'test_fused_e2e.py': 'e2e',
     'test_pipeline.py': 'e2e',
+    'test_evaluator.py': 'e2e',  # the evaluator process: a sync run on threads, a killed evaluator (processes)
     'test_replan.py': 'e2e',
     'test_overlap.py': 'e2e',  # sync and overlap runs, native MuJoCo
     'test_overlap_mjx.py': 'e2e',  # the same on MJX (compiles MJX)
@@ -138,6 +139,10 @@ TEST_TIERS = {
     ('test_env_slices.py', 'test_reply_to_a_dead_slice_is_dropped_and_its_restarted_worker_gets_its_own'):
         'contract',
     ('test_pipeline.py', 'test_phase_reports_write_on_change_stop_after_done_and_never_raise'):
+        'contract',
+    ('test_evaluator.py', 'test_reports_are_recorded_in_version_order_one_in_flight_repeats_dropped_and_a_missing_one_said'):
+        'contract',  # the trainer's link on in-thread transport, a fake evaluator: no run
+    ('test_evaluator.py', 'test_evaluator_flag_errors_name_the_flag'):
         'contract',
     ('test_deterministic.py', 'test_deterministic_refuses_what_timing_would_decide'):
         'contract',
@@ -221,6 +226,8 @@ SLOW = frozenset({
     ('test_overlap.py', 'test_overlap_replays_sync_bit_for_bit_on_native_mujoco'),
     ('test_overlap_mjx.py', 'test_overlap_replays_sync_bit_for_bit_on_mjx'),
     ('test_pipeline.py', 'test_async_processes_learn_with_bounded_staleness'),
+    ('test_evaluator.py', 'test_the_evaluator_scores_a_version_as_the_in_trainer_evaluation_does'),
+    ('test_evaluator.py', 'test_a_killed_evaluator_is_restarted_and_the_curve_has_every_version'),
     ('test_deterministic.py', 'test_deterministic_async_repeats_its_curve_and_parameters_under_different_timing'),
     ('test_schedule_choice.py', 'test_auto_runs_the_schedule_its_profiles_choose'),
     ('test_pipeline.py', 'test_killed_worker_is_restarted_without_losing_or_duplicating_segments'),

@@ -57,7 +57,7 @@ from ebrl_jax import config as config_lib
     }, r"--sm_quotas: 'trainer=x' must read role=percent"),
     (config_lib.ResourceConfig, {
         'memory_fractions': 'sim=0.2'
-    }, r"--memory_fractions: role 'sim' is not valid; allowed roles: trainer, rollout, generation"),
+    }, r"--memory_fractions: role 'sim' is not valid; allowed roles: trainer, rollout, generation, evaluator"),
     (config_lib.ResourceConfig, {
         'memory_fractions': 'trainer=x'
     }, r"--memory_fractions: 'trainer=x' must read role=fraction, e.g. trainer=0.4"),

@@ -37,6 +37,7 @@ from ebrl_jax.resources import mps
 from ebrl_jax.runtime import errors
 from ebrl_jax.runtime import lifecycle
 from ebrl_jax.trainer import driver
+from ebrl_jax.trainer import remote_eval
 
 
 def calibration_env(mps_daemon: Optional[mps.MpsDaemon], quota: int) -> Dict[str, str]:
@@ -88,6 +89,19 @@ def _transport(cfg: config_lib.Config, topology: topology_lib.Topology, registry
                                      num_slices=cfg.schedule.env_slices,
                                      slice_field='env_slice')
   return channel, store, mailbox
+
+
+_REPORT_CAPACITY = 4  # evaluator reports in flight (one is, at most; a restarted evaluator may repeat it)
+
+
+def _evaluation_link(cfg: config_lib.Config, topology: topology_lib.Topology, registry):
+  """--evaluator=process: the evaluation parameter store (the versions the trainer asks the evaluator for) and
+  the report channel (the evaluator's answers); None where the trainer evaluates."""
+  if topology.evaluator is None:
+    return None
+  kind = cfg.schedule.transport
+  return remote_eval.EvalLink(transport.make_param_store(kind, topology.param_template, registry),
+                              transport.make_channel(kind, topology.report_spec, _REPORT_CAPACITY, registry))
 
 
 def sweep_stale_segments() -> transport.shm.Sweep:
@@ -191,10 +205,13 @@ def run(cfg: config_lib.Config,
     logging.info('%s', topology.iteration_graph.lines())
     placement = supervisor_lib.Placement(cfg, topology, mps_daemon, memory_plan)
     seg_channel, store, mailbox = _transport(cfg, topology, registry)
+    evaluation = _evaluation_link(cfg, topology, registry)
     parts = [seg_channel, store] + ([mailbox.requests] + mailbox.replies if mailbox is not None else [])
+    parts += list(evaluation) if evaluation is not None else []
     start = start.mark('workers_setup')  # topology, memory plan, MPS, --plan, shared memory
     topology = dataclasses.replace(topology, trainer=dataclasses.replace(topology.trainer, start=start))
-    workers = supervisor_lib.Supervisor(cfg, topology, seg_channel, store, use_processes, mailbox, placement, pids)
+    workers = supervisor_lib.Supervisor(cfg, topology, seg_channel, store, use_processes, mailbox, placement, pids,
+                                        evaluation)
     if cfg.resources.slack_quotas:
       changer = slack_quotas.make_changer(cfg, workers, mps_daemon is not None)
     else:

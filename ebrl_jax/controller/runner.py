@@ -114,11 +114,14 @@ def _check_gpu_sharing(cfg: config_lib.Config) -> None:
     return
   if not (cfg.resources.plan or cfg.schedule.name == 'auto'):  # these choose groups and unpinned quotas
     rollouts = 0 if cfg.rollout_on_host else cfg.schedule.num_groups
-    config_resources.check_quota_sum(cfg.resources, {
-        'trainer': 1,
-        'rollout': rollouts,
-        'generation': int(not cfg.schedule.colocate_generation)
-    })
+    # The evaluator is counted where --sm_quotas gives it a quota (else it runs at EVALUATOR_QUOTA, outside the sum).
+    config_resources.check_quota_sum(
+        cfg.resources, {
+            'trainer': 1,
+            'rollout': rollouts,
+            'generation': int(not cfg.schedule.colocate_generation),
+            'evaluator': int(cfg.evaluator_process)
+        })
   if cfg.resources.platform == 'cpu':
     raise ValueError('--use_mps shares a GPU under NVIDIA MPS, but --platform=cpu runs on no GPU; drop --use_mps '
                      '(and --sm_quotas) or --platform=cpu.')

@@ -1,6 +1,6 @@
 """The supervisor of a process schedule's workers: starts them (as processes, each with its own environment,
-cores, MPS quota and memory budget, or as threads), watches them, restarts a dead rollout or generation worker
-(`--worker_fault=restart`) or stops the run cleanly, and stops every one of them on the way out."""
+cores, MPS quota and memory budget, or as threads), watches them, restarts a dead rollout, generation or evaluator
+worker (`--worker_fault=restart`) or stops the run cleanly, and stops every one of them on the way out."""
 from __future__ import annotations
 
 import contextlib
@@ -20,6 +20,7 @@ from ebrl_jax.generation import worker as generation_worker
 from ebrl_jax.resources import cpus
 from ebrl_jax.resources import memory
 from ebrl_jax.resources import mps
+from ebrl_jax.rollout import evaluator as evaluator_lib
 from ebrl_jax.rollout import worker as rollout_worker
 from ebrl_jax.runtime import errors
 from ebrl_jax.runtime import feedback
@@ -49,7 +50,7 @@ class Placement:
     else:
       env = {'EBRL_ROLE': role, **self.memory.worker_env(role, mps_active=self.mps is not None)}
       if self.mps is not None:
-        env.update(self.mps.worker_env(self._cfg.resources.quotas.get(role.split('/')[0])))
+        env.update(self.mps.worker_env(self._cfg.resources.quota_of(role)))
     if role in self.cores:
       # CPU simulators are pinned at once; GPU feeders compile on every core first (startup.pin_after_startup).
       key = 'EBRL_CPUS' if role in self._cpu_roles else 'EBRL_CPUS_AFTER_STARTUP'
@@ -69,7 +70,8 @@ class Supervisor:
                use_processes: bool,
                mailbox=None,
                placement: Optional[Placement] = None,
-               pids: Optional[Dict[str, int]] = None):
+               pids: Optional[Dict[str, int]] = None,
+               evaluation=None):
     self._cfg, self._topology, self._use_processes = cfg, topology, use_processes
     self.pids = pids if pids is not None else {}
     self.summary: Optional[dict] = None  # the trainer's result, once it has sent it
@@ -85,7 +87,16 @@ class Supervisor:
     self._incarnations: Dict[str, int] = {}
     self._inbox, outbox = lifecycle.make_pipe(use_processes)
     self._outbox = outbox
-    self._trainer_ch = trainer_worker.TrainerChannels(seg_channel, store, self.stop, outbox, self.trainer_feedback)
+    self._trainer_ch = trainer_worker.TrainerChannels(seg_channel,
+                                                      store,
+                                                      self.stop,
+                                                      outbox,
+                                                      self.trainer_feedback,
+                                                      evaluation=evaluation)
+    self._eval_args = None  # --evaluator=process: (its config, its channels)
+    if evaluation is not None:
+      self._eval_args = (topology.evaluator,
+                         evaluator_lib.EvaluatorChannels(evaluation.store, evaluation.reports, self.stop))
     self._rollout_ch = rollout_worker.RolloutChannels(seg_channel, store, self.stop, mailbox)
     self._gen_args = (topology.generation, mailbox, store, self.stop)
     self.workers: Dict[str, Any] = {}
@@ -167,6 +178,13 @@ class Supervisor:
       self._start('generation', generation_worker.generation_main, self._gen_args)
     for g in range(self._cfg.schedule.num_groups):
       self.start_rollout(g)
+    if self._eval_args is not None:  # last: the workers on the critical path spawn (and compile) first
+      self._start_evaluator()
+
+  def _start_evaluator(self) -> None:
+    incarnation = self._incarnations.get('evaluator', -1) + 1
+    self._incarnations['evaluator'] = incarnation
+    self._start('evaluator', evaluator_lib.evaluator_main, self._eval_args + (incarnation,))
 
   def _read_inbox(self, trainer) -> None:
     """The trainer's messages: its summary, or the `RunError` it stopped on (raised here in its words)."""
@@ -177,7 +195,7 @@ class Supervisor:
         errors.raise_report(message.payload, prefix=f'the trainer worker (pid {trainer.pid}) stopped: ')
 
   def watch(self) -> None:
-    """Returns when the trainer has finished; handles rollout-worker deaths and a dead MPS daemon on the way."""
+    """Returns when the trainer has finished; handles the other workers' deaths and a dead MPS daemon on the way."""
     while True:
       trainer = self.workers['trainer']
       if self._use_processes:
@@ -197,7 +215,7 @@ class Supervisor:
         return
       for role, w in list(self.workers.items()):
         if role != 'trainer' and not w.is_alive() and not self.stop.is_set():
-          self._on_rollout_death(role, w)
+          self._on_worker_death(role, w)
       if self.tick is not None and not self.stop.is_set():
         self.tick()
       self._log_startup()
@@ -237,7 +255,7 @@ class Supervisor:
         f'the MPS daemon (pipe directory {daemon.pipe_dir}) died mid-run; every worker was stopped. ' +
         storage.checkpoint_advice(self._cfg.schedule.run_dir, 'start MPS again (or run without --use_mps)'))
 
-  def _on_rollout_death(self, role: str, w) -> None:
+  def _on_worker_death(self, role: str, w) -> None:
     code = getattr(w, 'exitcode', None)
     if self._cfg.schedule.worker_fault != 'restart':
       raise errors.WorkerFailure(f'{role} (pid {getattr(w, "pid", None)}) died with exit code {code}; stopping '
@@ -252,6 +270,9 @@ class Supervisor:
                     code, self.restarts)
     if role == 'generation':  # its groups re-send their outstanding requests to the new one
       self._start(role, generation_worker.generation_main, self._gen_args)
+      return
+    if role == 'evaluator':  # it takes the version in flight from the evaluation store again
+      self._start_evaluator()
       return
     group = int(role.split('/')[1])  # the group's envs reset; its unfinished segment is lost, never half-sent
     # A new incarnation: its iteration numbers may repeat the dead one's, its records stay distinct.

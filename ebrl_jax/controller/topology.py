@@ -15,6 +15,7 @@ from ebrl_jax import transport
 from ebrl_jax.controller import iteration_graph as graph_lib
 from ebrl_jax.generation import policies
 from ebrl_jax.generation import worker as generation_worker
+from ebrl_jax.rollout import evaluator as evaluator_lib
 from ebrl_jax.rollout import groups
 from ebrl_jax.runtime import startup
 from ebrl_jax.trainer import driver
@@ -26,10 +27,11 @@ class Topology:
   """The processes of a `sync`/`async` run and what crosses between them.
 
   cpu_roles simulate on CPU cores (native-MuJoCo rollout workers); feeder_roles drive the GPU (the trainer, a
-  generation worker, MJX rollout workers). gpu_roles hold a GPU context (an SM quota and a memory budget);
+  generation worker, MJX rollout workers, an evaluator: it takes one core like a feeder, being off the critical
+  path, even when it steps native MuJoCo). gpu_roles hold a GPU context (an SM quota and a memory budget);
   planned_roles are the processes the memory plan budgets (the GPU roles, plus a warm standby per group when the
-  rollout quota changes during the run). trainer, rollout and generation are the parts of the config each worker
-  receives (never the whole `Config`).
+  rollout quota changes during the run). trainer, rollout, generation and evaluator are the parts of the config
+  each worker receives (never the whole `Config`).
   """
   env_spec: types.EnvSpec
   num_groups: int
@@ -46,6 +48,9 @@ class Topology:
   rollout: groups.RolloutConfig  # every group's (the group index is the worker's argument)
   generation: Optional[generation_worker.GenerationConfig]  # None: generation is co-located with simulation
   iteration_graph: graph_lib.IterationGraph  # the tasks of one iteration and the windows the schedule runs
+  # --evaluator=process (sync / async): the evaluator's part and its report records; None: the trainer evaluates.
+  evaluator: Optional[evaluator_lib.EvaluatorConfig] = None
+  report_spec: Optional[transport.RecordSpec] = None
   # Versions the parameter store holds: 2 (double buffering), or with --deterministic every version a group may
   # still be due (the bound's + 1) and one being written.
   param_history: int = 2
@@ -126,9 +131,25 @@ def _roles(cfg: config_lib.Config) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
   """(CPU-simulating roles, GPU-feeder roles)."""
   rollouts = tuple(f'rollout/{g}' for g in range(cfg.schedule.num_groups))
   feeders = ('trainer',) + (() if cfg.schedule.colocate_generation else ('generation',))
+  feeders += ('evaluator',) if cfg.evaluator_process else ()
   if cfg.sim.backend == 'mujoco_cpu':
     return rollouts, feeders
   return (), feeders + rollouts
+
+
+def evaluator_parts(cfg: config_lib.Config, process: startup.ProcessConfig):
+  """(the evaluator's config, its report spec), or (None, None) where the trainer evaluates."""
+  if not cfg.evaluator_process:
+    return None, None
+  evaluator = evaluator_lib.EvaluatorConfig(process=process,
+                                            sim=cfg.sim,
+                                            policy=cfg.policy,
+                                            seed=cfg.schedule.seed,
+                                            deterministic=cfg.schedule.deterministic_eval)
+  report = transport.record_spec(types.EvalReport, {name: () for name in types.EvalReport._fields},
+                                 dtypes={'version': 'int64'},
+                                 default_dtype='float64')
+  return evaluator, report
 
 
 def process_config(cfg: config_lib.Config) -> startup.ProcessConfig:
@@ -177,6 +198,7 @@ def make_topology(cfg: config_lib.Config) -> Topology:
     request, reply = mailbox_specs(cfg, spec)
   graph = graph_lib.make_graph(cfg)
   trainer, rollout, generation = _worker_configs(cfg, graph.switches())
+  evaluator, report = evaluator_parts(cfg, trainer.process)
   return Topology(env_spec=spec,
                   num_groups=cfg.schedule.num_groups,
                   cpu_roles=cpu_roles,
@@ -192,4 +214,6 @@ def make_topology(cfg: config_lib.Config) -> Topology:
                   rollout=rollout,
                   generation=generation,
                   iteration_graph=graph,
+                  evaluator=evaluator,
+                  report_spec=report,
                   param_history=cfg.schedule.staleness_bound + 2 if cfg.schedule.deterministic else 2)

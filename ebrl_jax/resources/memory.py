@@ -234,8 +234,9 @@ def mjx_state_bytes(task: str, episode_length: int, action_repeat: int) -> Dict[
 
 
 def footprints(cfg, spec, profile: Optional[dict] = None) -> Dict[str, Footprint]:
-  """Footprint of one process of each role of `cfg`'s process schedule ('trainer', 'rollout', and 'generation'
-  with a separate generation worker), from shapes; a calibration `profile`'s measured peaks raise them."""
+  """Footprint of one process of each role of `cfg`'s process schedule ('trainer', 'rollout', 'generation' with a
+  separate generation worker, 'evaluator' with --evaluator=process), from shapes; a calibration `profile`'s
+  measured peaks raise them."""
   o, a, k = spec.obs_dim, spec.action_dim, cfg.policy.action_chunk
   network = policies.make_network(cfg.policy, o, a)
   optimizer = trainer_stages.make_optimizer(cfg.algo)
@@ -275,6 +276,8 @@ def footprints(cfg, spec, profile: Optional[dict] = None) -> Dict[str, Footprint
   out = {'trainer': trainer, 'rollout': rollout}
   if not cfg.schedule.colocate_generation:
     out['generation'] = {'params': 2 * params, 'act': act(cfg.sim.num_envs)}
+  if cfg.evaluator_process:  # the evaluation moves out of the trainer into a process of its own
+    out['evaluator'] = {'params': params, 'evaluation': trainer.pop('evaluation')}
   measured = measured_peaks(profile, cfg, policies.count_params(state.params.network)) if profile else {}
   return {role: Footprint(parts, measured.get(role)) for role, parts in out.items()}
 

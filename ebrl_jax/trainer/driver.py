@@ -1,9 +1,8 @@
 """The training driver every schedule shares: evaluation cadence, checkpoints, the target, metrics, the summary.
 
-`train(cfg, make_source)` asks a `BatchSource` for training iterations and does everything around them. The
-sources: the fused schedule's (`controller.fused_mjx.MjxFusedLoop`: one jitted program per chunk of iterations;
-`controller.fused_cpu.CpuFusedLoop`: native MuJoCo from a Python loop), and the trainer worker's
-(`trainer.worker.ChannelSource`: iterations from segments that rollout workers send).
+`train(cfg, make_source)` asks a `BatchSource` for training iterations and does everything around them: the fused
+schedule's (`controller.fused_mjx.MjxFusedLoop`, one jitted program per chunk of iterations; `controller.fused_cpu.
+CpuFusedLoop`, native MuJoCo from a Python loop) or the trainer worker's (`trainer.worker.ChannelSource`).
 """
 from __future__ import annotations
 
@@ -129,11 +128,11 @@ class RunSummary:
 FINISHED = ('num_timesteps', 'target_return')
 
 
-def run_training(cfg: TrainerConfig, make_source) -> RunSummary:
+def run_training(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
   """`train` (below), with a full disk turned into `errors.DiskFull`: which file found it full, and which
   checkpoint stays loadable for --resume (orbax commits a step only once it is whole)."""
   try:
-    return train(cfg, make_source)
+    return train(cfg, make_source, remote)
   except Exception as e:  # pylint: disable=broad-except  (orbax and tensorstore wrap the OS error)
     reason = storage.disk_full(e)
     if reason is None:
@@ -192,7 +191,7 @@ def _iteration_plan(cfg: TrainerConfig) -> Tuple[int, int, int]:
 def _evaluate(cfg, source, train_state, root_key, progress: _Progress, logger, clock: _Clock) -> float:
   eval_metrics = source.evaluate(train_state.params, keys.eval_key(root_key, progress.iterations))
   return evaluations.record(progress, logger, cfg.schedule.target_return, eval_metrics, progress.env_steps, clock.now(),
-                            progress.train_wall)
+                            progress.train_wall, progress.iterations)
 
 
 def _save(cfg, checkpointer, train_state, progress: _Progress, spec) -> None:
@@ -303,10 +302,9 @@ def _summary(cfg, progress: _Progress, clock: _Clock, num_params: int, extra: di
                     start_unix=clock.start_unix)
 
 
-def _loop(cfg, source, train_state, root_key, progress: _Progress, logger, clock, checkpointer, spec,
-          off_path: Optional[evaluations.OffPath]) -> str:
+def _loop(cfg, source, train_state, root_key, progress: _Progress, logger, clock, checkpointer, spec, off_path) -> str:
   """Evaluates, checkpoints and trains until the run is done; returns why it stopped (see RunSummary.stopped).
-  With `off_path` (the 'evaluate' window) every evaluation but the first runs beside the training after it."""
+  With `off_path` (the 'evaluate' window; the evaluator process) evaluations run beside training, recorded in order."""
   per_iteration, total, per_eval = _iteration_plan(cfg)
   first, eval_return = True, None
   while True:
@@ -316,11 +314,12 @@ def _loop(cfg, source, train_state, root_key, progress: _Progress, logger, clock
       _save(cfg, checkpointer, train_state, progress, spec)
       return 'max_wall_s'
     if first or progress.iterations % per_eval == 0 or progress.iterations >= total:
-      if off_path is None or first:
+      if off_path is None or (first and off_path.in_line_first):
         eval_return = _evaluate(cfg, source, train_state, root_key, progress, logger, clock)
       else:
-        eval_return = off_path.drain(progress, logger, clock.now) or eval_return
-        off_path.submit(source, train_state.params, keys.eval_key(root_key, progress.iterations), progress)
+        eval_return = off_path.poll(progress, logger, clock.now) or eval_return
+        if progress.target_hit is None:
+          off_path.submit(source, train_state.params, keys.eval_key(root_key, progress.iterations), progress)
       if first:
         clock.mark('first_eval')
       every = cfg.schedule.checkpoint_every  # the cadence: every `every` evaluations, and at the run's end
@@ -342,10 +341,11 @@ def _loop(cfg, source, train_state, root_key, progress: _Progress, logger, clock
       _save(cfg, checkpointer, train_state, progress, spec)  # early has a checkpoint to resume
 
 
-def train(cfg: TrainerConfig, make_source) -> RunSummary:
+def train(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
   """The training driver shared by every schedule: evaluation cadence, checkpoints, target, wall-clock budget,
   metrics; returns the summary, also of a run stopped by a signal or a stop request (`stopped` says which).
-  `make_source(cfg, spec, network, optimizer)` returns the `BatchSource` (`cfg` is the `TrainerConfig`)."""
+  `make_source(cfg, spec, network, optimizer)` returns the `BatchSource` (`cfg`: the `TrainerConfig`); `remote`: a
+  `trainer.remote_eval.RemoteEvaluations`, the evaluator process evaluating instead of the source."""
   clock = _Clock(cfg.start or StartClock(time.time()))
   clock.mark('driver_start')  # a spawned trainer: its process start and imports
   run_dir = cfg.process.run_dir
@@ -373,14 +373,14 @@ def train(cfg: TrainerConfig, make_source) -> RunSummary:
   clock.mark('env_build')
   progress = _Progress(env_steps, iterations, iterations, resumed['step'] if resumed else None)
   stopped = 'start-up'
-  off_path = evaluations.OffPath(cfg.schedule.target_return) if 'evaluate' in cfg.windows else None
+  off_path = remote or (evaluations.OffPath(cfg.schedule.target_return) if 'evaluate' in cfg.windows else None)
   try:
     if cfg.start is None:  # a driver run on its own: its figures count from its compile
       clock = _Clock(StartClock(time.time()))
     clock.mark('compile', seconds=source.compile(train_state, per_eval))
     stopped = _loop(cfg, source, train_state, root_key, progress, logger, clock, checkpointer, spec, off_path)
-    if off_path is not None:
-      off_path.drain(progress, logger, clock.now)
+    if off_path is not None and stopped in FINISHED:  # the final version's evaluation is waited for (bounded)
+      off_path.finish(progress, logger, clock.now)
   except errors.StopRequested as stop:
     stopped = stop.reason
   except KeyboardInterrupt as interrupt:  # SIGINT, or SIGTERM turned into one (runtime/errors.interrupt)
@@ -389,6 +389,7 @@ def train(cfg: TrainerConfig, make_source) -> RunSummary:
     if off_path is not None:  # a run stopped part-way: the evaluations asked for before the stop still count
       off_path.close(progress, logger, clock.now, quiet=(errors.StopRequested, KeyboardInterrupt))
     extra = source.summary_extra() if hasattr(source, 'summary_extra') else {}
+    extra.update(off_path.summary_extra() if off_path is not None else {})
     if progress.startup_s is not None:  # kept so a rate with the first iteration counted in can be recomputed
       extra['startup_s'] = progress.startup_s
     extra['last_checkpoint'] = progress.checkpoint

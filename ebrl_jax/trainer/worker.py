@@ -29,6 +29,7 @@ from ebrl_jax.runtime import metrics as metrics_lib
 from ebrl_jax.runtime import startup
 from ebrl_jax.runtime import tracing
 from ebrl_jax.trainer import driver
+from ebrl_jax.trainer import remote_eval
 from ebrl_jax.trainer import stages as trainer_stages
 
 
@@ -36,13 +37,15 @@ class TrainerChannels(NamedTuple):
   """What the controller hands the trainer process: the segment channel, parameter store and stop event, its
   control pipe's `lifecycle.Outbox`, and optionally its feedback slots (`runtime.feedback.Feedback`: train_step
   seconds and iterations). `interrupt` is the trainer's own: set by SIGINT, the controller's request to stop at
-  the next iteration boundary and send a partial summary (`trainer_main` installs it)."""
+  the next iteration boundary and send a partial summary (`trainer_main` installs it). `evaluation`: with
+  --evaluator=process, the `remote_eval.EvalLink` to the evaluator process (None: the trainer evaluates)."""
   segments: Any
   params: Any
   stop: Any
   outbox: Any = None
   feedback: Any = None
   interrupt: Any = None
+  evaluation: Any = None
 
 
 def _host_params(params) -> Any:
@@ -69,8 +72,10 @@ class ChannelSource:
                                                cfg.sim.group_size,
                                                recompute_proximal=self._bound > 0)
     self._root_key = keys.root(cfg.schedule.seed)
-    self._evaluator = evaluation.make_evaluator(cfg.sim, cfg.policy, cfg.schedule.seed, cfg.schedule.deterministic_eval,
-                                                network)
+    self._evaluator = None  # the evaluator process evaluates: the trainer builds and compiles no evaluation
+    if channels.evaluation is None:
+      self._evaluator = evaluation.make_evaluator(cfg.sim, cfg.policy, cfg.schedule.seed,
+                                                  cfg.schedule.deterministic_eval, network)
     self.tracer = tracing.Tracer(cfg.process.trace_dir, 'trainer')
     self._seen: Dict[tuple, int] = {}
     self.counts = {
@@ -89,7 +94,8 @@ class ChannelSource:
     t0 = time.monotonic()
     self._phase('publishing policy version 0, compiling the evaluation')
     self._ch.params.publish(int(train_state.policy_version), _host_params(train_state.params))
-    self._evaluator.lower_and_compile(train_state.params)
+    if self._evaluator is not None:
+      self._evaluator.lower_and_compile(train_state.params)
     return time.monotonic() - t0
 
   def take_startup_s(self) -> Optional[float]:
@@ -235,7 +241,8 @@ class ChannelSource:
     return dict(self.counts)
 
   def close(self) -> None:
-    self._evaluator.close()
+    if self._evaluator is not None:
+      self._evaluator.close()
     self.tracer.close()
 
 
@@ -256,6 +263,15 @@ def _interrupt_on_sigint() -> Optional[threading.Event]:
   return flag
 
 
+def _remote(cfg: driver.TrainerConfig, channels: TrainerChannels) -> Optional[remote_eval.RemoteEvaluations]:
+  """With an evaluator process, the driver's link to it (its waits end on the run's stop and on SIGINT)."""
+  if channels.evaluation is None:
+    return None
+  stops = ((channels.interrupt, 'SIGINT'), (channels.stop, 'stopped by the controller'))
+  return remote_eval.RemoteEvaluations(channels.evaluation, cfg.schedule.target_return, stops,
+                                       cfg.schedule.evaluator_wait_s)
+
+
 def trainer_main(cfg: driver.TrainerConfig, channels: TrainerChannels, env: Optional[dict] = None) -> None:
   """Process entry point: trains until done or stopped and sends its summary (a dict of `driver.RunSummary`,
   `stopped` saying why it ended) on the control pipe, or the `RunError` it stopped on as an `errors.ErrorReport`;
@@ -265,7 +281,7 @@ def trainer_main(cfg: driver.TrainerConfig, channels: TrainerChannels, env: Opti
   lifecycle.Phase(cfg.process.run_dir, 'trainer')('initialising the network and the train state')
   channels = channels._replace(stop=lifecycle.ParentWatch(channels.stop), interrupt=interrupt)
   try:
-    summary = driver.run_training(cfg, lambda c, s, n, o: ChannelSource(c, s, n, o, channels))
+    summary = driver.run_training(cfg, lambda c, s, n, o: ChannelSource(c, s, n, o, channels), _remote(cfg, channels))
     channels.outbox.send('result', dataclasses.asdict(summary))
   except KeyboardInterrupt:  # interrupted twice, or before the driver's loop: no summary to send
     logging.warning('trainer: interrupted before it had a summary; the last checkpoint stays loadable.')

@@ -97,7 +97,16 @@ def test_async_processes_learn_with_bounded_staleness(tmp_path):
   # Each process reported its start-up steps, and its last one is its steady work.
   from ebrl_jax.runtime import lifecycle  # pylint: disable=g-import-not-at-top
   phases = {name: r['phase'] for name, r in lifecycle.read_phases(cfg.schedule.run_dir).items()}
-  assert phases == {'trainer': 'training', 'rollout/0': 'collecting', 'rollout/1': 'collecting'}
+  assert phases == {
+      'trainer': 'training',
+      'rollout/0': 'collecting',
+      'rollout/1': 'collecting',
+      'evaluator': 'evaluating'
+  }
+  # The evaluator process (the default --evaluator) scored every version asked for, the final one included: the
+  # curve is keyed by version and env steps, in order (10 iterations per evaluation, 1,280 env steps each).
+  assert [(e['version'], e['env_steps']) for e in summary.eval_curve] == [(0, 0), (10, 12_800), (20, 25_600)]
+  assert extra['evaluator']['evaluations'] == 3 and extra['evaluator']['missing'] == 0
 
 
 def _launch(run_dir, *flags, env=None):
@@ -198,7 +207,7 @@ def test_ctrl_c_leaves_no_process_and_no_shared_memory(tmp_path):
     assert _our_segments(workers['controller'])
     # Each worker runs on the cores the plan gave it (--pin_cpus is on by default).
     from ebrl_jax.resources import cpus  # pylint: disable=g-import-not-at-top
-    plan = cpus.plan_cores(cpus.available_cores(), ['rollout/0', 'rollout/1'], ['trainer'])
+    plan = cpus.plan_cores(cpus.available_cores(), ['rollout/0', 'rollout/1'], ['trainer', 'evaluator'])
     for role, pid in workers['workers'].items():
       assert os.sched_getaffinity(pid) == set(plan[role]), role
     proc.send_signal(signal.SIGINT)
@@ -230,13 +239,14 @@ def test_trace_dir_writes_a_timeline_of_every_process(tmp_path):
   trace = json.load(open(trace_dir / 'trace.json'))
   events = trace['traceEvents']
   names = {e['args']['name'] for e in events if e.get('ph') == 'M'}
-  assert names == {'trainer', 'rollout/0', 'rollout/1', 'telemetry'}
+  assert names == {'trainer', 'rollout/0', 'rollout/1', 'evaluator', 'telemetry'}
   # The controller's telemetry adds counter tracks: CPU use of every worker (no GPU here).
   counters = {e['name'] for e in events if e.get('ph') == 'C'}
   assert {'cpu_pct/trainer', 'cpu_pct/rollout/0', 'cpu_pct/rollout/1'} <= counters
   assert summary.extra['telemetry']['cpu_pct/trainer'] > 0
   spans = {e['name'] for e in events if e.get('ph') == 'X'}
   assert {'gen/act', 'sim/step', 'rollout/collect', 'train/train_step', 'train/wait_segments'} <= spans
+  assert 'evaluator/evaluate' in spans and 'train/evaluate' not in spans  # the evaluator process evaluated
   assert all(e['dur'] >= 0 for e in events if e.get('ph') == 'X')
   # 20 iterations were trained, each one train_step span.
   assert summary.extra['stage_ms']['train/train_step']['count'] == 20

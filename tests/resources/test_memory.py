@@ -28,13 +28,14 @@ def _small_allowances(monkeypatch):
   monkeypatch.setattr(memory, 'MIN_POOL_BYTES', 256 * MIB)
 
 
-def _config(num_envs=32, batch_size=32, hidden=(4,), colocate_generation=True, **resources):
+def _config(num_envs=32, batch_size=32, hidden=(4,), colocate_generation=True, evaluator='trainer', **resources):
   return config_lib.Config(sim=config_lib.SimConfig(num_envs=num_envs, num_eval_envs=16),
                            policy=config_lib.PolicyConfig(policy_hidden_sizes=hidden, value_hidden_sizes=hidden),
                            algo=config_lib.AlgoConfig(batch_size=batch_size, num_minibatches=8),
                            schedule=config_lib.ScheduleConfig(name='async',
                                                               num_groups=2,
-                                                              colocate_generation=colocate_generation),
+                                                              colocate_generation=colocate_generation,
+                                                              evaluator=evaluator),
                            resources=config_lib.ResourceConfig(**resources))
 
 
@@ -294,3 +295,24 @@ def test_live_quota_changes_plan_a_warm_standby_per_group():
   for part in ('the 2 standby roles are the warm standbys that --quota_schedule / --replan start',
                'standby/0: footprint 1024 MiB -> budget 1536 MiB', '5 CUDA contexts', '11716 MiB in all'):
     assert part in str(e.value), (part, str(e.value))
+
+
+def test_the_evaluator_process_takes_the_evaluation_footprint_and_a_small_quota_under_mps():
+  # --evaluator=process: the evaluation envs and act leave the trainer's footprint for the evaluator's (plus one
+  # copy of the parameters); the evaluator is a planned GPU role, at EVALUATOR_QUOTA unless --sm_quotas names it.
+  in_trainer = memory.footprints(_config(), PENDULUM)
+  cfg = _config(evaluator='process', use_mps=True, pin_cpus=False)
+  fp = memory.footprints(cfg, PENDULUM)
+  assert 'evaluation' not in fp['trainer'].parts
+  assert fp['evaluator'].parts['evaluation'] == in_trainer['trainer'].parts['evaluation']
+  assert fp['evaluator'].parts['params'] == 4 * (55 + 13)  # the network and the normaliser, float32
+  top = topology.make_topology(cfg)
+  assert list(top.planned_roles) == ['trainer', 'evaluator', 'rollout/0', 'rollout/1']
+  fps = {'trainer': _fp(2048), 'rollout': _fp(1024), 'evaluator': _fp(256)}
+  plan = memory.make_plan(cfg, list(top.planned_roles), 16 * GIB, fps)
+  assert plan.roles['evaluator'] == memory.RoleBudget(256 * MIB, 384 * MIB, 0.0234375, 'estimate')
+  env = supervisor.Placement(cfg, top, _FakeMps(), plan).env('evaluator')
+  assert env['CUDA_MPS_ACTIVE_THREAD_PERCENTAGE'] == str(config_lib.EVALUATOR_QUOTA) == '10'
+  given = _config(evaluator='process', use_mps=True, pin_cpus=False, sm_quotas='evaluator=5,trainer=40')
+  assert supervisor.Placement(given, topology.make_topology(given), _FakeMps(),
+                              plan).env('evaluator')['CUDA_MPS_ACTIVE_THREAD_PERCENTAGE'] == '5'
