@@ -15,6 +15,7 @@ from ebrl_jax.config_checks import check_schedule_options
 from ebrl_jax.config_checks import check_range as _check_range
 from ebrl_jax.config_randomize import RANDOMIZE_PARAMS, RandomizationConfig, parse_randomize
 from ebrl_jax.config_resources import EVALUATOR_QUOTA, QUOTA_ROLES, ResourceConfig
+from ebrl_jax.config_vision import OBS_MODES, check_policy_vision, check_run_pixels, check_sim_obs, pixel_shape
 
 # Names accepted by the registries; the registries themselves check membership against these same tuples.
 TASKS = ('ant', 'halfcheetah', 'hopper', 'walker2d', 'humanoid', 'pusher', 'reacher', 'inverted_pendulum', 'push_cube')
@@ -45,6 +46,9 @@ class SimConfig:
   num_eval_envs: int = 16
   # Domain randomisation, e.g. 'friction=0.8:1.2,mass=0.9:1.1,gain=0.9:1.1' (see config_randomize); '' is off.
   randomize: str = ''
+  obs: str = 'state'  # or 'pixels': stacked uint8 camera frames beside the state (config_vision)
+  image_size: int = 64
+  frame_stack: int = 1
 
   def __post_init__(self):
     _check_choice('backend', self.backend, BACKENDS)
@@ -63,6 +67,7 @@ class SimConfig:
     _check_positive('num_eval_envs', self.num_eval_envs)
     if self.num_envs % self.group_size:
       raise ValueError(f'--num_envs={self.num_envs} must be a multiple of --group_size={self.group_size}.')
+    check_sim_obs(self)
 
   def _check_playground(self) -> None:
     if not self.task[len(PLAYGROUND_PREFIX):]:
@@ -100,9 +105,14 @@ class PolicyConfig:
   # Transformer and token policies: dtype of the trunk's activations; params, optimizer state, logits and
   # log-probs stay float32.
   compute_dtype: str = 'float32'
+  vision_encoder: str = 'cnn'  # --obs=pixels (config_vision): cnn or patches; the CNN's widths, blocks; ViT patch
+  cnn_channels: Tuple[int, ...] = (16, 32, 32)
+  cnn_blocks: int = 2
+  patch_size: int = 8
 
   def __post_init__(self):
     _check_choice('policy', self.kind, POLICIES)
+    check_policy_vision(self)
     _check_choice('compute_dtype', self.compute_dtype, COMPUTE_DTYPES)
     for name in ('d_model', 'num_layers', 'num_heads', 'mlp_ratio', 'obs_token_size', 'action_chunk'):
       _check_positive(name, getattr(self, name))
@@ -289,6 +299,7 @@ class Config:
                        f'got --backend={self.sim.backend}.')
     self._check_env_slices()
     check_schedule_options(self.schedule, self.resources)
+    check_run_pixels(self)
     if self.rollout_on_host:
       hint = ('the rollout workers simulate on CPU cores and the separate generation worker acts for them, so '
               'they hold no GPU context and have no SM quota')

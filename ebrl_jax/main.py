@@ -66,6 +66,15 @@ _HELP = {
     'randomize': ('Domain randomisation drawn per env at reset, name=lo:hi,...: '
                   f'{", ".join(config_lib.RANDOMIZE_PARAMS)} (e.g. friction=0.8:1.2,mass=0.9:1.1); empty: off.'),
     'backend': f'Simulator: {", ".join(config_lib.BACKENDS)} (mjx runs on the accelerator).',
+    'obs': (f'Observations: {", ".join(config_lib.OBS_MODES)}. pixels: stacked uint8 RGB frames of the task\'s '
+            'fixed camera beside the state, rendered by native MuJoCo (--backend=mujoco_cpu, --task=push_cube).'),
+    'image_size': 'With --obs=pixels: the side of the square camera frames, in pixels.',
+    'frame_stack': 'With --obs=pixels: camera frames per observation, stacked on the channel axis, newest last.',
+    'vision_encoder': ('With --obs=pixels: cnn (IMPALA CNN: its d_model features beside the state for --policy=mlp, '
+                       'its feature map as tokens for transformer/token) or patches (ViT patch tokens).'),
+    'cnn_channels': 'With --obs=pixels and --vision_encoder=cnn: the IMPALA CNN\'s stage widths.',
+    'cnn_blocks': 'With --obs=pixels and --vision_encoder=cnn: residual blocks per CNN stage.',
+    'patch_size': 'With --obs=pixels and --vision_encoder=patches: the side of a ViT patch, in pixels.',
     'policy': f'Policy network: {", ".join(config_lib.POLICIES)}.',
     'num_bins': 'Token policy: discrete bins per action dimension (bin centres span [-1, 1]).',
     'compute_dtype': (f'Activation dtype of the transformer and token policies: {", ".join(config_lib.COMPUTE_DTYPES)} '

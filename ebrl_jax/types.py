@@ -1,11 +1,16 @@
 """Pytrees that cross stage and process boundaries. Named fields only, never anonymous tuples.
 
 Axis names used in docstrings: `T` time (policy steps of one segment), `B` batch (envs or segments),
-`K` action chunk length (1 for the MLP), `A` action dimension, `O` observation dimension.
+`K` action chunk length (1 for the MLP), `A` action dimension, `O` observation dimension, `H, W, C` a stacked
+camera observation's height, width and channels (3 * frame_stack).
+
+An observation `obs` is the state `[..., O]` float32, or with camera observations (`--obs=pixels`) a `PixelObs`
+of pixels `[..., H, W, C]` uint8 beside that state: every record field that holds an observation (`Transition.obs`
+and `next_obs`) holds the one or the other, and `obs_template` gives its shapes.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Tuple
 
 import jax
 
@@ -21,6 +26,34 @@ class EnvSpec(NamedTuple):
   action_dim: int
   episode_length: int
   dt: float  # seconds of simulated time per env step (frame skip included)
+  pixel_shape: Tuple[int, ...] = ()  # [H, W, C] of the stacked camera frames (--obs=pixels); () without pixels
+
+
+class PixelObs(NamedTuple):
+  """A camera observation: pixels [..., H, W, C] uint8 (frames stacked on C, oldest first) and the proprioceptive
+  state [..., O] float32 beside them (O may be 0). The networks turn the pixels into floats; the observation
+  normaliser sees the state only."""
+  pixels: Array
+  state: Array
+
+
+def proprioception(obs) -> Any:
+  """The state part of an observation: `obs.state` of a `PixelObs`, else `obs` itself."""
+  return obs.state if isinstance(obs, PixelObs) else obs
+
+
+def with_state(obs, state) -> Any:
+  """`obs` with its state part replaced by `state` (a `PixelObs` keeps its pixels)."""
+  return obs._replace(state=state) if isinstance(obs, PixelObs) else state
+
+
+def obs_template(lead: Tuple[int, ...], obs_dim: int, pixel_shape: Tuple[int, ...] = ()) -> Any:
+  """Shapes of observations with leading axes `lead`: the state [*lead, O] float32, or a `PixelObs` with pixels
+  [*lead, H, W, C] uint8 beside it when `pixel_shape` is given (`jax.ShapeDtypeStruct` leaves)."""
+  state = jax.ShapeDtypeStruct(tuple(lead) + (obs_dim,), jax.numpy.float32)
+  if not pixel_shape:
+    return state
+  return PixelObs(pixels=jax.ShapeDtypeStruct(tuple(lead) + tuple(pixel_shape), jax.numpy.uint8), state=state)
 
 
 class ActOutput(NamedTuple):
@@ -42,7 +75,8 @@ class ActOutput(NamedTuple):
 class Transition(NamedTuple):
   """One policy step (one action chunk) for a batch of envs; stacked over time it is a trajectory segment.
 
-  Shapes for a segment: obs/next_obs [T, B, O]; raw_action [T, B, K, A]; reward, termination, truncation,
+  Shapes for a segment: obs/next_obs [T, B, O] (or a `PixelObs`: pixels [T, B, H, W, C] uint8, state
+  [T, B, O]); raw_action [T, B, K, A]; reward, termination, truncation,
   behaviour_log_prob, mask [T, B]; policy_version [T, B] (int32).
   raw_action is `ActOutput.raw_actions`, float32 for every policy (the segment spec and shared memory are
   float32): for the token policy it holds bin ids, exact in float32 below 2^24, cast back to int32 inside the
@@ -101,12 +135,17 @@ class SegmentRecord(NamedTuple):
   episode_stats: EpisodeStats
 
 
-def transition_template(t: int, s: int, obs_dim: int, action_chunk: int, action_dim: int) -> Transition:
+def transition_template(t: int,
+                        s: int,
+                        obs_dim: int,
+                        action_chunk: int,
+                        action_dim: int,
+                        pixel_shape: Tuple[int, ...] = ()) -> Transition:
   """Shapes and dtypes of a [T, S] segment (`jax.ShapeDtypeStruct` leaves): the one definition that buffers,
-  shared-memory specs and the memory plan derive from."""
+  shared-memory specs and the memory plan derive from. With `pixel_shape`, obs and next_obs are `PixelObs`."""
   f32, i32 = jax.numpy.float32, jax.numpy.int32
   steps = jax.ShapeDtypeStruct((t, s), f32)
-  obs = jax.ShapeDtypeStruct((t, s, obs_dim), f32)
+  obs = obs_template((t, s), obs_dim, pixel_shape)
   return Transition(obs=obs,
                     raw_action=jax.ShapeDtypeStruct((t, s, action_chunk, action_dim), f32),
                     reward=steps,
@@ -118,11 +157,16 @@ def transition_template(t: int, s: int, obs_dim: int, action_chunk: int, action_
                     policy_version=jax.ShapeDtypeStruct((t, s), i32))
 
 
-def segment_template(t: int, s: int, obs_dim: int, action_chunk: int, action_dim: int) -> SegmentRecord:
+def segment_template(t: int,
+                     s: int,
+                     obs_dim: int,
+                     action_chunk: int,
+                     action_dim: int,
+                     pixel_shape: Tuple[int, ...] = ()) -> SegmentRecord:
   """Shapes and dtypes of one env group's `SegmentRecord` (`jax.ShapeDtypeStruct` leaves)."""
   index = jax.ShapeDtypeStruct((1,), jax.numpy.int32)
   stat = jax.ShapeDtypeStruct((), jax.numpy.float32)
-  return SegmentRecord(transition=transition_template(t, s, obs_dim, action_chunk, action_dim),
+  return SegmentRecord(transition=transition_template(t, s, obs_dim, action_chunk, action_dim, pixel_shape),
                        group=index,
                        iteration=index,
                        incarnation=index,

@@ -35,6 +35,7 @@ LAYERS = (
     ('ebrl_jax.config_checks', 0),
     ('ebrl_jax.config_resources', 0),
     ('ebrl_jax.config_randomize', 0),
+    ('ebrl_jax.config_vision', 0),
     ('ebrl_jax.types', 0),
     ('ebrl_jax.generation.worker', 3),
     ('ebrl_jax.rollout.evaluator', 3),

@@ -37,6 +37,7 @@ FILE_TIERS = {
     'test_policies.py': 'unit',
     'test_token_policy.py': 'unit',
     'test_vision.py': 'unit',
+    'test_pixel_obs.py': 'unit',  # PixelObs in the records, the normaliser on the state, the pixel networks
     'test_losses.py': 'unit',
     'test_trainer_stages.py': 'unit',
     'test_registry.py': 'unit',
@@ -71,6 +72,7 @@ FILE_TIERS = {
     'test_metrics_disk_full.py': 'contract',
     # the whole system
     'test_fused_e2e.py': 'e2e',
+    'test_pixels_e2e.py': 'e2e',  # --obs=pixels: push_cube's camera frames through fused and async (shm)
     'test_pipeline.py': 'e2e',
     'test_evaluator.py': 'e2e',  # the evaluator process: a sync run on threads, a killed evaluator (processes)
     'test_replan.py': 'e2e',
@@ -84,6 +86,7 @@ FILE_TIERS = {
     'test_notebooks.py': 'e2e',
     # rules of the repository
     'test_config.py': 'contract',
+    'test_pixels_config.py': 'contract',  # --obs=pixels and its flags: errors naming the flag
     'test_main_flags.py': 'contract',
     'test_layering.py': 'contract',
     'test_readme.py': 'contract',
@@ -193,6 +196,8 @@ HEAVY = frozenset({
     ('test_vision.py', 'test_bfloat16_compute_is_finite_and_close_to_float32'),
     ('test_vision.py', 'test_gradients_finite_and_nonzero'),
     ('test_vision.py', 'test_vit_actor_critic_contract_matches_gaussian_heads'),
+    ('test_pixel_obs.py', 'test_normaliser_applies_to_the_state_only'),
+    ('test_pixel_obs.py', 'test_pixel_networks_act_and_evaluate_through_the_stages'),
 })
 
 # Measured over ~5 s on the 2-core CPU machine: (file basename, test function name) marks every parametrisation,
@@ -236,6 +241,8 @@ SLOW = frozenset({
     ('test_pipeline.py', 'test_killed_trainer_stops_the_run_with_its_checkpoint_intact'),
     ('test_pipeline.py', 'test_mps_daemon_death_stops_the_run_and_resume_continues'),
     ('test_fused_e2e.py', 'test_ppo_learns_the_pendulum_on_native_mujoco'),
+    ('test_pixels_e2e.py', 'test_fused_pixels_reach_the_train_step_as_uint8_stacks'),
+    ('test_pixels_e2e.py', 'test_async_workers_send_pixel_segments_over_shared_memory'),
     ('test_fused_e2e.py', 'test_grpo_learns_with_group_resets'),
     ('test_fused_e2e.py', 'test_resume_continues_the_step_count'),
     ('test_fused_e2e.py', 'test_mjx_backend_runs_the_fused_program'),
@@ -268,6 +275,8 @@ def tier_of(path: str, name: str, fixturenames=()) -> str:
 OPT_IN = frozenset({
     ('test_pipeline.py', 'test_sync_with_one_group_replays_fused_exactly_on_mjx'),
     ('test_randomize.py', 'test_mjx_draws_reach_the_step'),
+    # 5 s: the token policy over a pixel prefix through the stages; its state twin and the vision tests stay in CI
+    ('test_pixel_obs.py', 'test_pixel_networks_act_and_evaluate_through_the_stages[token-patches-None]'),
     ('test_agreement_push_cube.py', 'test_push_cube_backends_agree'),
     ('test_data_parallel.py', 'test_a_killed_rank_stops_the_other_naming_it'),
     # the fault suite's kill_generation kind (80 kills, experiments/results/faults_cpu.json) covers it at length

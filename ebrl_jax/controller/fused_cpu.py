@@ -48,7 +48,7 @@ class CpuFusedLoop:
   def compile(self, train_state, num_iterations: int) -> float:
     del num_iterations  # the Python loop compiles per-step programs only
     t0 = time.monotonic()
-    obs = np.zeros((self._cfg.sim.num_envs, self._spec.obs_dim), np.float32)
+    obs = cpu_rollout.zero_obs(self._spec, self._cfg.sim.num_envs)
     key = jax.random.PRNGKey(0)
     self._act = self._act.lower(train_state.params, obs, key, 0).compile()
     self._collector.set_act(self._act)

@@ -86,7 +86,8 @@ def segment_spec(cfg: config_lib.Config, spec: types.EnvSpec) -> transport.Recor
   `types.segment_template`, the records' one definition)."""
   unrolls, steps = cfg.segment_shape
   return transport.spec_of(
-      types.segment_template(steps, unrolls * cfg.group_envs, spec.obs_dim, cfg.policy.action_chunk, spec.action_dim))
+      types.segment_template(steps, unrolls * cfg.group_envs, spec.obs_dim, cfg.policy.action_chunk, spec.action_dim,
+                             spec.pixel_shape))
 
 
 def mailbox_specs(cfg: config_lib.Config, spec: types.EnvSpec):
@@ -120,10 +121,10 @@ def mailbox_specs(cfg: config_lib.Config, spec: types.EnvSpec):
 
 def param_template(cfg: config_lib.Config, spec: types.EnvSpec):
   """Shapes of the policy parameters, without computing them (the controller touches no accelerator)."""
-  network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
+  network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim, spec.pixel_shape)
   optimizer = trainer_stages.make_optimizer(cfg.algo)
-  state = jax.eval_shape(lambda: trainer_stages.init_train_state(network, optimizer, jax.random.PRNGKey(0), spec.
-                                                                 obs_dim, cfg.policy.normalize_observations))
+  state = jax.eval_shape(lambda: trainer_stages.init_train_state(network, optimizer, jax.random.PRNGKey(
+      0), spec.obs_dim, cfg.policy.normalize_observations, spec.pixel_shape))
   return state.params
 
 
@@ -186,7 +187,7 @@ def _worker_configs(cfg: config_lib.Config, switches: Tuple[str, ...]):
 
 
 def make_topology(cfg: config_lib.Config) -> Topology:
-  spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
+  spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat, config_lib.pixel_shape(cfg.sim))
   cpu_roles, feeders = _roles(cfg)
   # Native-MuJoCo rollout workers served by a generation worker hold no GPU context.
   gpu_roles = tuple(r for r in feeders + cpu_roles if not (cfg.rollout_on_host and r.startswith('rollout/')))

@@ -8,7 +8,8 @@
   through pre-LayerNorm blocks; ~1M to ~100M parameters via `d_model` and `num_layers`.
 
 `make_network` also builds `token_policy.TokenPolicy` (`--policy=token`), which emits categorical action tokens
-instead of `dist_params`; `generation.stages` tells the two contracts apart (`stages.head_of`).
+instead of `dist_params`; `generation.stages` tells the two contracts apart (`stages.head_of`). With camera
+observations (`--obs=pixels`) it builds the pixel networks of `vision` instead, which take a `types.PixelObs`.
 """
 from __future__ import annotations
 
@@ -21,29 +22,20 @@ import jax
 import jax.numpy as jnp
 
 from ebrl_jax.config import POLICIES, PolicyConfig
+from ebrl_jax.generation import layers
 from ebrl_jax.generation import token_policy
+from ebrl_jax.generation import vision
 from ebrl_jax.types import Array, Params
 
 Dtype = Any
+
+MLP = layers.MLP
+EncoderBlock = layers.EncoderBlock
 
 
 def count_params(params: Params) -> int:
   """Total number of scalars in a parameter pytree (works on `jax.eval_shape` outputs too)."""
   return int(sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params)))
-
-
-class MLP(nn.Module):
-  """Dense layers with `activation` between them (not after the last), lecun-uniform kernels as in Brax."""
-  layer_sizes: Sequence[int]
-  activation: Callable[[Array], Array] = nn.swish
-
-  @nn.compact
-  def __call__(self, x: Array) -> Array:
-    for i, size in enumerate(self.layer_sizes):
-      x = nn.Dense(size, kernel_init=nn.initializers.lecun_uniform(), name=f'hidden_{i}')(x)
-      if i != len(self.layer_sizes) - 1:
-        x = self.activation(x)
-    return x
 
 
 class MLPActorCritic(nn.Module):
@@ -62,27 +54,6 @@ class MLPActorCritic(nn.Module):
     dist_params = MLP(tuple(self.policy_hidden_sizes) + (2 * self.action_dim,), name='policy')(obs)
     value = MLP(tuple(self.value_hidden_sizes) + (1,), name='value')(obs)
     return dist_params[:, None, :], value[:, 0]
-
-
-class EncoderBlock(nn.Module):
-  """Pre-LayerNorm transformer block: x + MHA(LN(x)), then x + MLP(LN(x)). tokens [B, N, D] -> [B, N, D]."""
-  num_heads: int
-  mlp_ratio: int
-  dtype: Dtype = jnp.float32
-
-  @nn.compact
-  def __call__(self, x: Array) -> Array:
-    d_model = x.shape[-1]
-    h = nn.LayerNorm(dtype=self.dtype, name='ln_attn')(x)
-    h = nn.MultiHeadDotProductAttention(num_heads=self.num_heads,
-                                        dtype=self.dtype,
-                                        param_dtype=jnp.float32,
-                                        name='attn')(h, h)
-    x = x + h
-    h = nn.LayerNorm(dtype=self.dtype, name='ln_mlp')(x)
-    h = nn.Dense(self.mlp_ratio * d_model, dtype=self.dtype, name='mlp_in')(h)
-    h = nn.Dense(d_model, dtype=self.dtype, name='mlp_out')(nn.gelu(h))
-    return x + h
 
 
 class TransformerActorCritic(nn.Module):
@@ -126,11 +97,15 @@ class TransformerActorCritic(nn.Module):
     return dist_params, value[:, 0]
 
 
-def make_network(policy_config: PolicyConfig, obs_dim: int, action_dim: int) -> nn.Module:
+def make_network(policy_config: PolicyConfig, obs_dim: int, action_dim: int, pixel_shape: Tuple[int,
+                                                                                                ...] = ()) -> nn.Module:
   """Builds the network named by `policy_config.kind`. `obs_dim` is accepted for symmetry (flax infers input
   sizes at init). The transformer and token policies compute in `policy_config.compute_dtype` (params stay
-  float32); the token policy cuts the state into `obs_token_size` tokens with `token_policy.StateTokenizer`."""
+  float32); the token policy cuts the state into `obs_token_size` tokens with `token_policy.StateTokenizer`.
+  With `pixel_shape` (`--obs=pixels`) the network takes a `types.PixelObs`: see `_make_pixel_network`."""
   del obs_dim
+  if pixel_shape:
+    return _make_pixel_network(policy_config, action_dim)
   dtype = jnp.dtype(policy_config.compute_dtype)
   if policy_config.kind == 'mlp':
     return MLPActorCritic(policy_hidden_sizes=tuple(policy_config.policy_hidden_sizes),
@@ -147,13 +122,51 @@ def make_network(policy_config: PolicyConfig, obs_dim: int, action_dim: int) -> 
                                   action_chunk=policy_config.action_chunk,
                                   dtype=dtype)
   if policy_config.kind == 'token':
-    return token_policy.TokenPolicy(action_dim=action_dim,
-                                    action_chunk=policy_config.action_chunk,
-                                    num_bins=policy_config.num_bins,
-                                    d_model=policy_config.d_model,
-                                    num_layers=policy_config.num_layers,
-                                    num_heads=policy_config.num_heads,
-                                    mlp_ratio=policy_config.mlp_ratio,
-                                    dtype=dtype,
-                                    tokenizer=token_policy.StateTokenizer(policy_config.obs_token_size))
+    return _token_policy(policy_config, action_dim, token_policy.StateTokenizer(policy_config.obs_token_size))
   raise ValueError(f'--policy={policy_config.kind!r} is not valid; allowed values: {", ".join(POLICIES)}.')
+
+
+def _make_pixel_network(p: PolicyConfig, action_dim: int) -> nn.Module:
+  """The pixel networks of `vision`: `mlp` -> `CNNActorCritic` (IMPALA features of width d_model beside the
+  state, then the MLP heads); `transformer` -> `VisionTransformerActorCritic` and `token` -> `TokenPolicy` over a
+  `PixelTokenizer` prefix (image tokens of `vision_encoder`, then state tokens)."""
+  dtype = jnp.dtype(p.compute_dtype)
+  channels = tuple(p.cnn_channels)
+  if p.kind == 'mlp':
+    return vision.CNNActorCritic(action_dim=action_dim,
+                                 stage_channels=channels,
+                                 feature_dim=p.d_model,
+                                 policy_hidden_sizes=tuple(p.policy_hidden_sizes),
+                                 value_hidden_sizes=tuple(p.value_hidden_sizes),
+                                 num_blocks=p.cnn_blocks)
+  if p.kind == 'transformer':
+    return vision.VisionTransformerActorCritic(d_model=p.d_model,
+                                               num_layers=p.num_layers,
+                                               num_heads=p.num_heads,
+                                               mlp_ratio=p.mlp_ratio,
+                                               patch_size=p.patch_size,
+                                               action_dim=action_dim,
+                                               action_chunk=p.action_chunk,
+                                               obs_token_size=p.obs_token_size,
+                                               dtype=dtype,
+                                               encoder=p.vision_encoder,
+                                               stage_channels=channels,
+                                               num_blocks=p.cnn_blocks)
+  if p.kind == 'token':
+    tokenizer = vision.PixelTokenizer(p.patch_size, p.d_model, p.obs_token_size, dtype, p.vision_encoder, channels,
+                                      p.cnn_blocks)
+    return _token_policy(p, action_dim, tokenizer)
+  raise ValueError(f'--policy={p.kind!r} is not valid; allowed values: {", ".join(POLICIES)}.')
+
+
+def _token_policy(p: PolicyConfig, action_dim: int, tokenizer: nn.Module) -> nn.Module:
+  """`token_policy.TokenPolicy` of `p`'s sizes over the observation tokens `tokenizer` makes."""
+  return token_policy.TokenPolicy(action_dim=action_dim,
+                                  action_chunk=p.action_chunk,
+                                  num_bins=p.num_bins,
+                                  d_model=p.d_model,
+                                  num_layers=p.num_layers,
+                                  num_heads=p.num_heads,
+                                  mlp_ratio=p.mlp_ratio,
+                                  dtype=jnp.dtype(p.compute_dtype),
+                                  tokenizer=tokenizer)

@@ -6,7 +6,8 @@ Pure functions; `network` (a flax module, hashable) is a static argument when ji
   out = act_fn(network, params, obs, key)          # ActOutput, actions [B, K, A]
 
 Observations are normalised inside `act`/`evaluate`/`value` with `params.normalizer` (identity when
-`params.normalize_observations` is False). Each then runs the network's `PolicyHead` (`head_of`, the one place
+`params.normalize_observations` is False); of a camera observation (`types.PixelObs`) only the state part is, the
+pixels reach the network as uint8. Each then runs the network's `PolicyHead` (`head_of`, the one place
 that tells network families apart): the Gaussian head for networks that emit `dist_params [B, K, 2A]`
 (`policies.MLPActorCritic`, `policies.TransformerActorCritic`), or the head a network class carries itself
 (`token_policy.TokenPolicy`: categorical action tokens). Axis names: B batch, O obs dim, K action chunk,
@@ -25,6 +26,7 @@ from flax import struct
 
 from ebrl_jax.generation import distribution
 from ebrl_jax.generation import normalization
+from ebrl_jax import types
 from ebrl_jax.types import ActOutput, Array, Params, PRNGKey
 
 
@@ -116,20 +118,31 @@ def head_of(network: nn.Module) -> PolicyHead:
   return head
 
 
-def _normalize(params: PolicyParams, obs: Array) -> Array:
-  chex.assert_rank(obs, 2)
-  return normalization.normalize(params.normalizer, obs) if params.normalize_observations else obs
+def _normalize(params: PolicyParams, obs):
+  """The state [B, O] (a `PixelObs`'s state part) normalised; pixels pass unchanged."""
+  state = types.proprioception(obs)
+  chex.assert_rank(state, 2)
+  if not params.normalize_observations:
+    return obs
+  return types.with_state(obs, normalization.normalize(params.normalizer, state))
+
+
+def _rows(obs) -> int:
+  return types.proprioception(obs).shape[0]
 
 
 def init_policy_params(network: nn.Module,
                        key: PRNGKey,
                        obs_dim: int,
-                       normalize_observations: bool = True) -> PolicyParams:
-  """Initialises network variables (from a dummy `[1, O]` observation) and empty observation statistics."""
+                       normalize_observations: bool = True,
+                       pixel_shape: Tuple[int, ...] = ()) -> PolicyParams:
+  """Initialises network variables (from a dummy `[1, O]` observation, or a `PixelObs` with `pixel_shape`
+  [H, W, C] pixels beside it) and empty observation statistics (of the state)."""
   # One compiled init instead of op-by-op dispatch (seconds for a tiny MLP on CPU); nests fine under jit.
   init = jax.jit(functools.partial(head_of(network).init, network))
+  dummy = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), types.obs_template((1,), obs_dim, pixel_shape))
   return PolicyParams(normalizer=normalization.init_stats(obs_dim),
-                      network=init(key, jnp.zeros((1, obs_dim), jnp.float32)),
+                      network=init(key, dummy),
                       normalize_observations=normalize_observations)
 
 
@@ -144,7 +157,7 @@ def act(network: nn.Module,
   Args:
     network: the actor-critic module (static).
     params: policy parameters.
-    obs: [B, O] raw observations.
+    obs: [B, O] raw observations (or a `types.PixelObs` of pixels [B, H, W, C] uint8 and state [B, O]).
     key: PRNG key for sampling.
     deterministic: take the mode (Gaussian: raw = loc; tokens: argmax) instead of sampling (static).
     min_std: floor added to softplus(raw scale) (static; Gaussian heads only).
@@ -154,7 +167,7 @@ def act(network: nn.Module,
     A; the Gaussian's with the tanh Jacobian), values [B].
   """
   out = head_of(network).act(network, params.network, _normalize(params, obs), key, deterministic, min_std)
-  chex.assert_shape([out.log_probs, out.values], (obs.shape[0],))
+  chex.assert_shape([out.log_probs, out.values], (_rows(obs),))
   chex.assert_equal_shape([out.actions, out.raw_actions])
   chex.assert_type([out.actions, out.raw_actions, out.log_probs, out.values], jnp.float32)
   return out
@@ -170,7 +183,7 @@ def evaluate(network: nn.Module,
   EvalOutput(log_probs [B], entropy [B], values [B]). The Gaussian's entropy is a one-sample estimate (`key`),
   the token policy's the exact per-token entropies along the stored tokens; both summed over K and A."""
   out = head_of(network).evaluate(network, params.network, _normalize(params, obs), raw_actions, key, min_std)
-  chex.assert_shape([out.log_probs, out.entropy, out.values], (obs.shape[0],))
+  chex.assert_shape([out.log_probs, out.entropy, out.values], (_rows(obs),))
   return out
 
 
@@ -178,7 +191,7 @@ def value(network: nn.Module, params: PolicyParams, obs: Array) -> Array:
   """Critic only: obs [B, O] (raw) -> values [B] float32 (the bootstrap value; the token policy skips the action
   tokens)."""
   values = head_of(network).value(network, params.network, _normalize(params, obs))
-  chex.assert_shape(values, (obs.shape[0],))
+  chex.assert_shape(values, (_rows(obs),))
   return values
 
 

@@ -9,10 +9,11 @@ channel per frame (depth quantised to uint8 by the simulator); `stack_frames` bu
   layer assumes 84x84 frames and collapses small renders to nothing), and its residual stages train better
   (Espeholt et al. 2018; Cobbe et al. 2019 on Procgen).
 * `PatchEmbed`: ViT patchify (a conv with kernel = stride = patch) + learned positions -> tokens `[B, P, D]`.
-* `PixelTokenizer`: `PixelObs` -> patch tokens followed by proprioception tokens `[B, P + N, D]`; the prefix
-  both `VisionTransformerActorCritic` and `token_policy.TokenPolicy` consume.
+* `CNNTokens`: the IMPALA CNN's last feature map, one token per cell (RT-1-style) -> tokens `[B, P, D]`.
+* `PixelTokenizer`: `PixelObs` -> image tokens (`encoder='patches'` or `'cnn'`) followed by proprioception tokens
+  `[B, P + N, D]`; the prefix both `VisionTransformerActorCritic` and `token_policy.TokenPolicy` consume.
 * `VisionTransformerActorCritic`: `PixelTokenizer` tokens + K action queries + a value token through
-  `policies.EncoderBlock`s, ending in the Gaussian heads of `policies.TransformerActorCritic`.
+  `layers.EncoderBlock`s, ending in the Gaussian heads of `policies.TransformerActorCritic`.
 * `CNNActorCritic`: `ImpalaCNN` features concatenated with the state, then Brax-style policy/value MLPs.
 
 Params are float32; `dtype` is the compute dtype of the trunks (jnp.bfloat16 halves activation memory); heads
@@ -21,13 +22,14 @@ O state dim, D model width, F feature width, K action chunk, A action dim.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence, Tuple
+from typing import Any, Sequence, Tuple
 
 import chex
 import flax.linen as nn
 import jax.numpy as jnp
 
-from ebrl_jax.generation import policies
+from ebrl_jax import types
+from ebrl_jax.generation import layers
 from ebrl_jax.generation import token_policy
 from ebrl_jax.types import Array
 
@@ -35,12 +37,9 @@ Dtype = Any
 _EMBED_INIT = nn.initializers.normal(0.02)
 _HEAD_INIT = nn.initializers.variance_scaling(0.01, 'fan_in', 'truncated_normal')
 
-
-class PixelObs(NamedTuple):
-  """A camera observation: pixels [B, H, W, C] uint8 (frames stacked on C, oldest first) and proprioceptive
-  state [B, O] float32 (O may be 0)."""
-  pixels: Array
-  state: Array
+# A camera observation: pixels [B, H, W, C] uint8 (frames stacked on C, oldest first) beside the proprioceptive
+# state [B, O] float32 (O may be 0). Defined in `types`, since it travels in `Transition` records.
+PixelObs = types.PixelObs
 
 
 def pixel_channels(frame_stack: int, depth: bool = False) -> int:
@@ -78,6 +77,18 @@ class ResidualBlock(nn.Module):
     return x + h
 
 
+def impala_stages(x: Array, stage_channels: Sequence[int], num_blocks: int, dtype: Dtype) -> Array:
+  """Inside a compact module: per stage conv 3x3 -> max-pool 3x3 stride 2 -> `num_blocks` residual blocks,
+  then relu; x [B, H, W, C] float -> [B, ceil(H / 2^s), ceil(W / 2^s), stage_channels[-1]] (s stages). The layers
+  are the calling module's `stage_<i>_conv` and `stage_<i>_block_<j>`."""
+  for i, channels in enumerate(stage_channels):
+    x = nn.Conv(channels, (3, 3), padding='SAME', dtype=dtype, name=f'stage_{i}_conv')(x)
+    x = nn.max_pool(x, (3, 3), strides=(2, 2), padding='SAME')
+    for j in range(num_blocks):
+      x = ResidualBlock(dtype, name=f'stage_{i}_block_{j}')(x)
+  return nn.relu(x)
+
+
 class ImpalaCNN(nn.Module):
   """IMPALA-style encoder: per stage conv 3x3 -> max-pool 3x3 stride 2 -> `num_blocks` residual blocks; then
   relu, flatten and a dense layer. pixels [B, H, W, C] uint8 -> features [B, feature_dim] (compute dtype).
@@ -92,13 +103,8 @@ class ImpalaCNN(nn.Module):
   @nn.compact
   def __call__(self, pixels: Array) -> Array:
     chex.assert_rank(pixels, 4)
-    x = pixels_to_float(pixels, self.dtype)
-    for i, channels in enumerate(self.stage_channels):
-      x = nn.Conv(channels, (3, 3), padding='SAME', dtype=self.dtype, name=f'stage_{i}_conv')(x)
-      x = nn.max_pool(x, (3, 3), strides=(2, 2), padding='SAME')
-      for j in range(self.num_blocks):
-        x = ResidualBlock(self.dtype, name=f'stage_{i}_block_{j}')(x)
-    x = nn.relu(x).reshape(x.shape[0], -1)
+    x = impala_stages(pixels_to_float(pixels, self.dtype), self.stage_channels, self.num_blocks, self.dtype)
+    x = x.reshape(x.shape[0], -1)
     features = nn.relu(nn.Dense(self.feature_dim, dtype=self.dtype, name='project')(x))
     chex.assert_shape(features, (pixels.shape[0], self.feature_dim))
     return features
@@ -127,20 +133,47 @@ class PatchEmbed(nn.Module):
     return x + pos.astype(self.dtype)
 
 
+class CNNTokens(nn.Module):
+  """`impala_stages` feature map, one token per cell: pixels [B, H, W, C] uint8 -> tokens [B, P, D],
+  P = ceil(H / 2^s) * ceil(W / 2^s) (s stages), row-major; each cell's channels dense-embedded plus a learned
+  position."""
+  d_model: int
+  stage_channels: Sequence[int] = (16, 32, 32)
+  num_blocks: int = 2
+  dtype: Dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, pixels: Array) -> Array:
+    chex.assert_rank(pixels, 4)
+    x = impala_stages(pixels_to_float(pixels, self.dtype), self.stage_channels, self.num_blocks, self.dtype)
+    batch, height, width, channels = x.shape
+    x = nn.Dense(self.d_model, dtype=self.dtype, name='embed')(x.reshape(batch, height * width, channels))
+    return x + self.param('pos_embed', _EMBED_INIT, (height * width, self.d_model)).astype(self.dtype)
+
+
 class PixelTokenizer(nn.Module):
-  """PixelObs -> tokens [B, P + N, D]: patch tokens, then state tokens (`state_tokens` cut, dense-embedded, own
+  """PixelObs -> tokens [B, P + N, D]: image tokens (`encoder`: 'patches', ViT patches of `patch_size`; 'cnn',
+  `CNNTokens` of `stage_channels` and `num_blocks`), then state tokens (`state_tokens` cut, dense-embedded, own
   learned positions). The two position tables are separate, so they also tell the modalities apart.
   N = ceil(O / obs_token_size), 0 when the state is empty."""
   patch_size: int
   d_model: int
   obs_token_size: int = 4
   dtype: Dtype = jnp.float32
+  encoder: str = 'patches'
+  stage_channels: Sequence[int] = (16, 32, 32)
+  num_blocks: int = 2
 
   @nn.compact
   def __call__(self, obs: PixelObs) -> Array:
     chex.assert_rank(obs.state, 2)
     chex.assert_equal_shape_prefix([obs.pixels, obs.state], 1)
-    tokens = PatchEmbed(self.patch_size, self.d_model, self.dtype, name='patches')(obs.pixels)
+    if self.encoder == 'cnn':
+      tokens = CNNTokens(self.d_model, tuple(self.stage_channels), self.num_blocks, self.dtype, name='cnn')(obs.pixels)
+    elif self.encoder == 'patches':
+      tokens = PatchEmbed(self.patch_size, self.d_model, self.dtype, name='patches')(obs.pixels)
+    else:
+      raise ValueError(f'PixelTokenizer: encoder={self.encoder!r} is not one of cnn, patches.')
     if obs.state.shape[-1] == 0:
       return tokens
     state = state_tokens(obs.state, self.obs_token_size)
@@ -164,10 +197,20 @@ class VisionTransformerActorCritic(nn.Module):
   action_chunk: int = 1
   obs_token_size: int = 4
   dtype: Dtype = jnp.float32
+  encoder: str = 'patches'  # or 'cnn' (see PixelTokenizer)
+  stage_channels: Sequence[int] = (16, 32, 32)
+  num_blocks: int = 2
 
   @nn.compact
   def __call__(self, obs: PixelObs) -> Tuple[Array, Array]:
-    x = PixelTokenizer(self.patch_size, self.d_model, self.obs_token_size, self.dtype, name='tokenizer')(obs)
+    x = PixelTokenizer(self.patch_size,
+                       self.d_model,
+                       self.obs_token_size,
+                       self.dtype,
+                       self.encoder,
+                       tuple(self.stage_channels),
+                       self.num_blocks,
+                       name='tokenizer')(obs)
     batch, num_tokens, _ = x.shape
     queries = self.param('action_queries', _EMBED_INIT, (self.action_chunk, self.d_model))
     value_token = self.param('value_token', _EMBED_INIT, (1, self.d_model))
@@ -175,7 +218,7 @@ class VisionTransformerActorCritic(nn.Module):
         jnp.concatenate([queries, value_token], 0)[None], (batch, self.action_chunk + 1, self.d_model))
     x = jnp.concatenate([x, extra.astype(self.dtype)], axis=1)  # [B, P + N + K + 1, D]
     for i in range(self.num_layers):
-      x = policies.EncoderBlock(self.num_heads, self.mlp_ratio, self.dtype, name=f'block_{i}')(x)
+      x = layers.EncoderBlock(self.num_heads, self.mlp_ratio, self.dtype, name=f'block_{i}')(x)
     x = nn.LayerNorm(dtype=jnp.float32, name='ln_final')(x[:, num_tokens:].astype(jnp.float32))
     dist_params = nn.Dense(2 * self.action_dim, kernel_init=_HEAD_INIT, name='action_head')(x[:, :-1])
     value = nn.Dense(1, kernel_init=_HEAD_INIT, name='value_head')(x[:, -1])
@@ -194,13 +237,17 @@ class CNNActorCritic(nn.Module):
   policy_hidden_sizes: Sequence[int] = (256, 256)
   value_hidden_sizes: Sequence[int] = (256, 256)
   dtype: Dtype = jnp.float32
+  num_blocks: int = 2
 
   @nn.compact
   def __call__(self, obs: PixelObs) -> Tuple[Array, Array]:
     chex.assert_rank(obs.state, 2)
-    features = ImpalaCNN(tuple(self.stage_channels), feature_dim=self.feature_dim, dtype=self.dtype,
+    features = ImpalaCNN(tuple(self.stage_channels),
+                         self.num_blocks,
+                         feature_dim=self.feature_dim,
+                         dtype=self.dtype,
                          name='encoder')(obs.pixels)
     x = jnp.concatenate([features.astype(jnp.float32), obs.state.astype(jnp.float32)], axis=-1)
-    dist_params = policies.MLP(tuple(self.policy_hidden_sizes) + (2 * self.action_dim,), name='policy')(x)
-    value = policies.MLP(tuple(self.value_hidden_sizes) + (1,), name='value')(x)
+    dist_params = layers.MLP(tuple(self.policy_hidden_sizes) + (2 * self.action_dim,), name='policy')(x)
+    value = layers.MLP(tuple(self.value_hidden_sizes) + (1,), name='value')(x)
     return dist_params[:, None, :], value[:, 0]

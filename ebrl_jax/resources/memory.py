@@ -142,9 +142,10 @@ def tree_bytes(tree) -> int:
   return int(sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree)))
 
 
-def _transition_bytes(t: int, s: int, obs_dim: int, k: int, action_dim: int) -> int:
-  """Bytes of a `types.Transition` of [T, S] segments (its one definition, `types.transition_template`)."""
-  return tree_bytes(types.transition_template(t, s, obs_dim, k, action_dim))
+def _transition_bytes(t: int, s: int, obs_dim: int, k: int, action_dim: int, pixel_shape: Tuple[int, ...] = ()) -> int:
+  """Bytes of a `types.Transition` of [T, S] segments (its one definition, `types.transition_template`; camera
+  pixels included, as uint8, with `pixel_shape`)."""
+  return tree_bytes(types.transition_template(t, s, obs_dim, k, action_dim, pixel_shape))
 
 
 def _value_sizes(jaxpr) -> List[int]:
@@ -163,10 +164,11 @@ def _value_sizes(jaxpr) -> List[int]:
   return out
 
 
-def row_bytes(network, params, obs_dim: int, k: int, action_dim: int) -> Tuple[int, int]:
+def row_bytes(network, params, obs_dim: int, k: int, action_dim: int, pixel_shape=()) -> Tuple[int, int]:
   """(saved, largest): bytes per observation row that the forward pass (`generation.stages.evaluate`) keeps for
   its backward pass (the residuals `jax.vjp` holds), and of its largest single intermediate value. Each is the
-  difference between traces of 8 and of 4 rows, over 4, so weight-sized values drop out."""
+  difference between traces of 8 and of 4 rows, over 4, so weight-sized values drop out. `pixel_shape` [H, W, C]:
+  rows are camera observations (`types.PixelObs`)."""
 
   def loss(network_params, p, obs, raw):
     out = gen_stages.evaluate(network, p.replace(network=network_params), obs, raw, jax.random.PRNGKey(0))
@@ -176,7 +178,7 @@ def row_bytes(network, params, obs_dim: int, k: int, action_dim: int) -> Tuple[i
     return jax.vjp(lambda n: loss(n, p, obs, raw), p.network)[1]
 
   def measure(rows: int):
-    obs = jax.ShapeDtypeStruct((rows, obs_dim), 'float32')
+    obs = types.obs_template((rows,), obs_dim, pixel_shape)
     raw = jax.ShapeDtypeStruct((rows, k, action_dim), 'float32')
     return (tree_bytes(jax.eval_shape(residuals, params, obs,
                                       raw)), _value_sizes(jax.make_jaxpr(loss)(params.network, params, obs, raw).jaxpr))
@@ -237,17 +239,18 @@ def footprints(cfg, spec, profile: Optional[dict] = None) -> Dict[str, Footprint
   """Footprint of one process of each role of `cfg`'s process schedule ('trainer', 'rollout', 'generation' with a
   separate generation worker, 'evaluator' with --evaluator=process), from shapes; a calibration `profile`'s
   measured peaks raise them."""
-  o, a, k = spec.obs_dim, spec.action_dim, cfg.policy.action_chunk
-  network = policies.make_network(cfg.policy, o, a)
+  o, a, k, px = spec.obs_dim, spec.action_dim, cfg.policy.action_chunk, spec.pixel_shape
+  network = policies.make_network(cfg.policy, o, a, px)
   optimizer = trainer_stages.make_optimizer(cfg.algo)
   state = jax.eval_shape(lambda: trainer_stages.init_train_state(network, optimizer, jax.random.PRNGKey(0), o, cfg.
-                                                                 policy.normalize_observations))
+                                                                 policy.normalize_observations, px))
   params = tree_bytes(state.params)
-  saved_row, largest_row = row_bytes(network, state.params, o, k, a)
+  saved_row, largest_row = row_bytes(network, state.params, o, k, a, px)
+  obs_row = tree_bytes(types.obs_template((1,), o, px))  # one observation: its state, and its uint8 pixels
   unrolls, t = cfg.segment_shape
   s = unrolls * cfg.sim.num_envs
   train_rows = (t + 1) * s // cfg.algo.num_minibatches
-  act = lambda rows: rows * (4 * o + 2 * largest_row)  # observations in, two largest intermediates live
+  act = lambda rows: rows * (obs_row + 2 * largest_row)  # observations in, two largest intermediates live
   if cfg.sim.backend != 'mujoco_cpu':  # MJX-Warp's state is estimated from MJX-JAX's (no GPU needed)
     per_env = mjx_state_bytes(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
     envs = lambda n, auto_reset: 2 * (per_env[auto_reset][0] * n + per_env[auto_reset][1])  # scan carry in, out
@@ -257,7 +260,7 @@ def footprints(cfg, spec, profile: Optional[dict] = None) -> Dict[str, Footprint
   trainer = {
       'train_state': tree_bytes(state),
       'gradients': 2 * tree_bytes(state.params.network),
-      'batch': 2 * _transition_bytes(t, s, o, k, a) + 4 * 4 * t * s,
+      'batch': 2 * _transition_bytes(t, s, o, k, a, px) + 4 * 4 * t * s,
       'activations': max(train_rows * (saved_row + 2 * largest_row), 2 * largest_row * t * s),
       'evaluation': evaluation
   }
@@ -269,7 +272,7 @@ def footprints(cfg, spec, profile: Optional[dict] = None) -> Dict[str, Footprint
         'params': 2 * params,
         'act': act(e),
         'env_state': envs(e, not cfg.algo.episodic),
-        'segment': _transition_bytes(t, unrolls * e, o, k, a)
+        'segment': _transition_bytes(t, unrolls * e, o, k, a, px)
     }
   else:
     rollout = {'params': 2 * params, 'act': act(e)}

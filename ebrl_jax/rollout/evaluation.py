@@ -10,7 +10,6 @@ import functools
 from typing import Dict
 
 import jax
-import numpy as np
 
 from ebrl_jax import config as config_lib
 from ebrl_jax.generation import stages as gen_stages
@@ -28,7 +27,7 @@ class CpuEvaluator:
     self._act = gen_stages.make_act(network, policy.min_std, deterministic)
 
   def lower_and_compile(self, params) -> None:
-    obs = np.zeros((self._sim.num_eval_envs, self._pool.spec.obs_dim), np.float32)
+    obs = cpu_rollout.zero_obs(self._pool.spec, self._sim.num_eval_envs)
     self._act = self._act.lower(params, obs, jax.random.PRNGKey(0), 0).compile()
 
   def evaluate(self, params, key) -> Dict[str, float]:

@@ -90,8 +90,8 @@ def evaluator_main(cfg: EvaluatorConfig, channels: EvaluatorChannels, incarnatio
   phase = lifecycle.Phase(cfg.process.run_dir, 'evaluator' + (f'#{incarnation}' if incarnation else ''))
   phase('building its evaluation envs')
   tracer = tracing.Tracer(cfg.process.trace_dir, 'evaluator')
-  spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
-  network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
+  spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat, config_lib.pixel_shape(cfg.sim))
+  network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim, spec.pixel_shape)
   evaluator = evaluation.make_evaluator(cfg.sim, cfg.policy, cfg.seed, cfg.deterministic, network)
   root_key = keys.root(cfg.seed)
   last, compiled = -1, False

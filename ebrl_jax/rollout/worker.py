@@ -17,6 +17,7 @@ from absl import logging
 import jax
 import numpy as np
 
+from ebrl_jax import config as config_lib
 from ebrl_jax import sim
 from ebrl_jax import types
 from ebrl_jax.generation import policies
@@ -82,8 +83,8 @@ def rollout_main(cfg: groups.RolloutConfig,
   phase = lifecycle.Phase(cfg.process.run_dir, f'rollout/{group}' + (f'#{incarnation}' if incarnation else ''))
   phase('building its envs')
   tracer = tracing.Tracer(cfg.process.trace_dir, f'rollout/{group}')
-  spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
-  network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
+  spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat, config_lib.pixel_shape(cfg.sim))
+  network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim, spec.pixel_shape)
   worker = groups.make_group(cfg, group, network, tracer, channels.mailbox, stop)
   root_key = keys.root(cfg.seed)
   bound = cfg.staleness_bound
@@ -125,7 +126,7 @@ def rollout_main(cfg: groups.RolloutConfig,
       with tracer.span('rollout/collect', iteration=iteration, version=params_version):
         transition, stats = worker.collect(params, params_version, roll_key)
       t_collect = time.monotonic() - t_collect
-      record = types.SegmentRecord(transition=types.Transition(*(np.asarray(x) for x in transition)),
+      record = types.SegmentRecord(transition=jax.tree.map(np.asarray, transition),
                                    group=np.array([group], np.int32),
                                    iteration=np.array([iteration], np.int32),
                                    incarnation=np.array([incarnation], np.int32),

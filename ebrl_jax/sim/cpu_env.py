@@ -87,7 +87,7 @@ class CpuEnvPool:
     if num_threads < 0:
       raise ValueError(f'CpuEnvPool: num_threads={num_threads} must be >= 0 (0: one per available core).')
     self._task = registry.load(task)
-    self._spec = registry.env_spec(task, episode_length, action_repeat)
+    self._spec = registry.env_spec(task, episode_length, action_repeat, camera.shape if camera is not None else ())
     self.num_envs, self.episode_length, self.action_repeat = num_envs, episode_length, action_repeat
     self.group_size, self.auto_reset = group_size, auto_reset
     self.model = load_model(self._task)

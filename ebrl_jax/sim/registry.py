@@ -129,10 +129,14 @@ def _timestep(xml_path: str) -> float:
   return float(mujoco.MjModel.from_xml_path(xml_path).opt.timestep)
 
 
-def env_spec(name: str, episode_length: int, action_repeat: int = 1) -> types.EnvSpec:
-  """EnvSpec of the wrapped env: dt is the simulated time of one wrapped step (n_frames x action_repeat)."""
+def env_spec(name: str,
+             episode_length: int,
+             action_repeat: int = 1,
+             pixel_shape: Tuple[int, ...] = ()) -> types.EnvSpec:
+  """EnvSpec of the wrapped env: dt is the simulated time of one wrapped step (n_frames x action_repeat);
+  `pixel_shape` [H, W, C] of its stacked camera frames with --obs=pixels (`config.pixel_shape(sim)`), else ()."""
   if name.startswith(config_lib.PLAYGROUND_PREFIX):
-    return _playground().env_spec(name, episode_length, action_repeat)
+    return _playground().env_spec(name, episode_length, action_repeat)._replace(pixel_shape=tuple(pixel_shape))
   task = load(name)
   if episode_length <= 0 or action_repeat <= 0:
     raise ValueError(f'episode_length={episode_length} and action_repeat={action_repeat} must be > 0.')
@@ -141,7 +145,8 @@ def env_spec(name: str, episode_length: int, action_repeat: int = 1) -> types.En
                        obs_dim=task.obs_dim,
                        action_dim=task.action_dim,
                        episode_length=episode_length,
-                       dt=dt)
+                       dt=dt,
+                       pixel_shape=tuple(pixel_shape))
 
 
 def _params(**kw) -> Mapping[str, float]:

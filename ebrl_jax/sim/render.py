@@ -123,6 +123,22 @@ def select_gl_backend(name: str) -> None:
   os.environ['MUJOCO_GL'] = name  # what child processes will load
 
 
+def ensure_headless_gl() -> str:
+  """Where mujoco loaded GLFW without a display (MUJOCO_GL unset on a headless machine, as in CI), switches this
+  process (and, through MUJOCO_GL, the processes it starts) to EGL, else to OSMesa; returns the backend in use.
+  Raises RuntimeError naming what to install when neither loads. A backend chosen by MUJOCO_GL is kept."""
+  if not needs_headless_gl():
+    return gl_backend()
+  failures = []
+  for name in ('egl', 'osmesa'):
+    try:
+      select_gl_backend(name)
+      return name
+    except RuntimeError as err:
+      failures.append(str(err))
+  raise RuntimeError('no headless OpenGL for mujoco.Renderer: ' + '; '.join(failures))
+
+
 def _check_gl() -> None:
   hint = ('set MUJOCO_GL=egl (apt libegl1 libegl-mesa0 libgl1-mesa-dri libopengl0, or the NVIDIA driver) or '
           'MUJOCO_GL=osmesa (apt libosmesa6) in the environment before Python imports mujoco, or call '

@@ -74,8 +74,9 @@ def trainer_config(cfg: config_lib.Config,
 
 def network_and_optimizer(sim_cfg: config_lib.SimConfig, policy: config_lib.PolicyConfig, algo: config_lib.AlgoConfig):
   """(env spec, network, optimizer) of a run: what its train state is made from."""
-  spec = sim.env_spec(sim_cfg.task, sim_cfg.episode_length, sim_cfg.action_repeat)
-  return spec, policies.make_network(policy, spec.obs_dim, spec.action_dim), trainer_stages.make_optimizer(algo)
+  spec = sim.env_spec(sim_cfg.task, sim_cfg.episode_length, sim_cfg.action_repeat, config_lib.pixel_shape(sim_cfg))
+  network = policies.make_network(policy, spec.obs_dim, spec.action_dim, spec.pixel_shape)
+  return spec, network, trainer_stages.make_optimizer(algo)
 
 
 class BatchSource(Protocol):
@@ -353,7 +354,7 @@ def train(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
   spec, network, optimizer = network_and_optimizer(cfg.sim, cfg.policy, cfg.algo)
   root_key = keys.root(cfg.schedule.seed)
   train_state = trainer_stages.init_train_state(network, optimizer, keys.init_key(root_key), spec.obs_dim,
-                                                cfg.policy.normalize_observations)
+                                                cfg.policy.normalize_observations, spec.pixel_shape)
   num_params = policies.count_params(train_state.params.network)
   clock.mark('state_init')
   checkpointer, train_state, resumed = checkpoint_lib.open_and_resume(run_dir,

@@ -73,12 +73,17 @@ def grpo_advantages(episode_returns: Array, group_size: int, eps: float = 1e-6) 
   return ((groups - mean) / (std + eps)).reshape(-1)
 
 
+def merge_time(obs):
+  """Observations [T, B, ...] (the state, or each leaf of a `PixelObs`) -> [T * B, ...]."""
+  return jax.tree_util.tree_map(lambda x: x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]), obs)
+
+
 def _evaluate_segments(network: nn.Module, params: gen_stages.PolicyParams, batch: Transition, key: PRNGKey,
                        min_std: float) -> gen_stages.EvalOutput:
   """Flattens [T, B] to the network's batch axis and back: EvalOutput with [T, B] fields. `gen_stages.evaluate`
   dispatches on the network (Gaussian raw actions or float32 token ids in `batch.raw_action`)."""
   t, b = batch.reward.shape
-  out = gen_stages.evaluate(network, params, batch.obs.reshape((t * b,) + batch.obs.shape[2:]),
+  out = gen_stages.evaluate(network, params, merge_time(batch.obs),
                             batch.raw_action.reshape((t * b,) + batch.raw_action.shape[2:]), key, min_std)
   return jax.tree_util.tree_map(lambda x: x.reshape(t, b), out)
 
@@ -130,7 +135,8 @@ def ppo_loss(network: nn.Module,
   data-parallel ranks: every mean, the advantage normalisation's included, is over the whole minibatch).
 
   Args:
-    batch: Transition with leading [T, B]; obs/next_obs [T, B, O], raw_action [T, B, K, A].
+    batch: Transition with leading [T, B]; obs/next_obs [T, B, O] (or `PixelObs` of [T, B, ...]), raw_action
+      [T, B, K, A].
     proximal_log_prob: [T, B] log-probs of the proximal policy (params at the start of the train step).
     key: for the entropy estimate.
   Returns:
@@ -140,7 +146,7 @@ def ppo_loss(network: nn.Module,
   """
   chex.assert_equal_shape([batch.reward, proximal_log_prob, batch.mask, batch.termination, batch.truncation])
   out = _evaluate_segments(network, params, batch, key, min_std)
-  bootstrap_value = gen_stages.value(network, params, batch.next_obs[-1])
+  bootstrap_value = gen_stages.value(network, params, jax.tree_util.tree_map(lambda x: x[-1], batch.next_obs))
   vs, advantages = compute_gae(batch.reward * algo.reward_scaling, out.values, bootstrap_value, batch.termination,
                                batch.truncation, algo.discount, algo.gae_lambda)
   mask = batch.mask.astype(jnp.float32)

@@ -28,6 +28,7 @@ from flax import struct
 from ebrl_jax.config import AlgoConfig
 from ebrl_jax.generation import normalization
 from ebrl_jax.generation import stages as gen_stages
+from ebrl_jax import types
 from ebrl_jax.trainer import losses
 from ebrl_jax.types import Array, PRNGKey, Transition
 
@@ -54,8 +55,10 @@ def init_train_state(network: nn.Module,
                      optimizer: optax.GradientTransformation,
                      key: PRNGKey,
                      obs_dim: int,
-                     normalize_observations: bool = True) -> TrainState:
-  params = gen_stages.init_policy_params(network, key, obs_dim, normalize_observations)
+                     normalize_observations: bool = True,
+                     pixel_shape: Tuple[int, ...] = ()) -> TrainState:
+  """A fresh train state; `pixel_shape` [H, W, C] for a network that takes camera observations (`--obs=pixels`)."""
+  params = gen_stages.init_policy_params(network, key, obs_dim, normalize_observations, pixel_shape)
   return TrainState(params=params,
                     opt_state=optimizer.init(params.network),
                     num_updates=jnp.zeros((), jnp.int32),
@@ -65,7 +68,7 @@ def init_train_state(network: nn.Module,
 def _proximal_log_prob(network: nn.Module, params: gen_stages.PolicyParams, batch: Transition, min_std: float) -> Array:
   """[T, S] log-probs of the stored raw actions under `params` (the proximal policy)."""
   t, s = batch.reward.shape
-  out = gen_stages.evaluate(network, params, batch.obs.reshape((t * s,) + batch.obs.shape[2:]),
+  out = gen_stages.evaluate(network, params, losses.merge_time(batch.obs),
                             batch.raw_action.reshape((t * s,) + batch.raw_action.shape[2:]), jax.random.PRNGKey(0),
                             min_std)  # the entropy (and its key) is unused
   return jax.lax.stop_gradient(out.log_probs.reshape(t, s))
@@ -138,7 +141,8 @@ def train_step(network: nn.Module,
   1. Proximal log-probs of the stored raw actions under the params at entry (before the normaliser moves).
      With `recompute_proximal=False` the behaviour log-probs are used instead: exactly Brax's fused PPO, and
      one forward pass cheaper, valid only when the batch came from these very params (on-policy).
-  2. The observation normaliser takes in batch.obs (masked), as Brax does before its SGD epochs.
+  2. The observation normaliser takes in batch.obs (masked; a `PixelObs`'s state only), as Brax does before its
+     SGD epochs.
   3. GRPO: advantages from the per-env returns sum_t(mask * reward), normalised within consecutive groups of
      `group_size` envs (static) and broadcast over T.
   4. `algo.num_updates_per_batch` epochs; each reshuffles the S segments into `algo.num_minibatches`
@@ -150,7 +154,8 @@ def train_step(network: nn.Module,
   """
   t, s = batch.reward.shape
   chex.assert_shape([batch.termination, batch.truncation, batch.behaviour_log_prob, batch.mask], (t, s))
-  chex.assert_rank([batch.obs, batch.next_obs, batch.raw_action], [3, 3, 4])
+  proprio, next_proprio = types.proprioception(batch.obs), types.proprioception(batch.next_obs)
+  chex.assert_rank([proprio, next_proprio, batch.raw_action], [3, 3, 4])
   if s % algo.num_minibatches:
     raise ValueError(f'{s} segments do not split into --num_minibatches={algo.num_minibatches}.')
   if recompute_proximal:
@@ -166,7 +171,7 @@ def train_step(network: nn.Module,
   params = state.params
   if params.normalize_observations:
     params = params.replace(
-        normalizer=normalization.update_stats(params.normalizer, batch.obs, batch.mask, axis_name=axis_name))
+        normalizer=normalization.update_stats(params.normalizer, proprio, batch.mask, axis_name=axis_name))
 
   def epoch(carry, k):
     return _sgd_epoch(network, optimizer, algo, min_std, carry, k, ((batch, proximal), advantages), axis_name)

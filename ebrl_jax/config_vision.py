@@ -1,0 +1,81 @@
+"""Observation modes and vision encoders: the names and the checks `config.SimConfig`, `config.PolicyConfig` and
+`config.Config` run on their `--obs`, `--frame_stack`, `--image_size`, `--vision_encoder`, ... fields (kept here so
+that `config.py` stays under 400 lines). Errors are `ValueError`s that name the flag.
+
+`--obs=pixels`: each env's observation is `types.PixelObs(pixels [H, W, 3 * frame_stack] uint8, state [O] float32)`,
+the camera frames rendered by native MuJoCo's `mujoco.Renderer` (sim/render.py) beside the proprioceptive state.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+from ebrl_jax.config_checks import check_positive
+
+OBS_MODES = ('state', 'pixels')
+# Tasks whose model has the camera that pixel observations render ('fixed').
+PIXEL_TASKS = ('push_cube',)
+# 'cnn': the IMPALA CNN (its d_model features beside the state for --policy=mlp; its feature map as tokens for the
+# transformer and token policies); 'patches': ViT patch tokens (transformer and token policies only).
+VISION_ENCODERS = ('cnn', 'patches')
+MIN_IMAGE_SIZE = 8
+# Why a backend cannot give pixels yet (the GPU plan is MJX-Warp's renderer inside the simulation stage).
+_NO_RENDERING = {
+    'mjx': 'rendering inside MJX (JAX implementation) is not built',
+    'mjx_warp': 'MJX-Warp rendering is not built yet (the GPU plan: mjx.render inside the simulation stage)',
+}
+
+
+def pixel_shape(sim) -> Tuple[int, ...]:
+  """[H, W, 3 * frame_stack] of one env's stacked RGB frames with --obs=pixels; () with --obs=state (`sim` a
+  `config.SimConfig`)."""
+  return (sim.image_size, sim.image_size, 3 * sim.frame_stack) if sim.obs == 'pixels' else ()
+
+
+def check_sim_obs(sim) -> None:
+  """SimConfig's observation fields."""
+  obs, task, backend, image_size, frame_stack = sim.obs, sim.task, sim.backend, sim.image_size, sim.frame_stack
+  if obs not in OBS_MODES:
+    raise ValueError(f'--obs={obs!r} is not valid; allowed values: {", ".join(OBS_MODES)}.')
+  check_positive('frame_stack', frame_stack)
+  if image_size < MIN_IMAGE_SIZE:
+    raise ValueError(f'--image_size={image_size} must be at least {MIN_IMAGE_SIZE} (pixels per side).')
+  if obs == 'state':
+    if frame_stack != 1:
+      raise ValueError(f'--frame_stack={frame_stack} stacks camera frames: it needs --obs=pixels.')
+    return
+  if backend in _NO_RENDERING:
+    raise ValueError(f'--obs=pixels on --backend={backend}: {_NO_RENDERING[backend]}; pixel observations render '
+                     'with native MuJoCo for now: use --backend=mujoco_cpu.')
+  if task not in PIXEL_TASKS:
+    raise ValueError(f'--obs=pixels needs a task with a camera: --task={" or ".join(PIXEL_TASKS)} (got --task={task}).')
+
+
+def check_policy_vision(policy) -> None:
+  """PolicyConfig's vision-encoder fields (used only with --obs=pixels)."""
+  vision_encoder, cnn_channels = policy.vision_encoder, policy.cnn_channels
+  if vision_encoder not in VISION_ENCODERS:
+    raise ValueError(f'--vision_encoder={vision_encoder!r} is not valid; allowed values: {", ".join(VISION_ENCODERS)}.')
+  if not cnn_channels or any(c <= 0 for c in cnn_channels):
+    raise ValueError(f'--cnn_channels={list(cnn_channels)} must be non-empty and positive.')
+  check_positive('cnn_blocks', policy.cnn_blocks, allow_zero=True)
+  check_positive('patch_size', policy.patch_size)
+
+
+def check_run_pixels(cfg) -> None:
+  """The whole run's checks of --obs=pixels (`cfg` a `config.Config`): what the pixel path does not reach yet."""
+  sim, policy = cfg.sim, cfg.policy
+  if sim.obs != 'pixels':
+    return
+  if not cfg.schedule.colocate_generation:
+    raise ValueError('--obs=pixels with --nocolocate_generation (a separate generation worker) is not built yet: '
+                     'act requests carry state only; keep --colocate_generation.')
+  if cfg.resources.plan or cfg.schedule.name == 'auto':
+    flag = '--plan' if cfg.resources.plan else '--schedule=auto'
+    raise ValueError(f'{flag} with --obs=pixels is not built yet (the calibration it runs times state observations '
+                     'only); choose --schedule and --num_groups (and --sm_quotas) by hand.')
+  if policy.kind == 'mlp' and policy.vision_encoder != 'cnn':
+    raise ValueError(f'--vision_encoder={policy.vision_encoder} gives tokens, which --policy=mlp cannot take: use '
+                     '--vision_encoder=cnn, or --policy=transformer or token.')
+  if policy.vision_encoder == 'patches' and sim.image_size % policy.patch_size:
+    raise ValueError(f'--image_size={sim.image_size} must be a multiple of --patch_size={policy.patch_size} '
+                     '(--vision_encoder=patches cuts whole patches).')
