@@ -165,7 +165,9 @@ def _apply(cfg: config_lib.Config, chosen: planner.Plan, mps_active: bool, sched
   schedule_cfg = dataclasses.replace(cfg.schedule, name=schedule, num_groups=chosen.num_groups)
   resources_cfg = cfg.resources
   if mps_active:  # GPU roles only; a shared plan sets none: every process may use every SM
-    quota_text = '' if chosen.shared else ','.join(f'{role}={q}' for role, q in sorted(chosen.quotas.items()))
+    quotas = {} if chosen.shared else dict(chosen.quotas)
+    quotas.update({r: q for r, q in cfg.resources.quotas.items() if r == 'evaluator'})  # not planned: kept as given
+    quota_text = ','.join(f'{role}={q}' for role, q in sorted(quotas.items()))
     resources_cfg = dataclasses.replace(cfg.resources, sm_quotas=quota_text)
   return dataclasses.replace(cfg, schedule=schedule_cfg, resources=resources_cfg)
 

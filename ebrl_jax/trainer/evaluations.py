@@ -18,10 +18,18 @@ from typing import Callable, List, Optional, Tuple
 import jax
 
 
-def record(progress, logger, target: Optional[float], eval_metrics, env_steps: int, wall_s: float, train_s: float,
-           version: int) -> float:
+def record(progress,
+           logger,
+           target: Optional[float],
+           eval_metrics,
+           env_steps: int,
+           wall_s: float,
+           train_s: float,
+           version: int,
+           unix: Optional[float] = None) -> float:
   """Appends the evaluation of policy `version` to `progress.eval_curve` (and `progress.target_hit` once `target`
-  is reached); logs it at `env_steps`. Returns the evaluation's return."""
+  is reached); logs it at `env_steps`. `wall_s` (run clock) and `unix` (`time.time()`, default now) say when it
+  finished. Returns the evaluation's return."""
   eval_return = eval_metrics['eval/episode_return']
   progress.eval_curve.append({
       'version': int(version),
@@ -29,7 +37,7 @@ def record(progress, logger, target: Optional[float], eval_metrics, env_steps: i
       'wall_s': round(wall_s, 3),
       'train_s': round(train_s, 3),
       'return': eval_return,
-      'unix': round(time.time(), 3)
+      'unix': round(time.time() if unix is None else unix, 3)
   })
   logger.log(env_steps, eval_metrics)
   if target is not None and progress.target_hit is None and eval_return >= target:

@@ -149,7 +149,7 @@ class RemoteEvaluations:
           'eval/episode_length': float(report.episode_length)
       }
       eval_return = evaluations.record(progress, logger, self._target, metrics, asked.env_steps, wall_s, asked.train_s,
-                                       asked.version)
+                                       asked.version, float(report.unix))
       self.counts['evaluations'] += 1
       self.counts['eval_s'] += float(report.seconds)
       self.counts['max_lag_s'] = max(self.counts['max_lag_s'], float(report.unix) - asked.unix)

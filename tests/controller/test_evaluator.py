@@ -48,6 +48,8 @@ def test_the_evaluator_scores_a_version_as_the_in_trainer_evaluation_does(tmp_pa
   summary = controller.run(cfg)
   assert [(e['version'], e['env_steps']) for e in summary.eval_curve] == [(0, 0), (5, 6400), (10, 12_800)]
   assert summary.extra['evaluator']['evaluations'] == 3
+  for point in summary.eval_curve:  # one clock: wall_s is when its evaluation finished, from process start
+    assert abs(point['unix'] - point['wall_s'] - summary.start_unix) < 0.05
   spec, network, optimizer = driver.network_and_optimizer(cfg.sim, cfg.policy, cfg.algo)
   root = keys.root(cfg.schedule.seed)
   initial = stages.init_train_state(network, optimizer, keys.init_key(root), spec.obs_dim,

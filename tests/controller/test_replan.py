@@ -74,7 +74,8 @@ def test_quota_schedule_swaps_each_group_through_a_warm_standby(tmp_path, monkey
       'rollout/0': 'collecting',
       'rollout/1': 'collecting',
       'rollout/0#1': 'collecting',
-      'rollout/1#1': 'collecting'
+      'rollout/1#1': 'collecting',
+      'evaluator': 'evaluating'  # --evaluator=process (the default): never swapped
   }
 
 

@@ -66,6 +66,9 @@ def test_plan_from_a_store_balances_rollout_and_training_quotas(tmp_path):
   pinned = dataclasses.replace(cfg, resources=dataclasses.replace(cfg.resources, sm_quotas='trainer=50'))
   _, record = autoplan.plan_run(pinned, mps_active=True, worker_env=None)
   assert record['quotas']['trainer'] == 50 and 'pinned' in record['reason']
+  # The evaluator's quota is not planned (it is off the critical path): one given stays as it was.
+  given = dataclasses.replace(cfg, resources=dataclasses.replace(cfg.resources, sm_quotas='evaluator=5'))
+  assert autoplan.plan_run(given, mps_active=True, worker_env=None)[0].resources.quotas['evaluator'] == 5
 
 
 def test_a_trainer_that_needs_every_sm_gets_a_plan_without_quotas(tmp_path):
