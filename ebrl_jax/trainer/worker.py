@@ -223,8 +223,12 @@ class ChannelSource:
     """Keeps the batch that produced a non-finite loss next to the run, for a post-mortem (the driver then
     stops the run when it logs the metric)."""
     path = os.path.join(self._cfg.process.run_dir, f'nonfinite_batch_v{version}.npz')
+    # One array per leaf, by its path ('obs', or 'obs.pixels' and 'obs.state' for camera observations).
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
     np.savez(path,
-             **batch._asdict(),
+             **{
+                 jax.tree_util.keystr(p).lstrip('.'): np.asarray(v) for p, v in leaves
+             },
              groups=np.array([int(r.group[0]) for r in records]),
              iterations=np.array([int(r.iteration[0]) for r in records]))
     logging.error('trainer: non-finite metrics at version %d (%s); batch saved to %s.', version, {

@@ -1,6 +1,8 @@
 """Camera observations through the records and the policies: `types.PixelObs` in the segment template (uint8
 pixels beside the state, byte counts by hand), the normaliser on the state only, and the pixel network of each
 `--policy` kind behind `generation.stages`."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,3 +103,23 @@ def test_cnn_tokens_one_per_cell_of_the_last_feature_map():
   out, variables = jax.jit(tokens.init_with_output)(jax.random.PRNGKey(0), pixels)
   # Two stride-2 pools: 16 -> 8 -> 4, so 4 x 4 = 16 tokens of width 8.
   assert out.shape == (2, 16, 8) and variables['params']['pos_embed'].shape == (16, 8)
+
+
+def test_memory_plan_counts_the_pixels_in_the_trainers_batch_and_the_act_rows():
+  cfg = config_lib.Config(sim=config_lib.SimConfig(task='push_cube',
+                                                   obs='pixels',
+                                                   image_size=32,
+                                                   frame_stack=2,
+                                                   num_envs=2),
+                          policy=_policy('mlp'),
+                          algo=config_lib.AlgoConfig(batch_size=2, num_minibatches=1, unroll_length=5),
+                          schedule=config_lib.ScheduleConfig(name='async', num_groups=1))
+  spec = types.EnvSpec('push_cube', O, A, 250, 0.02, PIXELS)
+  fp = memory.footprints(cfg, spec)
+  # The iteration's [5, 2] batch twice (as collected, and shuffled) with its pixels, plus four [5, 2] float arrays.
+  assert fp['trainer'].parts['batch'] == 2 * memory._transition_bytes(5, 2, O, 1, A, PIXELS) + 4 * 4 * 5 * 2
+  state_only = memory.footprints(dataclasses.replace(cfg, sim=dataclasses.replace(cfg.sim, obs='state', frame_stack=1)),
+                                 spec._replace(pixel_shape=()))
+  # Acting on the group's 2 envs reads their observations, pixels included (and the CNN's rows are wider): at
+  # least 2 x 6,144 bytes more than with the state alone.
+  assert fp['rollout'].parts['act'] - state_only['rollout'].parts['act'] >= 2 * 32 * 32 * 6
