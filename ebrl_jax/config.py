@@ -7,11 +7,12 @@ Validation errors are `ValueError`s that name the field (as its flag) and the al
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional, Tuple
 
 from ebrl_jax.config_checks import check_choice as _check_choice
 from ebrl_jax.config_checks import check_positive as _check_positive
-from ebrl_jax.config_checks import check_schedule_options
+from ebrl_jax.config_checks import check_env_slices, check_schedule_options, parse_group_schedule
 from ebrl_jax.config_checks import check_range as _check_range
 from ebrl_jax.config_randomize import RANDOMIZE_PARAMS, RandomizationConfig, parse_randomize
 from ebrl_jax.config_resources import EVALUATOR_QUOTA, QUOTA_ROLES, ResourceConfig
@@ -227,10 +228,8 @@ class ScheduleConfig:
   # With a separate generation worker: split each native-MuJoCo env group into this many slices that step and
   # ask for actions on their own, so a slice waiting for actions never holds its group's other envs.
   env_slices: int = 1
-  # sync / async: a repeatable run. Each group's iteration i acts with exactly version max(0, i - bound) (bound:
-  # --max_staleness for async, 0 for sync) and the trainer's iteration v trains on every group's iteration v, in
-  # group order, so two runs with the same seed give the same curve (on CPU; GPU reductions may still differ).
-  deterministic: bool = False
+  deterministic: bool = False  # sync/async: a repeatable run (config_checks, docs/architecture.md: Schedules)
+  group_schedule: str = ''  # sync/async: live env-group changes, 'iteration:groups=G,...' (controller/relayout.py)
   resume: bool = False
   progress_bar: bool = True
 
@@ -251,6 +250,17 @@ class ScheduleConfig:
     _check_positive('env_slices', self.env_slices)
     _check_choice('evaluator', self.evaluator, EVALUATORS)
     _check_positive('evaluator_wait_s', self.evaluator_wait_s)
+    _ = self.group_changes  # parses and checks
+
+  @property
+  def group_changes(self) -> Tuple[Tuple[int, int], ...]:
+    return parse_group_schedule(self.group_schedule)  # ((trainer iteration, groups), ...), in iteration order
+
+  @property
+  def block_count(self) -> int:
+    """Records per iteration: one per group, or with --group_schedule one per env block (num_envs / lcm of every
+    layout's group count envs: every layout's groups hold whole blocks)."""
+    return math.lcm(self.num_groups, *(g for _, g in self.group_changes))
 
   @property
   def staleness_bound(self) -> int:
@@ -297,8 +307,8 @@ class Config:
     if not self.schedule.colocate_generation and self.sim.backend != 'mujoco_cpu':
       raise ValueError('--nocolocate_generation (a separate generation worker) needs --backend=mujoco_cpu; '
                        f'got --backend={self.sim.backend}.')
-    self._check_env_slices()
-    check_schedule_options(self.schedule, self.resources)
+    check_env_slices(self)
+    check_schedule_options(self)
     check_run_pixels(self)
     if self.rollout_on_host:
       hint = ('the rollout workers simulate on CPU cores and the separate generation worker acts for them, so '
@@ -330,20 +340,6 @@ class Config:
           f'--batch_size={self.algo.batch_size} x --num_minibatches={self.algo.num_minibatches} = {seg} segments '
           f'per iteration must be a multiple of --num_envs={self.sim.num_envs} (each env contributes whole '
           f'segments of --unroll_length={self.algo.unroll_length} steps).')
-
-  def _check_env_slices(self) -> None:
-    slices = self.schedule.env_slices
-    if slices == 1:
-      return
-    if (self.schedule.name == 'fused' or self.schedule.colocate_generation or self.sim.backend != 'mujoco_cpu'):
-      raise ValueError(f'--env_slices={slices} splits the env groups that a separate generation worker serves: '
-                       'it needs --schedule=sync or async, --nocolocate_generation and --backend=mujoco_cpu '
-                       f'(got --schedule={self.schedule.name}, --colocate_generation='
-                       f'{self.schedule.colocate_generation}, --backend={self.sim.backend}).')
-    group_envs = self.sim.num_envs // self.schedule.num_groups
-    if group_envs % slices:
-      raise ValueError(f'--env_slices={slices} must divide the {group_envs} envs of each env group '
-                       f'(--num_envs={self.sim.num_envs} / --num_groups={self.schedule.num_groups}).')
 
   @property
   def collect_spec(self) -> CollectSpec:

@@ -20,10 +20,35 @@ def check_range(field: str, value: float, lo: float, hi: float) -> None:
     raise ValueError(f'--{field}={value!r} must lie in [{lo}, {hi}].')
 
 
-def check_schedule_options(schedule, resources) -> None:
-  """`--schedule=auto` and `--deterministic` (of a `ScheduleConfig`) against what they cannot be combined with."""
+def parse_group_schedule(text: str):
+  """'iteration:groups=G,...' -> ((iteration, G), ...) in iteration order; errors name --group_schedule."""
+  out = []
+  for item in filter(None, (p.strip() for p in text.split(','))):
+    when, _, change = item.partition(':')
+    key, _, value = change.partition('=')
+    try:
+      iteration, groups = int(when), int(value)
+    except ValueError:
+      raise ValueError(f'--group_schedule: {item!r} must read iteration:groups=G, e.g. 10:groups=4.') from None
+    if key != 'groups' or iteration < 1 or groups < 1:
+      raise ValueError(f'--group_schedule: {item!r} must read iteration:groups=G with iteration >= 1 and G >= 1.')
+    out.append((iteration, groups))
+  if len({i for i, _ in out}) != len(out):
+    raise ValueError(f'--group_schedule={text}: two changes at one iteration.')
+  return tuple(sorted(out))
+
+
+def check_schedule_options(cfg) -> None:
+  """`--schedule=auto`, `--deterministic` and `--group_schedule` of a `Config` against what they cannot be
+  combined with."""
+  schedule, resources = cfg.schedule, cfg.resources
+  if schedule.group_changes:
+    _check_group_schedule(cfg)
   if schedule.name == 'auto':
-    live = [f'--{name}' for name in ('quota_schedule', 'replan', 'slack_quotas') if getattr(resources, name)]
+    live = [
+        f'--{name}' for name in ('quota_schedule', 'replan', 'slack_quotas', 'group_schedule')
+        if getattr(resources, name, None) or getattr(schedule, name, None)
+    ]
     if live:
       raise ValueError(f'--schedule=auto cannot be combined with {" / ".join(live)}: they change a process '
                        'schedule\'s quotas during the run, and auto may choose fused; choose the schedule yourself '
@@ -32,8 +57,30 @@ def check_schedule_options(schedule, resources) -> None:
     _check_deterministic(schedule, resources)
 
 
+def _check_group_schedule(cfg) -> None:
+  schedule, text = cfg.schedule, f'--group_schedule={cfg.schedule.group_schedule}'
+  if schedule.name not in ('sync', 'async'):
+    raise ValueError(f'{text} changes the env groups of a process schedule; it needs --schedule=sync or async (got '
+                     f'--schedule={schedule.name}).')
+  if not schedule.colocate_generation:
+    raise ValueError(f'{text} needs --colocate_generation: a separate generation worker serves a fixed set of '
+                     'groups and slices.')
+  live = [f'--{name}' for name in ('quota_schedule', 'replan', 'slack_quotas') if getattr(cfg.resources, name)]
+  if live or schedule.deterministic:
+    raise ValueError(f'{text} cannot be combined with {" / ".join(live) or "--deterministic"}: one live change '
+                     'of the rollout workers at a time (and --deterministic leaves nothing to timing).')
+  blocks, n = schedule.block_count, cfg.sim.num_envs
+  if n % blocks or (n // blocks) % cfg.sim.group_size:
+    raise ValueError(f'{text} with --num_groups={schedule.num_groups}: every layout\'s groups must hold whole blocks '
+                     f'of --num_envs={n} / {blocks} (the lcm of the group counts) envs, each whole GRPO groups of '
+                     f'--group_size={cfg.sim.group_size}.')
+
+
 def _check_deterministic(schedule, resources) -> None:
-  """`--deterministic` against what would let timing decide the run anyway."""
+  """`--deterministic` against what would let timing decide the run anyway. Deterministic: each group's iteration i
+  acts with exactly version max(0, i - bound) (bound: --max_staleness for async, 0 for sync) and the trainer's
+  iteration v trains on every group's iteration v in group order, so two runs with one seed give the same curve
+  (on CPU; GPU reductions may still differ)."""
   if schedule.name not in ('sync', 'async'):
     raise ValueError(f'--deterministic fixes what the process schedules leave to timing; it needs --schedule=sync '
                      f'or async (got --schedule={schedule.name}: fused and overlap are repeatable as they are).')
@@ -44,3 +91,19 @@ def _check_deterministic(schedule, resources) -> None:
   if live:
     raise ValueError(f'--deterministic cannot be combined with {" / ".join(live)}: a live quota change replaces a '
                      'rollout worker, whose replacement starts new episodes at a moment set by timing.')
+
+
+def check_env_slices(cfg) -> None:
+  """`--env_slices` of a `Config` against the schedule, the generation layout and the group size."""
+  slices = cfg.schedule.env_slices
+  if slices == 1:
+    return
+  if (cfg.schedule.name == 'fused' or cfg.schedule.colocate_generation or cfg.sim.backend != 'mujoco_cpu'):
+    raise ValueError(f'--env_slices={slices} splits the env groups that a separate generation worker serves: '
+                     'it needs --schedule=sync or async, --nocolocate_generation and --backend=mujoco_cpu '
+                     f'(got --schedule={cfg.schedule.name}, --colocate_generation='
+                     f'{cfg.schedule.colocate_generation}, --backend={cfg.sim.backend}).')
+  group_envs = cfg.sim.num_envs // cfg.schedule.num_groups
+  if group_envs % slices:
+    raise ValueError(f'--env_slices={slices} must divide the {group_envs} envs of each env group '
+                     f'(--num_envs={cfg.sim.num_envs} / --num_groups={cfg.schedule.num_groups}).')

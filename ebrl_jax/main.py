@@ -91,6 +91,8 @@ _HELP = {
     'deterministic': ('sync/async: a repeatable run: each group acts with exactly the version its iteration is '
                       'due (--max_staleness behind) and the trainer takes every group\'s segment of each '
                       'iteration in group order.'),
+    'group_schedule': ('sync/async: live changes of the number of env groups, iteration:groups=G,... (e.g. '
+                       '10:groups=4): warm standbys in the new layout, swapped in at an iteration boundary.'),
     'first_checkpoint_iteration': 'A first checkpoint after this many iterations (0: only --checkpoint_every).',
     'evaluator': 'sync/async: who evaluates the published versions: process (an evaluator process) or trainer.',
     'evaluator_wait_s': "--evaluator=process: seconds the run's end waits for the outstanding evaluations.",

@@ -80,6 +80,7 @@ FILE_TIERS = {
     'test_overlap_mjx.py': 'e2e',  # the same on MJX (compiles MJX)
     'test_env_slices.py': 'e2e',
     'test_deterministic.py': 'e2e',  # --deterministic: two async runs (processes, threads) give one curve
+    'test_relayout.py': 'e2e',  # --group_schedule: runs whose env groups change twice
     'test_bench.py': 'e2e',
     'test_disk_full.py': 'e2e',
     'test_mps_kill_probe.py': 'e2e',
@@ -151,6 +152,8 @@ TEST_TIERS = {
         'contract',
     ('test_schedule_choice.py', 'test_auto_runs_the_schedule_its_profiles_choose'):
         'e2e',
+    ('test_relayout.py', 'test_blocks_and_segment_spec_follow_the_lcm_of_the_layouts'):
+        'contract',
     ('test_bench.py', 'test_overlap_bounds_by_hand'):
         'unit',
     ('test_bench.py', 'test_steady_pace_is_taken_between_the_second_and_the_last_evaluation'):
@@ -235,6 +238,7 @@ SLOW = frozenset({
     ('test_evaluator.py', 'test_a_killed_evaluator_is_restarted_and_the_curve_has_every_version'),
     ('test_deterministic.py', 'test_deterministic_async_repeats_its_curve_and_parameters_under_different_timing'),
     ('test_schedule_choice.py', 'test_auto_runs_the_schedule_its_profiles_choose'),
+    ('test_relayout.py', 'test_groups_change_twice_without_losing_or_duplicating_a_segment'),
     ('test_pipeline.py', 'test_killed_worker_is_restarted_without_losing_or_duplicating_segments'),
     ('test_pipeline.py', 'test_ctrl_c_leaves_no_process_and_no_shared_memory'),
     ('test_pipeline.py', 'test_trace_dir_writes_a_timeline_of_every_process'),

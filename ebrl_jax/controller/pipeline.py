@@ -26,6 +26,7 @@ from absl import logging
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import transport
+from ebrl_jax.controller import relayout
 from ebrl_jax.controller import replan
 from ebrl_jax.controller import slack_quotas
 from ebrl_jax.controller import supervisor as supervisor_lib
@@ -48,24 +49,25 @@ def calibration_env(mps_daemon: Optional[mps.MpsDaemon], quota: int) -> Dict[str
   return env
 
 
-def rollout_figures(cfg: config_lib.Config, history) -> dict:
+def rollout_figures(cfg: config_lib.Config, history, segment_steps=None) -> dict:
   """Rollout throughput (docs/benchmarks.md): env steps per second while collecting, from what each rollout worker
   reported (segments delivered, seconds inside collect). Groups collect at the same time, so the run's figure is
   the sum of the groups' rates; a group served by several workers in turn (restarts, quota swaps) pools them."""
-  per_segment = cfg.env_steps_per_iteration // cfg.schedule.num_groups
+  per_segment = cfg.env_steps_per_iteration // cfg.schedule.num_groups  # (`segment_steps`: per worker, by id)
   groups: Dict[str, List[float]] = {}
   for role, control in history:
     snap = control.feedback.snapshot()
-    acc = groups.setdefault(role, [0.0, 0.0])
+    acc = groups.setdefault(role, [0.0, 0.0, 0.0])
     acc[0] += snap.iterations
     acc[1] += snap.stage_s
-  rates = {role: n * per_segment / t for role, (n, t) in sorted(groups.items()) if n and t > 0}
+    acc[2] += snap.iterations * (segment_steps or {}).get(id(control), per_segment)
+  rates = {role: steps / t for role, (_, t, steps) in sorted(groups.items()) if steps and t > 0}
   return {
       'env_steps_per_s': sum(rates.values()) if rates else None,
       'group_env_steps_per_s': rates,
-      'segments': int(sum(n for n, _ in groups.values())),
+      'segments': int(sum(n for n, _, _ in groups.values())),
       'collect_s': {
-          r: t for r, (_, t) in groups.items()
+          r: t for r, (_, t, _) in groups.items()
       }
   }
 
@@ -214,6 +216,8 @@ def run(cfg: config_lib.Config,
                                         evaluation)
     if cfg.resources.slack_quotas:
       changer = slack_quotas.make_changer(cfg, workers, mps_daemon is not None)
+    elif cfg.schedule.group_changes:
+      changer = relayout.make_changer(cfg, workers)
     else:
       changer = replan.make_changer(cfg, workers, plan_record, mps_daemon is not None)
     workers.tick = changer.poll if changer is not None else None
@@ -249,7 +253,7 @@ def _add_extra(cfg, summary, workers, topology, plan_record, memory_plan, change
   summary.extra['topology'] = topology.describe()
   summary.extra['iteration_graph'] = topology.iteration_graph.describe()
   summary.extra['worker_restarts'] = workers.restarts
-  summary.extra['rollout'] = rollout_figures(cfg, workers.control_history)
+  summary.extra['rollout'] = rollout_figures(cfg, workers.control_history, workers.segment_steps)
   if summary.extra['rollout']['env_steps_per_s']:
     logging.info('rollout: %.0f env steps/s while collecting (%d segments).',
                  summary.extra['rollout']['env_steps_per_s'], summary.extra['rollout']['segments'])
@@ -261,7 +265,7 @@ def _add_extra(cfg, summary, workers, topology, plan_record, memory_plan, change
                  summary.env_steps_per_s, plan_record['measured_over_predicted'])
   summary.extra['memory_plan'] = memory_plan.summary()
   if changer is not None:
-    summary.extra['replan'] = changer.record()
+    summary.extra['relayout' if isinstance(changer, relayout.GroupChanger) else 'replan'] = changer.record()
   generation = generation_worker.merge_stats(_generation_stats_files(cfg))
   if generation is not None:
     summary.extra['generation'] = generation

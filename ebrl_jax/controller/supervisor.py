@@ -85,6 +85,11 @@ class Supervisor:
     self.tick = None  # called by `watch` every `poll_s` when set (the live quota changes)
     self.poll_s = 0.5
     self._incarnations: Dict[str, int] = {}
+    # The env-group layout in force (controller/relayout.py changes it with --group_schedule): the group count,
+    # the rollout workers' part of the config, and each worker's env steps per segment (by id of its control).
+    self.num_groups, self.rollout_cfg = cfg.schedule.num_groups, topology.rollout
+    self.store = store  # the parameter store (its version bounds where the rollout workers can be)
+    self.segment_steps: Dict[int, float] = {}
     self._inbox, outbox = lifecycle.make_pipe(use_processes)
     self._outbox = outbox
     self._trainer_ch = trainer_worker.TrainerChannels(seg_channel,
@@ -127,10 +132,12 @@ class Supervisor:
       self._write_pids()
     return worker
 
-  def start_rollout(self, group: int, quota: Optional[int] = None, standby: bool = False):
+  def start_rollout(self, group: int, quota: Optional[int] = None, standby: bool = False, rollout_cfg=None):
     """Starts group `group`'s rollout worker as the role's next incarnation, at SM quota `quota` (None: the
-    config's). A warm standby (`standby`) is not registered: it waits on its control's `go` (controller/replan.py
-    swaps it in). Returns (worker, control)."""
+    config's), in the layout in force (or `rollout_cfg`'s, a standby for a new layout). A warm standby (`standby`)
+    is not registered: it waits on its control's `go` (controller/replan.py swaps it in). Returns (worker,
+    control)."""
+    rollout_cfg = rollout_cfg or self.rollout_cfg
     role = f'rollout/{group}'
     env = None
     if self._use_processes and self._placement is not None:
@@ -143,14 +150,22 @@ class Supervisor:
     self._incarnations[role] = incarnation
     control = feedback.make_control(self._use_processes, standby)
     worker = self._start(role,
-                         rollout_worker.rollout_main, (self._topology.rollout, group, self._rollout_ch, incarnation),
+                         rollout_worker.rollout_main, (rollout_cfg, group, self._rollout_ch, incarnation),
                          env=env,
                          register=not standby,
                          control=control)
+    self.segment_steps[id(control)] = (self._cfg.env_steps_per_iteration * rollout_cfg.group_envs /
+                                       self._cfg.sim.num_envs)
     if not standby:
       self.controls[role] = control
       self.control_history.append((role, control))
     return worker, control
+
+  def drop_role(self, role: str) -> None:
+    """A rollout role the new layout does not have (its worker has exited): no longer watched or restarted."""
+    self.workers.pop(role, None)
+    self.controls.pop(role, None)
+    self._write_pids()
 
   def swap_in(self, role: str, worker, control) -> None:
     """Makes a started standby the role's worker (the old one, retiring, is no longer watched)."""
@@ -176,7 +191,7 @@ class Supervisor:
     self._outbox.close()  # the trainer has its own copy: its death is now an end of file on the inbox
     if self._rollout_ch.mailbox is not None:
       self._start('generation', generation_worker.generation_main, self._gen_args)
-    for g in range(self._cfg.schedule.num_groups):
+    for g in range(self.num_groups):
       self.start_rollout(g)
     if self._eval_args is not None:  # last: the workers on the critical path spawn (and compile) first
       self._start_evaluator()

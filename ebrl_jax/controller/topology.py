@@ -60,7 +60,9 @@ class Topology:
     return self.feeder_roles + self.cpu_roles
 
   def on_gpu(self, role: str) -> bool:
-    return role.split('#')[0] in self.gpu_roles or role.startswith('standby/')
+    base = role.split('#')[0]  # a rollout role of another layout (--group_schedule) is where rollout/0 is
+    return base in self.gpu_roles or base.startswith('standby/') or (base.startswith('rollout/') and
+                                                                     'rollout/0' in self.gpu_roles)
 
   def describe(self) -> Dict[str, Any]:
     """A JSON-able description (kept in the summary)."""
@@ -82,12 +84,17 @@ class Topology:
 
 
 def segment_spec(cfg: config_lib.Config, spec: types.EnvSpec) -> transport.RecordSpec:
-  """The shared-memory spec of one env group's `SegmentRecord` for one iteration (derived from
+  """The shared-memory spec of one env group's (or env block's) `SegmentRecord` for one iteration (derived from
   `types.segment_template`, the records' one definition)."""
   unrolls, steps = cfg.segment_shape
   return transport.spec_of(
-      types.segment_template(steps, unrolls * cfg.group_envs, spec.obs_dim, cfg.policy.action_chunk, spec.action_dim,
+      types.segment_template(steps, unrolls * block_envs(cfg), spec.obs_dim, cfg.policy.action_chunk, spec.action_dim,
                              spec.pixel_shape))
+
+
+def block_envs(cfg: config_lib.Config) -> int:
+  """Envs of one segment record: the group's, or with --group_schedule one block (`ScheduleConfig.block_count`)."""
+  return cfg.sim.num_envs // cfg.schedule.block_count
 
 
 def mailbox_specs(cfg: config_lib.Config, spec: types.EnvSpec):
@@ -173,7 +180,8 @@ def _worker_configs(cfg: config_lib.Config, switches: Tuple[str, ...]):
                                  staleness_bound=cfg.schedule.staleness_bound,
                                  env_slices=cfg.schedule.env_slices,
                                  windows=switches,
-                                 deterministic=cfg.schedule.deterministic)
+                                 deterministic=cfg.schedule.deterministic,
+                                 block_envs=block_envs(cfg))
   generation = None
   if not cfg.schedule.colocate_generation:
     generation = generation_worker.GenerationConfig(process=process,
@@ -192,6 +200,10 @@ def make_topology(cfg: config_lib.Config) -> Topology:
   # Native-MuJoCo rollout workers served by a generation worker hold no GPU context.
   gpu_roles = tuple(r for r in feeders + cpu_roles if not (cfg.rollout_on_host and r.startswith('rollout/')))
   planned = gpu_roles
+  most = max([cfg.schedule.num_groups] + [g for _, g in cfg.schedule.group_changes])
+  if cfg.schedule.group_changes and 'rollout/0' in gpu_roles:  # every layout's workers, and their standbys
+    planned += tuple(f'rollout/{g}' for g in range(cfg.schedule.num_groups, most))
+    planned += tuple(f'standby/{g}' for g in range(most))
   if (cfg.resources.quota_schedule or cfg.resources.replan or cfg.resources.slack_quotas) and 'rollout/0' in gpu_roles:
     planned += tuple(f'standby/{g}' for g in range(cfg.schedule.num_groups))
   request = reply = None
@@ -207,7 +219,7 @@ def make_topology(cfg: config_lib.Config) -> Topology:
                   gpu_roles=gpu_roles,
                   planned_roles=planned,
                   segment_spec=segment_spec(cfg, spec),
-                  segment_capacity=cfg.schedule.num_groups * (cfg.schedule.staleness_bound + 1),
+                  segment_capacity=cfg.schedule.block_count * (cfg.schedule.staleness_bound + 1),
                   request_spec=request,
                   reply_spec=reply,
                   param_template=param_template(cfg, spec),

@@ -37,6 +37,9 @@ class RolloutConfig:
   windows: Tuple[str, ...] = ()
   # --deterministic: iteration i acts with exactly version max(0, i - staleness_bound), not the newest.
   deterministic: bool = False
+  # Envs of one segment record (0: the whole group): with --group_schedule a group's segment travels as
+  # group_envs / block_envs records, each one env block of the run's fixed block layout.
+  block_envs: int = 0
 
 
 class Group(Protocol):

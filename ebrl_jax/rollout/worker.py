@@ -68,6 +68,47 @@ def _stand_by(worker, store, control, stop, key, phase) -> bool:
   return False
 
 
+def _retired(control: Optional[feedback_lib.WorkerControl], iteration: int) -> bool:
+  """A change of the env groups has this worker's layout end before `iteration` (feedback's RETIRE_AT)."""
+  if control is None:
+    return False
+  retire_at = int(control.feedback[feedback_lib.RETIRE_AT])
+  return 0 < retire_at <= iteration
+
+
+def _records(transition, stats, group: int, iteration: int, incarnation: int, cfg: groups.RolloutConfig):
+  """The segment's records: one for the group, or with env blocks (--group_schedule) one per block of the group's
+  envs, `group` then the block's index in the run's block layout; the episode stats ride on the first."""
+  arrays = jax.tree.map(np.asarray, transition)  # (pixel observations are a nested pytree)
+  per_group = cfg.group_envs // cfg.block_envs if cfg.block_envs else 1
+  columns = arrays.reward.shape[1] // per_group
+  out = []
+  for j in range(per_group):
+    part = arrays if per_group == 1 else jax.tree.map(lambda x, j=j: x[:, j * columns:(j + 1) * columns], arrays)
+    episode = stats if j == 0 else tuple(0.0 for _ in stats)
+    out.append(
+        types.SegmentRecord(transition=part,
+                            group=np.array([group * per_group + j], np.int32),
+                            iteration=np.array([iteration], np.int32),
+                            incarnation=np.array([incarnation], np.int32),
+                            episode_stats=types.EpisodeStats(*(np.float32(x) for x in episode))))
+  return out
+
+
+def _put_all(channel, records, stop) -> bool:
+  """Puts every record (retrying while the channel is full); False if the run's stop came first."""
+  for record in records:
+    while True:
+      if stop.is_set():
+        return False
+      try:
+        channel.put(record, timeout=0.5)
+        break
+      except TimeoutError:
+        continue
+  return True
+
+
 def rollout_main(cfg: groups.RolloutConfig,
                  group: int,
                  channels: RolloutChannels,
@@ -107,11 +148,11 @@ def rollout_main(cfg: groups.RolloutConfig,
     iteration = store.version()  # a restarted worker resumes at the trainer's version
     if control is not None:  # a standby goes on after the iteration its predecessor delivered last
       iteration = max(iteration, int(control.feedback[feedback_lib.START_ITERATION]))
-    while not running.is_set():
+    while not running.is_set() and not _retired(control, iteration):
       # NOTE: the staleness bound: iteration i may start once version i - bound is published.
       with tracer.span('rollout/wait_params'):
-        if not lifecycle.wait_for_version(store, iteration - bound, running):
-          break
+        if not lifecycle.wait_for_version(store, iteration - bound, running) or _retired(control, iteration):
+          break  # (a change of the env groups may have been asked for while it waited: see controller/relayout.py)
         if remote:
           params_version = max(0, iteration - bound)
           worker.set_min_version(params_version)
@@ -126,23 +167,14 @@ def rollout_main(cfg: groups.RolloutConfig,
       with tracer.span('rollout/collect', iteration=iteration, version=params_version):
         transition, stats = worker.collect(params, params_version, roll_key)
       t_collect = time.monotonic() - t_collect
-      record = types.SegmentRecord(transition=jax.tree.map(np.asarray, transition),
-                                   group=np.array([group], np.int32),
-                                   iteration=np.array([iteration], np.int32),
-                                   incarnation=np.array([incarnation], np.int32),
-                                   episode_stats=types.EpisodeStats(*(np.float32(x) for x in stats)))
+      records = _records(transition, stats, group, iteration, incarnation, cfg)
       with tracer.span('rollout/put_segment'):
         # A retiring worker still delivers the segment it finished: only the run's stop abandons it.
-        while not stop.is_set():
-          try:
-            channels.segments.put(record, timeout=0.5)
-            if control is not None:
-              control.feedback.delivered(t_collect, iteration)
-            startup.pin_after_startup()  # MJX groups: the first collect compiled (native ones were pinned at start)
-            phase.done('collecting')
-            break
-          except TimeoutError:
-            continue
+        if _put_all(channels.segments, records, stop):
+          if control is not None:
+            control.feedback.delivered(t_collect, iteration)
+          startup.pin_after_startup()  # MJX groups: the first collect compiled (native ones were pinned at start)
+          phase.done('collecting')
       if 'reset_next' in cfg.windows:  # the overlap window: next episodes' reset while the trainer trains
         with tracer.span('rollout/reset_next', iteration=iteration + 1):
           worker.prepare_next()

@@ -23,7 +23,10 @@ QUOTA = 5  # the CUDA_MPS_ACTIVE_THREAD_PERCENTAGE the worker runs under, as it 
 START_ITERATION = 6  # written by the controller before 'go': the first iteration a standby may collect
 LAST_ITERATION = 7  # the iteration number of the latest delivery (trainer: its policy version)
 PERIOD_S = 8  # EMA of the seconds between deliveries (0: fewer than two), the recent production period
-_SLOTS = 9
+# Written by the controller (a change of the env groups): the worker collects no iteration >= this and exits once
+# it has delivered the ones before (0: none). See controller/relayout.py.
+RETIRE_AT = 9
+_SLOTS = 10
 _PERIOD_ALPHA = 0.3
 
 
@@ -67,6 +70,7 @@ class FeedbackSnapshot(NamedTuple):
   start_iteration: float
   last_iteration: float
   period_s: float
+  retire_at: float
 
   def stage_s_since(self, earlier: Optional['FeedbackSnapshot']) -> Optional[float]:
     """Mean stage seconds per iteration since `earlier` (None: since the start); None without a new iteration."""

@@ -59,7 +59,7 @@ class ChannelSource:
     self._phase = lifecycle.Phase(cfg.process.run_dir, 'trainer')  # start-up steps, for the controller's log
     self._phase('building the train step and the evaluator')
     self._cfg, self._spec, self._ch = cfg, spec, channels
-    self._num_groups = cfg.schedule.num_groups
+    self._num_groups = cfg.schedule.block_count  # records per iteration: one per group, or per env block
     self._bound = cfg.schedule.staleness_bound
     self._h2d = 'h2d' in cfg.windows
     self._deterministic = cfg.schedule.deterministic

@@ -1,0 +1,83 @@
+"""--group_schedule: the env groups re-laid out while the run goes on, no segment lost or duplicated."""
+import pytest
+
+from ebrl_jax import config as config_lib
+from ebrl_jax import controller
+from ebrl_jax.controller import topology as topology_lib
+
+
+def _config(run_dir, schedule, transport, group_schedule, num_groups=2, **schedule_kw):
+  return config_lib.Config(sim=config_lib.SimConfig(task='inverted_pendulum',
+                                                    num_envs=32,
+                                                    num_eval_envs=8,
+                                                    num_threads=1),
+                           algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
+                           schedule=config_lib.ScheduleConfig(name=schedule,
+                                                              run_dir=str(run_dir),
+                                                              compilation_cache_dir='',
+                                                              progress_bar=False,
+                                                              transport=transport,
+                                                              num_groups=num_groups,
+                                                              num_timesteps=19_200,
+                                                              num_evals=2,
+                                                              group_schedule=group_schedule,
+                                                              **schedule_kw))
+
+
+@pytest.mark.parametrize('schedule, transport', [('sync', 'thread'), ('async', 'thread')])
+def test_groups_change_twice_without_losing_or_duplicating_a_segment(tmp_path, schedule, transport):
+  """2 groups of 16 envs, then 4 of 8 from iteration 4, then 1 of 32 from iteration 8: every iteration's 4 env
+  blocks (lcm(2, 4, 1) = 4, 8 envs each) reach the trainer once. In sync a lost block would hang the trainer; a
+  duplicated one is counted."""
+  cfg = _config(tmp_path / schedule, schedule, transport, '4:groups=4,8:groups=1')
+  summary = controller.run(cfg)
+  extra = summary.extra
+  assert summary.iterations == 16 and summary.env_steps == 16 * cfg.env_steps_per_iteration
+  assert extra['segments_consumed'] == 4 * summary.iterations
+  assert extra['segments_duplicated'] == 0 and extra['segments_dropped_stale'] == 0
+  changes = extra['relayout']['changes']
+  assert [(c['old_groups'], c['new_groups'], c['envs_per_group']) for c in changes] == [(2, 4, 8), (4, 1, 32)]
+  assert not any(c['failed'] for c in changes) and extra['relayout']['pending'] is None
+  for c in changes:
+    assert c['pause_s'] >= 0 and c['standbys_ready_s'] > 0 and c['boundary_iteration'] >= 4
+    assert c['trainer_period_after_s'] is not None
+  assert changes[1]['boundary_iteration'] > changes[0]['boundary_iteration']
+  # Every layout's workers delivered: 2 + 4 + 1 rollout roles' figures, by role (rollout/0 served by three).
+  assert set(extra['rollout']['group_env_steps_per_s']) == {'rollout/0', 'rollout/1', 'rollout/2', 'rollout/3'}
+  assert summary.best_eval_return is not None
+
+
+def test_blocks_and_segment_spec_follow_the_lcm_of_the_layouts(tmp_path):
+  """2 groups, then 3: blocks of 48 / lcm(2, 3) = 8 envs, 6 records an iteration (12 slots with staleness 1), each
+  a sixth of the one-group segment."""
+  sim, algo = config_lib.SimConfig(task='inverted_pendulum', num_envs=48), config_lib.AlgoConfig(batch_size=48,
+                                                                                                 num_minibatches=1)
+
+  def topology(**schedule):
+    return topology_lib.make_topology(
+        config_lib.Config(sim=sim, algo=algo, schedule=config_lib.ScheduleConfig(run_dir=str(tmp_path), **schedule)))
+
+  relaid = topology(name='async', num_groups=2, max_staleness=1, group_schedule='10:groups=3')
+  assert relaid.rollout.block_envs == 8 and relaid.segment_capacity == 12
+  one = topology(name='async', num_groups=1).segment_spec
+  for name in relaid.segment_spec:  # every transition field has a sixth of the one-group segment's columns
+    if name.startswith('transition.'):
+      assert relaid.segment_spec[name].shape[1] * 6 == one[name].shape[1]
+  assert topology(name='sync', num_groups=2).rollout.block_envs == 24  # one record per group without it
+
+
+@pytest.mark.parametrize('change, words', [
+    (dict(group_schedule='4:groups'), 'iteration:groups=G'),
+    (dict(group_schedule='4:groups=2,4:groups=1'), 'two changes at one iteration'),
+    (dict(group_schedule='4:groups=3'), 'whole blocks'),
+    (dict(group_schedule='4:groups=4', deterministic=True), '--deterministic'),
+    (dict(group_schedule='4:groups=4', name='fused'), '--schedule=sync or async'),
+])
+def test_group_schedule_errors_name_the_flag(tmp_path, change, words):
+  with pytest.raises(ValueError, match=words.replace('-', r'\-')):
+    config_lib.Config(sim=config_lib.SimConfig(task='inverted_pendulum', num_envs=32),
+                      schedule=config_lib.ScheduleConfig(**{
+                          'name': 'sync',
+                          'run_dir': str(tmp_path),
+                          **change
+                      }))
