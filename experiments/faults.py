@@ -8,11 +8,13 @@
 Kinds (each trial is a real `python -m ebrl_jax.main` unless said otherwise; runs are `async`, 2 env groups, shared
 memory, native MuJoCo, inverted_pendulum, 32 envs, so a trial costs seconds, not minutes):
 
-  kill_rollout, kill_generation   one run per `--kills_per_run` SIGKILLs of a rollout (or the generation) worker,
+  kill_rollout, kill_generation,  one run per `--kills_per_run` SIGKILLs of a rollout (or the generation, or the
+  kill_evaluator                  evaluator) worker,
                                   each a random delay after that worker started (so kills land in its start-up,
                                   its compile and its collecting); after each kill the run must restart the worker
                                   and train on. Ends with a SIGTERM; survived: the restarts match the kills, every
-                                  trained iteration consumed one segment per group, none duplicated.
+                                  trained iteration consumed one segment per group, none duplicated, and the
+                                  evaluation curve's versions come in order, each once.
   kill_trainer                    SIGKILL of the trainer; the run must stop by itself with one FATAL line naming the
                                   trainer, exit 3, and its newest checkpoint intact.
   kill_controller                 SIGKILL of the controller (experiments/faults_kill_controller.py); every worker
@@ -264,11 +266,13 @@ def worker_kills(run_dir: str, prefix: str, kills: int, rng: random.Random, max_
       'recovered_slots': extra.get('recovered_slots'),
       'recovered_locks': extra.get('recovered_locks'),
       'stopped': summary.get('stopped'),
+      'eval_versions': [e.get('version') for e in summary.get('eval_curve', [])],
   })
+  in_order = record['eval_versions'] == sorted(set(record['eval_versions']))  # each version once, in order
   record['survived'] = (not stalls and not record['hung'] and record['exit_code'] == 143 and
                         record['worker_restarts'] == len(kills_landed) and record['segments_lost'] == 0 and
                         record['segments_duplicated'] == 0 and not record['processes_left'] and
-                        not record['shm_bytes_left'])
+                        not record['shm_bytes_left'] and in_order)
   return record
 
 
@@ -714,9 +718,14 @@ def bad_run_dirs(root: str, previous_run: str) -> List[Dict]:
 # --------------------------------------------------------------------------------------------------------------
 # The suite.
 
-KINDS = ('kill_rollout', 'kill_generation', 'kill_trainer', 'kill_controller', 'sigterm', 'sigint', 'channel_lock',
-         'truncated_checkpoint', 'disk_full', 'bad_input')
-KILL_KINDS = ('kill_rollout', 'kill_generation', 'kill_trainer', 'kill_controller')
+KINDS = ('kill_rollout', 'kill_generation', 'kill_evaluator', 'kill_trainer', 'kill_controller', 'sigterm', 'sigint',
+         'channel_lock', 'truncated_checkpoint', 'disk_full', 'bad_input')
+KILL_KINDS = ('kill_rollout', 'kill_generation', 'kill_evaluator', 'kill_trainer', 'kill_controller')
+_WORKER_KILLS = {
+    'kill_rollout': ('rollout/', ()),
+    'kill_generation': ('generation', ('--nocolocate_generation',)),
+    'kill_evaluator': ('evaluator', ())
+}  # kind -> (role prefix, flags)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -787,8 +796,8 @@ def run_suite(suite: SuiteConfig, root: str, log: Callable[[str], None] = print,
   for kind in suite.kinds:
     t0 = time.monotonic()
     kills = 0
-    if kind in ('kill_rollout', 'kill_generation'):
-      prefix, extra = ('rollout/', ()) if kind == 'kill_rollout' else ('generation', ('--nocolocate_generation',))
+    if kind in _WORKER_KILLS:
+      prefix, extra = _WORKER_KILLS[kind]
       out = [
           worker_kills(fresh(kind), prefix, suite.kills_per_run, rng, suite.max_delay_s, cache_dir, extra, 300.0)
           for _ in range(suite.worker_runs)

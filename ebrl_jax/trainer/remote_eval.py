@@ -9,9 +9,9 @@ env steps, as in line) and the run-clock time its evaluation finished.
 
 NOTE: one evaluation in flight. A version goes into the store only once the one before it has been reported, so
 the store's newest version is always the one being evaluated (or the last one reported): an evaluator restarted
-after a death takes it again, and no asked-for version is skipped. The trainer waits only when more than
-`max_pending` asked-for versions are still waiting for the store (the evaluator is that far behind), and says
-for how long (`evaluator/wait_s`). A report of a version already reported (a restarted evaluator repeating the
+after a death takes it again, and no asked-for version is skipped. At most `max_pending` asked-for versions wait
+for the store (host copies the trainer holds); asking for one more waits for room (the evaluator is that far
+behind), counted in `extra.evaluator.wait_s`. A report of a version already reported (a restarted evaluator repeating the
 last one) is dropped and counted.
 """
 from __future__ import annotations
