@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+from ebrl_jax.runtime import lifecycle
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ('--task=inverted_pendulum', '--num_envs=32', '--batch_size=32', '--num_minibatches=8', '--num_eval_envs=8',
         '--num_threads=1', '--compilation_cache_dir=', '--noprogress_bar', '--num_timesteps=10000000',
@@ -34,18 +36,6 @@ def _wait_for_checkpoint(proc, run_dir, timeout=300):
     assert proc.poll() is None, f'the run ended early:\n{proc.stdout.read()[-3000:]}'
     time.sleep(0.2)
   raise AssertionError('no checkpoint within the time limit')
-
-
-def _alive(pid):
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  try:
-    with open(f'/proc/{pid}/stat') as f:
-      return f.read().rsplit(')', 1)[1].split()[0] != 'Z'
-  except FileNotFoundError:
-    return False
 
 
 def _stopped_by_sigterm(run_dir, *flags):
@@ -92,9 +82,9 @@ def test_sigterm_stops_an_async_run_with_the_trainers_summary_and_leaves_nothing
   assert summary['eval_curve'][0]['wall_s'] > summary['compile_breakdown']['imports']
   workers = json.load(open(run_dir / 'workers.json'))
   deadline = time.monotonic() + 10
-  while any(_alive(p) for p in workers['workers'].values()) and time.monotonic() < deadline:
+  while any(lifecycle.pid_alive(p) for p in workers['workers'].values()) and time.monotonic() < deadline:
     time.sleep(0.2)
-  assert not [p for p in workers['workers'].values() if _alive(p)]
+  assert not [p for p in workers['workers'].values() if lifecycle.pid_alive(p)]
   assert not [n for n in os.listdir('/dev/shm') if n.startswith(f'ebrl_{workers["controller"]}_')]
 
 

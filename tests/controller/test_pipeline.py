@@ -11,6 +11,7 @@ import pytest
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import controller
+from ebrl_jax.runtime import lifecycle
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FAKES = os.path.join(ROOT, 'tests', 'fakes')  # stand-ins for nvidia-cuda-mps-control and pynvml
@@ -95,7 +96,6 @@ def test_async_processes_learn_with_bounded_staleness(tmp_path):
   assert extra['max_staleness_seen'] <= 1
   assert summary.best_eval_return > 2 * summary.eval_curve[0]['return']
   # Each process reported its start-up steps, and its last one is its steady work.
-  from ebrl_jax.runtime import lifecycle  # pylint: disable=g-import-not-at-top
   phases = {name: r['phase'] for name, r in lifecycle.read_phases(cfg.schedule.run_dir).items()}
   assert phases == {
       'trainer': 'training',
@@ -127,9 +127,9 @@ def _assert_workers_gone(workers):
   """Every worker named in workers.json exits within 10 s, and no shared-memory segment of the controller stays."""
   pids = list(workers['workers'].values())
   deadline = time.monotonic() + 10
-  while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+  while any(lifecycle.pid_alive(p) for p in pids) and time.monotonic() < deadline:
     time.sleep(0.2)
-  assert not [p for p in pids if _alive(p)]
+  assert not [p for p in pids if lifecycle.pid_alive(p)]
   assert not _our_segments(workers['controller'])
 
 
@@ -149,18 +149,6 @@ def _trained_iterations(run_dir):
   if not os.path.exists(path):
     return 0
   return sum('train/ppo/total_loss' in line for line in open(path))
-
-
-def _alive(pid):
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  try:  # a zombie (exited, not yet reaped by its parent) counts as gone
-    with open(f'/proc/{pid}/stat') as f:
-      return f.read().split(')')[-1].split()[0] != 'Z'
-  except FileNotFoundError:
-    return False
 
 
 def _our_segments(controller_pid):
@@ -268,7 +256,7 @@ def test_killed_trainer_stops_the_run_with_its_checkpoint_intact(tmp_path):
   assert proc.returncode != 0
   assert 'the trainer worker (pid %d) died with exit code -9' % workers['workers']['trainer'] in out
   assert 'continue with --resume' in out
-  assert not [p for p in workers['workers'].values() if _alive(p)]
+  assert not [p for p in workers['workers'].values() if lifecycle.pid_alive(p)]
   assert not _our_segments(workers['controller'])
   steps = sorted(int(n) for n in os.listdir(run_dir / 'checkpoints') if n.isdigit())
   assert steps
@@ -299,7 +287,6 @@ def test_a_stalled_start_up_is_reported_worker_by_worker(tmp_path, monkeypatch, 
   import logging as py_logging  # pylint: disable=g-import-not-at-top
   from ebrl_jax.controller import supervisor  # pylint: disable=g-import-not-at-top
   from ebrl_jax.rollout import worker as rollout_worker  # pylint: disable=g-import-not-at-top
-  from ebrl_jax.runtime import lifecycle  # pylint: disable=g-import-not-at-top
 
   def stall(cfg, group, channels, incarnation=0, env=None, control=None):
     del channels, incarnation, env, control
@@ -325,7 +312,6 @@ def test_a_stalled_start_up_is_reported_worker_by_worker(tmp_path, monkeypatch, 
 
 
 def test_phase_reports_write_on_change_stop_after_done_and_never_raise(tmp_path):
-  from ebrl_jax.runtime import lifecycle  # pylint: disable=g-import-not-at-top
   phase = lifecycle.Phase(str(tmp_path), 'rollout/3#1')
   phase('building its envs')
   first = lifecycle.read_phases(str(tmp_path))['rollout/3#1']
