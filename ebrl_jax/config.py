@@ -10,6 +10,7 @@ import dataclasses
 import math
 from typing import Optional, Tuple
 
+from ebrl_jax.config_cells import LAUNCHERS, CellConfig, check_run_cells
 from ebrl_jax.config_checks import check_choice as _check_choice
 from ebrl_jax.config_checks import check_positive as _check_positive
 from ebrl_jax.config_checks import check_env_slices, check_schedule_options, parse_group_schedule
@@ -287,6 +288,7 @@ class Config:
   algo: AlgoConfig = dataclasses.field(default_factory=AlgoConfig)
   schedule: ScheduleConfig = dataclasses.field(default_factory=ScheduleConfig)
   resources: ResourceConfig = dataclasses.field(default_factory=ResourceConfig)
+  cells: CellConfig = dataclasses.field(default_factory=CellConfig)
 
   def __post_init__(self):
     if self.sim.num_envs % self.schedule.num_groups and self.schedule.name != 'fused':
@@ -310,6 +312,7 @@ class Config:
     check_env_slices(self)
     check_schedule_options(self)
     check_run_pixels(self)
+    check_run_cells(self, self.cells.num_processes)
     if self.rollout_on_host:
       hint = ('the rollout workers simulate on CPU cores and the separate generation worker acts for them, so '
               'they hold no GPU context and have no SM quota')

@@ -40,7 +40,9 @@ from absl import app
 from absl import flags
 
 from ebrl_jax import config as config_lib
+from ebrl_jax.runtime import distributed
 from ebrl_jax.runtime import errors
+from ebrl_jax.runtime import launch
 # pylint: enable=wrong-import-position
 
 EXIT_USAGE, EXIT_FAILED = 2, 3
@@ -59,6 +61,7 @@ _SECTIONS: Tuple[Tuple[str, Type, Dict[str, str]], ...] = (
         'name': 'schedule'
     }),
     ('resources', config_lib.ResourceConfig, {}),
+    ('cells', config_lib.CellConfig, {}),
 )
 _HELP = {
     'task': (f'Task to train on: {", ".join(config_lib.TASKS)}, or {config_lib.PLAYGROUND_PREFIX}NAME for a MuJoCo '
@@ -96,6 +99,12 @@ _HELP = {
     'first_checkpoint_iteration': 'A first checkpoint after this many iterations (0: only --checkpoint_every).',
     'evaluator': 'sync/async: who evaluates the published versions: process (an evaluator process) or trainer.',
     'evaluator_wait_s': "--evaluator=process: seconds the run's end waits for the outstanding evaluations.",
+    'launcher': ("'': this process is one cell (trainer rank with its own envs) of --num_processes; local: start "
+                 '--num_processes cells of this command on this host (one per GPU) and watch them.'),
+    'num_processes': 'Cells (trainer ranks) of the run; 0: JAX_NUM_PROCESSES or SLURM_NTASKS, else 1.',
+    'coordinator_address': 'host:port of rank 0\'s jax.distributed coordinator; \'\': JAX_COORDINATOR_ADDRESS.',
+    'process_id': "This cell's rank in [0, --num_processes); -1: JAX_PROCESS_ID or SLURM_PROCID.",
+    'heartbeat_timeout_s': 'Seconds of silence after which the ranks declare a cell dead.',
 }
 
 
@@ -188,6 +197,17 @@ def _stop_line(cfg: config_lib.Config, summary) -> str:
 
 
 def main(argv):
+  code = _main(argv)
+  if distributed.joined():  # a cell: JAX's shutdown at exit would wait for every rank, and one may be gone
+    distributed.exit_now(code)
+  return code
+
+
+def _pending_stop():
+  return _PENDING_STOP[0] if _PENDING_STOP else None
+
+
+def _main(argv):
   start_unix = process_start_unix()
   held = {s: signal.signal(s, _hold_stop) for s in (signal.SIGINT, signal.SIGTERM)}
   if len(argv) > 1:
@@ -199,6 +219,9 @@ def main(argv):
   # PyOpenGL (imported by mujoco when MUJOCO_GL is set, as headless rendering asks) logs at INFO that it runs
   # without its optional accelerator: a line before every message of the run, an error's included.
   std_logging.getLogger('OpenGL').setLevel(std_logging.WARNING)
+  if cfg.cells.launcher == 'local':  # this process only starts and watches the cells: no JAX here
+    return launch.run_local(sys.argv[1:], cfg.cells.num_processes, cfg.resources.platform, cfg.schedule.run_dir,
+                            cfg.cells.heartbeat_timeout_s, _pending_stop)
   from ebrl_jax import controller  # lazy: a flag error is reported before JAX and the simulators load
   if _PENDING_STOP:
     print(f'STOPPED: {_PENDING_STOP[0]} before the run started; nothing was written.', file=sys.stderr)

@@ -34,6 +34,7 @@ LAYERS = (
     ('ebrl_jax.config', 0),
     ('ebrl_jax.config_checks', 0),
     ('ebrl_jax.config_resources', 0),
+    ('ebrl_jax.config_cells', 0),
     ('ebrl_jax.config_randomize', 0),
     ('ebrl_jax.config_vision', 0),
     ('ebrl_jax.types', 0),

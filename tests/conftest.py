@@ -72,6 +72,7 @@ FILE_TIERS = {
     'test_metrics_disk_full.py': 'contract',
     # the whole system
     'test_fused_e2e.py': 'e2e',
+    'test_cells.py': 'e2e',  # --launcher=local: 2 cells (trainer ranks, gloo) through the entry point
     'test_pixels_e2e.py': 'e2e',  # --obs=pixels: push_cube's camera frames through fused and async (shm)
     'test_pipeline.py': 'e2e',
     'test_evaluator.py': 'e2e',  # the evaluator process: a sync run on threads, a killed evaluator (processes)
@@ -112,6 +113,8 @@ DEFAULT_TIER = 'e2e'  # an unknown file is assumed expensive, so it stays out of
 
 # Tests whose tier differs from their file's: (file basename, test function name) -> tier.
 TEST_TIERS = {
+    ('test_cells.py', 'test_cell_keys_and_flag_errors'):
+        'contract',
     ('test_registry.py', 'test_task_matches_brax_mjx_env'):
         'contract',  # builds Brax's MJX env of every task
     ('test_memory.py', 'test_mjx_footprint_traces_envs_in_a_child_and_starts_no_accelerator_client'):
@@ -206,9 +209,13 @@ HEAVY = frozenset({
 # Measured over ~5 s on the 2-core CPU machine: (file basename, test function name) marks every parametrisation,
 # (file basename, test id with its parameters) one of them.
 SLOW = frozenset({
+    ('test_cells.py', 'test_two_cells_hold_one_state_count_the_global_batch_and_resume_on_one_cell'),
+    ('test_cells.py', 'test_a_killed_cell_stops_the_run_naming_it_and_leaves_nothing_behind'),
     ('test_faults.py', 'test_the_short_suite_survives_every_trial'),
     ('test_data_parallel.py', 'test_two_ranks_match_one_rank_and_resume_on_one'),
     ('test_data_parallel.py', 'test_a_killed_rank_stops_the_other_naming_it'),
+    # ~40 s: a killed cell through --launcher=local; the 2-cell run and its resume on one cell stay in CI
+    ('test_cells.py', 'test_a_killed_cell_stops_the_run_naming_it_and_leaves_nothing_behind'),
     ('test_generation_stages.py', 'test_act_shapes_and_log_probs_match_evaluate'),
     ('test_trainer_stages.py', 'test_one_sgd_step_matches_brax'),
     ('test_token_policy.py', 'test_kv_cache_decode_equals_full_causal_forward'),

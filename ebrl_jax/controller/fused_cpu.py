@@ -2,10 +2,12 @@
 
 NOTE: one policy step costs one `act` dispatch plus one env-pool step; the trajectory is written into
 preallocated numpy buffers and handed to `train_step` once per iteration. Keys depend only on the iteration
-index (`rollout.keys`), so a process schedule with one env group replays exactly this run.
+index (`rollout.keys`), so a process schedule with one env group replays exactly this run. A cell of several
+(`controller.cells`) steps its own envs (`keys.cell_key`) and trains through `trainer.parallel` over the ranks.
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Dict, Tuple
 
@@ -19,31 +21,42 @@ from ebrl_jax.rollout import cpu as cpu_rollout
 from ebrl_jax.rollout import evaluation
 from ebrl_jax.rollout import keys
 from ebrl_jax.runtime import metrics as metrics_lib
+from ebrl_jax.trainer import parallel
 from ebrl_jax.trainer import stages as trainer_stages
+
+
+def _chain_digest(previous: str, tree) -> str:
+  """sha256 of `previous` and `tree`'s leaves' bytes: chained over the steps, one string that two ranks share only
+  if they held the same parameters after every step."""
+  h = hashlib.sha256(previous.encode())
+  for leaf in jax.tree_util.tree_leaves(tree):
+    h.update(np.asarray(leaf).tobytes())
+  return h.hexdigest()
 
 
 class CpuFusedLoop:
   """Steps `num_envs` native MuJoCo envs; PPO collects U unrolls per env, GRPO one whole episode per env."""
 
-  def __init__(self, cfg: config_lib.Config, spec: types.EnvSpec, network, optimizer):
+  def __init__(self, cfg: config_lib.Config, spec: types.EnvSpec, network, optimizer, cell=None):
     self._cfg, self._spec = cfg, spec
     collect = cfg.collect_spec
-    seed = cfg.schedule.seed
+    seed, rank = cfg.schedule.seed, cell.rank if cell is not None else 0
     self._pool = cpu_rollout.make_pool(cfg.sim,
                                        cfg.sim.num_envs,
-                                       keys.env_seed(seed, keys.ENV_RESET, 0),
+                                       keys.env_seed(seed, keys.ENV_RESET, 0, cell=rank),
                                        auto_reset=not collect.episodic)
     self._evaluator = evaluation.make_evaluator(cfg.sim, cfg.policy, seed, cfg.schedule.deterministic_eval, network)
     self._act = gen_stages.make_act(network, cfg.policy.min_std)
     self._collector = cpu_rollout.CpuCollector(self._pool, spec, self._act, collect.unrolls, collect.steps,
                                                collect.action_chunk, collect.episodic)
-    self._train = trainer_stages.make_train_fn(network,
-                                               optimizer,
-                                               cfg.algo,
-                                               cfg.policy.min_std,
-                                               cfg.sim.group_size,
-                                               recompute_proximal=False)
+    train_args = (network, optimizer, cfg.algo, cfg.policy.min_std, cfg.sim.group_size, False)  # no proximal
+    if cell is not None and cell.multi:
+      self._train = parallel.make_data_parallel_train_fn(*train_args, parallel.rank_mesh())
+    else:
+      self._train = trainer_stages.make_train_fn(*train_args)
     self._root_key = keys.root(seed)
+    self._rollout_root = keys.cell_key(self._root_key, rank)
+    self._chain = '' if cell is not None and cell.multi else None  # every step's parameters, hashed in a chain
 
   def compile(self, train_state, num_iterations: int) -> float:
     del num_iterations  # the Python loop compiles per-step programs only
@@ -62,13 +75,18 @@ class CpuFusedLoop:
     for _ in range(num_iterations):
       iteration = int(train_state.policy_version)  # = iterations trained so far
       batch, stats = self._collector.collect(train_state.params, iteration,
-                                             keys.rollout_key(self._root_key, iteration, 0))
+                                             keys.rollout_key(self._rollout_root, iteration, 0))
       train_state, metrics = self._train(train_state, batch, keys.train_key(self._root_key, iteration))
+      if self._chain is not None:
+        self._chain = _chain_digest(self._chain, train_state.params)
       acc.add(jax.device_get(metrics), stats.return_sum, stats.count)
     return train_state, acc.result()
 
   def evaluate(self, params, key) -> Dict[str, float]:
     return self._evaluator.evaluate(params, key)
+
+  def summary_extra(self) -> dict:
+    return {} if self._chain is None else {'params_chain': self._chain}
 
   def close(self) -> None:
     self._collector.close()

@@ -16,11 +16,13 @@ import jax
 from ebrl_jax import config as config_lib
 from ebrl_jax import config_resources
 from ebrl_jax.controller import auto
+from ebrl_jax.controller import cells as cells_lib
 from ebrl_jax.controller import fused
 from ebrl_jax.controller import pipeline
 from ebrl_jax.controller import supervisor
 from ebrl_jax.resources import mps
 from ebrl_jax.resources import telemetry as telemetry_lib
+from ebrl_jax.runtime import distributed
 from ebrl_jax.runtime import errors
 from ebrl_jax.runtime import metrics
 from ebrl_jax.runtime import startup
@@ -216,18 +218,23 @@ def run(cfg: config_lib.Config, start_unix: Optional[float] = None) -> driver.Ru
   `start_unix` (`time.time()` at process start: main.py passes it; None: from this call)."""
   start = driver.StartClock(start_unix or time.time()).mark('imports')  # interpreter, flags, controller imports
   with supervisor.sigterm_as_interrupt():
+    spec = cells_lib.resolve(cfg)  # the cells of the run: flags, else JAX_* / SLURM's environment
     resumed = check_before_start(cfg)  # nothing is started or written before this
     if resumed is not None:
       logging.info('Resuming the run in %s from checkpoint %d (env step %s, iteration %s)%s.', cfg.schedule.run_dir,
                    resumed['step'], resumed['env_steps'], resumed['iterations'],
                    f', past damaged step(s) {resumed["skipped"]}' if resumed['skipped'] else '')
+    startup.configure_jax(cfg.resources.platform, cfg.schedule.compilation_cache_dir)
+    cell = cells_lib.join(cfg, spec)  # before JAX starts its backend; rank k > 0 writes under run_dir/rank<k>/
+    cfg = cells_lib.rank_config(cfg, cell)
     storage.ensure_private_dir(cfg.schedule.run_dir)
     storage.write_json(os.path.join(cfg.schedule.run_dir, 'config.json'), dataclasses.asdict(cfg), indent=2)
-    startup.configure_jax(cfg.resources.platform, cfg.schedule.compilation_cache_dir)
     metrics.quiet_library_logs()
-    summary, means = _run_schedule(cfg, start.mark('controller'))
+    summary, means = _run_schedule(cfg, start.mark('controller'), cell)
   _add_telemetry_and_trace(cfg, summary, means)
   write_summary(cfg, summary)
+  if summary.stopped in driver.FINISHED:  # a stopped cell leaves at once: the others may be in an all-reduce
+    cells_lib.finish(cell)
   if summary.stopped not in errors.STOP_SIGNALS:  # a signal's stop is main.py's one line
     final = 'none' if summary.final_eval_return is None else f'{summary.final_eval_return:.1f}'
     logging.info('%s: %d env steps, final eval return %s, %.0f env steps/s, start-up %.1f s, wall %.1f s.',
@@ -236,9 +243,10 @@ def run(cfg: config_lib.Config, start_unix: Optional[float] = None) -> driver.Ru
   return summary
 
 
-def _run_schedule(cfg: config_lib.Config, start: driver.StartClock):
+def _run_schedule(cfg: config_lib.Config, start: driver.StartClock, cell: cells_lib.Cell):
   """(summary, telemetry means) of the schedule; a run stopped before its schedule had a summary (SIGTERM or
-  Ctrl-C during start-up) gets the controller's own."""
+  Ctrl-C during start-up) gets the controller's own. A cell of several runs `fused` as one rank; a failed
+  all-reduce there is a `distributed.RankFailed` naming the rank that died."""
   pids: Dict[str, int] = {}
   telemetry = None
   if cfg.resources.telemetry_period_s > 0:
@@ -247,7 +255,11 @@ def _run_schedule(cfg: config_lib.Config, start: driver.StartClock):
         **pids
     }, cfg.resources.telemetry_period_s, cfg.schedule.trace_dir).start()
   try:
-    summary = SCHEDULES[cfg.schedule.name](cfg, pids, start)
+    summary = fused.run(cfg, start, cell) if cell.multi else SCHEDULES[cfg.schedule.name](cfg, pids, start)
+  except jax.errors.JaxRuntimeError as e:
+    if not cell.multi:
+      raise
+    raise distributed.failed_rank(cell.spec, e) from e
   except KeyboardInterrupt as interrupt:
     summary = stopped_summary(cfg, errors.stop_reason(interrupt), start.unix)
   finally:

@@ -22,6 +22,7 @@ TRAIN = 4  # minibatch shuffles of one iteration's update (per iteration)
 EVAL = 5  # an evaluation (per trainer iteration at which it runs)
 EVAL_ENV = 6  # the evaluation envs (native MuJoCo pool seed)
 GENERATION = 7  # a generation worker's sampling
+CELL = 8  # a cell's own envs and rollouts (per cell > 0; cell 0 draws the keys of a one-cell run)
 # Domain randomisation: folded into each MJX env's reset key; a native-MuJoCo pool's draws are seeded with
 # (pool seed, ENV_RANDOMIZE). See ebrl_jax.sim.randomize.
 ENV_RANDOMIZE = randomize.KEY_PURPOSE
@@ -36,6 +37,12 @@ def _fold(key: types.PRNGKey, purpose: int, *indices) -> types.PRNGKey:
   for index in indices:
     key = jax.random.fold_in(key, index)
   return key
+
+
+def cell_key(root_key: types.PRNGKey, cell: int) -> types.PRNGKey:
+  """The root of cell `cell`'s rollout keys: the run's root for cell 0 (a one-cell run is unchanged), else the root
+  folded with CELL and the cell. Init, train and evaluation keys stay the run's: the same on every cell."""
+  return root_key if cell == 0 else _fold(root_key, CELL, cell)
 
 
 def init_key(root_key: types.PRNGKey) -> types.PRNGKey:
@@ -62,6 +69,8 @@ def generation_key(root_key: types.PRNGKey) -> types.PRNGKey:
   return _fold(root_key, GENERATION)
 
 
-def env_seed(seed: int, purpose: int, index: int = 0) -> int:
-  """An integer seed for a native-MuJoCo env pool (`purpose` ENV_RESET with the group, or EVAL_ENV)."""
-  return int(np.random.SeedSequence((int(seed), int(purpose), int(index))).generate_state(1)[0])
+def env_seed(seed: int, purpose: int, index: int = 0, cell: int = 0) -> int:
+  """An integer seed for a native-MuJoCo env pool (`purpose` ENV_RESET with the group, or EVAL_ENV); cell > 0:
+  that cell's own pool (cell 0's seed is a one-cell run's)."""
+  entropy = (int(seed), int(purpose), int(index)) + ((CELL, int(cell)) if cell else ())
+  return int(np.random.SeedSequence(entropy).generate_state(1)[0])

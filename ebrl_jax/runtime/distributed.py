@@ -23,6 +23,7 @@ from typing import Dict, Optional
 from ebrl_jax.runtime import errors
 
 _KEY = 'ebrl_jax/rank/'
+_JOINED = []  # the spec this process joined with (initialize): at most one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,9 +84,16 @@ def initialize(spec: DistributedSpec) -> None:
                                spec.process_id,
                                heartbeat_timeout_seconds=spec.heartbeat_timeout_s,
                                shutdown_timeout_seconds=max(30, spec.heartbeat_timeout_s))
+  _JOINED.append(spec)
   client = _client()
   if client is not None:
     client.key_value_set(f'{_KEY}{jax.process_index()}', f'{socket.gethostname()} pid {os.getpid()}')
+
+
+def joined() -> bool:
+  """Whether this process joined several ranks (it then ends with `exit_now`: JAX's shutdown at exit waits for
+  every rank, and one may be gone)."""
+  return bool(_JOINED)
 
 
 def _client():
@@ -147,3 +155,15 @@ def exit_now(code: int) -> None:
   sys.stdout.flush()
   sys.stderr.flush()
   os._exit(code)  # pylint: disable=protected-access
+
+
+def barrier(name: str, timeout_s: float) -> bool:
+  """Waits until every rank reached `name` (False: the barrier failed or timed out, e.g. a rank died)."""
+  client = _client()
+  if client is None:
+    return False
+  try:
+    client.wait_at_barrier(name, int(timeout_s * 1000))
+    return True
+  except Exception:  # pylint: disable=broad-except
+    return False

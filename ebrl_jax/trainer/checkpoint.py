@@ -122,9 +122,11 @@ def _saved_shapes(directory: str, step: int) -> Dict[Tuple[str, ...], Tuple[int,
     tree = json.load(f)['tree_metadata']
   out = {}
   for entry in tree.values():
-    shape = (entry.get('value_metadata') or {}).get('write_shape')
-    if shape is not None:  # an empty node (optax's EmptyState) holds no array
-      out[tuple(str(k['key']) for k in entry['key_metadata'])] = tuple(shape)
+    value = entry.get('value_metadata') or {}
+    shape = value.get('write_shape')
+    if shape is not None or value.get('value_type') == 'np.ndarray':  # an empty node (optax's EmptyState) holds
+      # no array; a numpy one (saved by rank 0 of several, see `Checkpointer.save`) records no shape: None
+      out[tuple(str(k['key']) for k in entry['key_metadata'])] = None if shape is None else tuple(shape)
   return out
 
 
@@ -137,7 +139,10 @@ def shape_mismatch(directory: str, step: int, template) -> Optional[str]:
     return f'its array metadata cannot be read ({e})'
   wanted = _template_shapes(template)
   show = lambda path: '.'.join(path)
-  diffs = [f'{show(p)}: {saved[p]} there, {wanted[p]} here' for p in wanted if p in saved and saved[p] != wanted[p]]
+  diffs = [
+      f'{show(p)}: {saved[p]} there, {wanted[p]} here' for p in wanted
+      if saved.get(p) is not None and saved[p] != wanted[p]
+  ]
   diffs += [f'{show(p)} only in this run' for p in wanted if p not in saved]
   diffs += [f'{show(p)} only in the checkpoint' for p in saved if p not in wanted]
   if not diffs:

@@ -56,6 +56,7 @@ class TrainerConfig:
   start: Optional[StartClock] = None
   fixed_chunks: bool = False
   windows: Tuple[str, ...] = ()  # overlap windows it runs: 'h2d', 'evaluate', 'checkpoint' (iteration_graph.py)
+  checkpoint_run_dir: str = ''  # whose checkpoints --resume reads ('': process.run_dir; a cell: rank 0's)
 
 
 def trainer_config(cfg: config_lib.Config,
@@ -349,15 +350,14 @@ def train(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
   `trainer.remote_eval.RemoteEvaluations`, the evaluator process evaluating instead of the source."""
   clock = _Clock(cfg.start or StartClock(time.time()))
   clock.mark('driver_start')  # a spawned trainer: its process start and imports
-  run_dir = cfg.process.run_dir
-  os.makedirs(run_dir, exist_ok=True)
+  os.makedirs(run_dir := cfg.process.run_dir, exist_ok=True)
   spec, network, optimizer = network_and_optimizer(cfg.sim, cfg.policy, cfg.algo)
   root_key = keys.root(cfg.schedule.seed)
   train_state = trainer_stages.init_train_state(network, optimizer, keys.init_key(root_key), spec.obs_dim,
                                                 cfg.policy.normalize_observations, spec.pixel_shape)
   num_params = policies.count_params(train_state.params.network)
   clock.mark('state_init')
-  checkpointer, train_state, resumed = checkpoint_lib.open_and_resume(run_dir,
+  checkpointer, train_state, resumed = checkpoint_lib.open_and_resume(cfg.checkpoint_run_dir or run_dir,
                                                                       cfg.schedule,
                                                                       train_state,
                                                                       async_save='checkpoint' in cfg.windows)

@@ -70,10 +70,29 @@ def make_data_parallel_train_fn(network,
   replicated, segments = PartitionSpec(), PartitionSpec(None, axis_name)  # batch leaves are [T, S, ...]
   sharded = jax.jit(
       jax.shard_map(step, mesh=mesh, in_specs=(replicated, segments, replicated), out_specs=(replicated, replicated)))
+  return DataParallelTrainFn(mesh, sharded, (replicated, segments, replicated))
 
-  def train_fn(state, batch, key):
-    state, metrics = sharded(_global(mesh, replicated, state), _global(mesh, segments, batch),
-                             _global(mesh, replicated, key))
+
+class DataParallelTrainFn:
+  """`(state, local_batch, key) -> (state, metrics)` on host-local arrays around the global program `fn`; like a
+  jitted function, `.lower(state, batch, key).compile()` compiles it ahead of time (the same callable, compiled)."""
+
+  def __init__(self, mesh: Mesh, fn, specs):
+    self._mesh, self._fn, self._specs = mesh, fn, specs
+
+  def _globals(self, args):
+    return [_global(self._mesh, spec, a) for spec, a in zip(self._specs, args)]
+
+  def __call__(self, state, batch, key):
+    state, metrics = self._fn(*self._globals((state, batch, key)))
     return _local(state), _local(metrics)
 
-  return train_fn
+  def lower(self, state, batch, key):
+    lowered = self._fn.lower(*self._globals((state, batch, key)))
+    return _Lowered(lambda: DataParallelTrainFn(self._mesh, lowered.compile(), self._specs))
+
+
+class _Lowered:
+
+  def __init__(self, compile_fn):
+    self.compile = compile_fn

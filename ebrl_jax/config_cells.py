@@ -1,0 +1,53 @@
+"""`CellConfig`: how many cells a run has and how they find each other. A cell is one trainer rank with its own
+envs (one per GPU on a GPU host); the ranks join through `jax.distributed` (`runtime/distributed.py`). Part of
+`ebrl_jax.config` (re-exported there)."""
+from __future__ import annotations
+
+import dataclasses
+
+from ebrl_jax.config_checks import check_choice as _check_choice
+from ebrl_jax.config_checks import check_positive as _check_positive
+
+# '': this process is one cell (of --num_processes, else of JAX_NUM_PROCESSES / SLURM's tasks, else the only one);
+# 'local': this process starts --num_processes cells of itself on this host and watches them.
+LAUNCHERS = ('', 'local')
+
+
+@dataclasses.dataclass(frozen=True)
+class CellConfig:
+  """The cells' launch: `launcher`, the rank count (0: from the environment, else 1), rank 0's coordinator
+  'host:port' and this process's rank (-1: from the environment), and the seconds of silence after which the
+  coordination service declares a rank dead."""
+  launcher: str = ''
+  num_processes: int = 0
+  coordinator_address: str = ''
+  process_id: int = -1
+  heartbeat_timeout_s: int = 10
+
+  def __post_init__(self):
+    _check_choice('launcher', self.launcher, LAUNCHERS)
+    _check_positive('num_processes', self.num_processes, allow_zero=True)
+    _check_positive('heartbeat_timeout_s', self.heartbeat_timeout_s)
+    if self.process_id < -1:
+      raise ValueError(f'--process_id={self.process_id} must be a rank (>= 0), or -1 to take it from the environment.')
+    if self.launcher == 'local' and (self.coordinator_address or self.process_id >= 0):
+      raise ValueError('--launcher=local chooses each cell\'s --coordinator_address and --process_id itself; drop '
+                       'them (or start the cells yourself without --launcher).')
+    if self.launcher == 'local' and self.num_processes < 1:
+      raise ValueError('--launcher=local needs --num_processes=N: the number of cells to start on this host.')
+
+
+def check_run_cells(cfg, num_cells: int) -> None:
+  """What a run of `num_cells` > 1 cells needs (its flags, or the count found in the environment at start)."""
+  if num_cells <= 1:
+    return
+  what = f'{num_cells} cells (--num_processes={num_cells}, or JAX_NUM_PROCESSES / SLURM)'
+  if cfg.schedule.name != 'fused':
+    raise ValueError(f'{what} run --schedule=fused for now (a cell is one process: its trainer rank collects its '
+                     f'own envs); got --schedule={cfg.schedule.name}.')
+  if cfg.sim.backend != 'mujoco_cpu':
+    raise ValueError(f'{what} need --backend=mujoco_cpu for now (the MJX fused program trains inside its jitted '
+                     f'chunk, not yet over the ranks); got --backend={cfg.sim.backend}.')
+  if cfg.schedule.max_wall_s:
+    raise ValueError(f'{what} cannot stop on --max_wall_s={cfg.schedule.max_wall_s:g}: each rank\'s clock would '
+                     'stop it at its own iteration and leave the others in an all-reduce; use --num_timesteps.')

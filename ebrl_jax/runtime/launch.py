@@ -1,0 +1,157 @@
+"""--launcher=local: N cells of this command on one host, watched.
+
+The launcher starts `python -m ebrl_jax.main <the same flags> --process_id=k` for k in 0..N-1 with rank 0's
+coordinator on localhost at a free port (on a GPU host, cell k sees GPU k only: CUDA_VISIBLE_DEVICES), and watches
+them; it never imports JAX. A cell that dies stops the others: they notice at their next all-reduce and exit
+naming it (`runtime.distributed.failed_rank`); the launcher measures how long that took, ends what is left (SIGTERM,
+then SIGKILL), and returns one `FATAL:` line naming the rank, its host and pid. Rank 0 writes the checkpoints, so
+what it committed stays loadable for `--resume`, with any number of cells. A stop of the launcher (SIGTERM,
+Ctrl-C) is passed on to every cell. No cell outlives the launcher (`PR_SET_PDEATHSIG`).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+from ebrl_jax.runtime import lifecycle
+
+GRACE_S = 10.0  # after SIGTERM, before SIGKILL
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def gpu_ids(platform: str) -> List[str]:
+  """The GPUs this host gives its cells (CUDA_VISIBLE_DEVICES' order, else nvidia-smi's); none with --platform=cpu."""
+  if platform == 'cpu':
+    return []
+  visible = os.environ.get('CUDA_VISIBLE_DEVICES')
+  if visible is not None:
+    return [g for g in visible.split(',') if g.strip()]
+  if shutil.which('nvidia-smi') is None:
+    return []
+  try:
+    out = subprocess.run(['nvidia-smi', '-L'], capture_output=True, text=True, timeout=30, check=False).stdout
+  except (OSError, subprocess.SubprocessError):
+    return []
+  return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith('GPU ')]
+
+
+def cell_command(argv: Sequence[str], rank: int, num: int, address: str) -> List[str]:
+  """This command as cell `rank`: the same flags, the launcher's own replaced (absl: the last value wins)."""
+  return [
+      sys.executable, '-m', 'ebrl_jax.main', *argv, '--launcher=', f'--coordinator_address={address}',
+      f'--num_processes={num}', f'--process_id={rank}'
+  ]
+
+
+def _describe(rc: int) -> str:
+  return f'killed by {signal.Signals(-rc).name}' if rc < 0 else f'exit code {rc}'
+
+
+def _newest_checkpoint(run_dir: str) -> str:
+  directory = os.path.join(run_dir, 'checkpoints')
+  try:
+    steps = sorted((int(n) for n in os.listdir(directory) if n.isdigit()), reverse=True)  # committed: digits only
+  except OSError:
+    steps = []
+  if not steps:
+    return 'no checkpoint had been written, so there is nothing to resume'
+  return f'checkpoint {steps[0]} in {directory} is loadable: continue with --resume (with any --num_processes)'
+
+
+def _end(procs: Sequence[subprocess.Popen], sig: int, grace_s: float) -> None:
+  """`sig` to every cell still running, SIGKILL to those left after `grace_s`, every one reaped."""
+  for p in procs:
+    if p.poll() is None:
+      p.send_signal(sig)
+  deadline = time.monotonic() + grace_s
+  for p in procs:
+    try:
+      p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      p.kill()
+      p.wait()
+
+
+def run_local(argv: Sequence[str],
+              num: int,
+              platform: str,
+              run_dir: str,
+              heartbeat_timeout_s: int,
+              stop_requested: Callable[[], Optional[str]],
+              poll_s: float = 0.1) -> int:
+  """Starts `num` cells of `argv` and watches them; returns the exit code of the run (0, 3, or a signal's)."""
+  gpus = gpu_ids(platform)
+  if gpus and num > len(gpus):
+    print(
+        f'FATAL: --launcher=local --num_processes={num}: this host gives {len(gpus)} GPUs ({",".join(gpus)}); '
+        'one cell per GPU.',
+        file=sys.stderr)
+    return 2
+  address, host = f'127.0.0.1:{free_port()}', socket.gethostname()
+  procs = []
+  for rank in range(num):
+    env = dict(os.environ, **({'CUDA_VISIBLE_DEVICES': gpus[rank]} if gpus else {}))
+    # its own process group: a terminal's Ctrl-C reaches the launcher alone, which passes it on once
+    procs.append(
+        subprocess.Popen(cell_command(argv, rank, num, address),
+                         env=env,
+                         process_group=0,
+                         preexec_fn=lifecycle.arm_parent_death_signal))  # pylint: disable=subprocess-popen-preexec-fn
+  print(
+      f'--launcher=local: {num} cells on {host} (coordinator {address}), pids '
+      f'{", ".join(f"rank {r}: {p.pid}" for r, p in enumerate(procs))}.',
+      file=sys.stderr,
+      flush=True)
+  exited: Dict[int, float] = {}
+  try:
+    while len(exited) < num:
+      stop = stop_requested()
+      if stop:
+        _end(procs, signal.Signals[stop], GRACE_S)
+        return 128 + signal.Signals[stop]
+      now = time.monotonic()
+      new = [r for r, p in enumerate(procs) if r not in exited and p.poll() is not None]
+      exited.update({r: now for r in new})
+      failed = sorted((r for r in new if procs[r].returncode != 0), key=lambda r: procs[r].returncode >= 0)
+      if failed:
+        return _after_failure(procs, failed[0], exited, host, run_dir, heartbeat_timeout_s, poll_s)
+      time.sleep(poll_s)
+  finally:
+    _end(procs, signal.SIGTERM, GRACE_S)
+  return 0
+
+
+def _after_failure(procs, dead: int, exited: Dict[int, float], host: str, run_dir: str, heartbeat_timeout_s: int,
+                   poll_s: float) -> int:
+  """Cell `dead` failed: how fast the others stop on their own (bounded), then the rest ended; one FATAL line."""
+  died = exited[dead]
+  deadline = died + 2 * heartbeat_timeout_s + 10
+  while True:
+    now = time.monotonic()
+    exited.update({r: now for r, p in enumerate(procs) if r not in exited and p.poll() is not None})
+    if now >= deadline or len(exited) == len(procs):
+      break
+    time.sleep(poll_s)
+  noticed = [
+      f'rank {r} after {exited[r] - died:.1f} s ({_describe(procs[r].returncode)})' for r in sorted(exited) if r != dead
+  ]
+  left = [r for r, p in enumerate(procs) if p.poll() is None]
+  _end(procs, signal.SIGTERM, GRACE_S)
+  print(
+      f'FATAL: cell rank {dead} (pid {procs[dead].pid} on {host}) died ({_describe(procs[dead].returncode)}); '
+      f'the other cells stopped: {"; ".join(noticed) or "none on its own"}'
+      f'{f"; ranks {left} were still running and were ended" if left else ""}. {_newest_checkpoint(run_dir)}.',
+      file=sys.stderr,
+      flush=True)
+  return 3

@@ -1,0 +1,113 @@
+"""Cells (issue 16): `fused` runs as one trainer rank per process through the real entry point, on CPU with gloo
+collectives. Two cells started by `--launcher=local` hold the same parameters after every step (a sha256 chained
+over each step's parameters, in each rank's summary), count the global batch in the summary, and rank 0's
+checkpoint continues on one cell; a killed cell stops the run with a message naming it and leaves no process."""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ebrl_jax import config as config_lib
+from ebrl_jax.rollout import keys
+from ebrl_jax.runtime import lifecycle
+from ebrl_jax.trainer import checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# 8 envs x 2 unrolls x 5 steps = 80 env steps per cell and iteration; 2 cells: 160.
+FLAGS = ('--task=inverted_pendulum', '--backend=mujoco_cpu', '--num_envs=8', '--num_eval_envs=4', '--num_threads=1',
+         '--batch_size=8', '--num_minibatches=2', '--unroll_length=5', '--num_updates_per_batch=1',
+         '--episode_length=100', '--policy_hidden_sizes=16,16', '--value_hidden_sizes=16,16', '--num_evals=2',
+         '--compilation_cache_dir=', '--noprogress_bar', '--heartbeat_timeout_s=3', '--telemetry_period_s=0')
+
+
+def _main(run_dir, *flags):
+  return [sys.executable, '-m', 'ebrl_jax.main', *FLAGS, f'--run_dir={run_dir}', *flags]
+
+
+def _run(run_dir, *flags, timeout=240):
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  return subprocess.run(_main(run_dir, *flags), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _summary(path):
+  with open(path) as f:
+    return json.load(f)
+
+
+def test_two_cells_hold_one_state_count_the_global_batch_and_resume_on_one_cell(tmp_path):
+  run_dir = tmp_path / 'run'
+  two = _run(run_dir, '--launcher=local', '--num_processes=2', '--num_timesteps=1600')
+  assert two.returncode == 0, two.stderr[-4000:]
+  rank0, rank1 = _summary(run_dir / 'summary.json'), _summary(run_dir / 'rank1' / 'summary.json')
+  assert rank0['env_steps'] == rank1['env_steps'] == 1600 and rank0['iterations'] == 10  # 10 x 2 cells x 80
+  cells0, cells1 = rank0['extra']['cells'], rank1['extra']['cells']
+  assert (cells0['count'], cells0['rank'], cells1['rank'], cells0['env_steps_per_iteration']) == (2, 0, 1, 160)
+  assert cells0['params_chain'] == cells1['params_chain'], 'the ranks held different parameters at some step'
+  returns = [[e['return'] for e in r['eval_curve']] for r in (rank0, rank1)]
+  assert returns[0] == returns[1]  # the same parameters, keys and eval envs: every rank decides alike
+  assert not os.path.exists(run_dir / 'rank1' / 'checkpoints')  # rank 0 alone checkpoints
+  assert checkpoint.committed_steps(str(run_dir / 'checkpoints'))[0] == 10
+  # One cell continues the global state: 8 more iterations of 80 env steps from env step 1600.
+  one = _run(run_dir, '--resume', '--num_timesteps=2240')
+  assert one.returncode == 0, one.stderr[-4000:]
+  resumed = _summary(run_dir / 'summary.json')
+  assert resumed['extra']['resumed_from']['env_steps'] == 1600 and resumed['env_steps'] == 2240
+  assert resumed['iterations'] == 18 and 'cells' not in resumed['extra']
+
+
+def test_a_killed_cell_stops_the_run_naming_it_and_leaves_nothing_behind(tmp_path):
+  run_dir = tmp_path / 'run'
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  launcher = subprocess.Popen(_main(run_dir, '--launcher=local', '--num_processes=2', '--num_timesteps=40000',
+                                    '--num_evals=125'),
+                              cwd=ROOT,
+                              env=env,
+                              stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT,
+                              text=True)
+  lines, pids = [], None
+  try:
+    for line in launcher.stdout:  # until a rank trained past its first checkpoint (iteration 1)
+      lines.append(line)
+      pids = pids or re.search(r'pids rank 0: (\d+), rank 1: (\d+)', line)
+      if re.search(r'env_steps=\S+ rollout/', line):
+        break
+  finally:
+    if not pids:
+      launcher.kill()
+  assert pids, ''.join(lines)[-3000:]
+  pid0, pid1 = int(pids.group(1)), int(pids.group(2))
+  time.sleep(1.0)
+  os.kill(pid1, signal.SIGKILL)
+  out = ''.join(lines) + launcher.communicate(timeout=120)[0]
+  assert launcher.returncode == 3, out[-4000:]
+  fatal = re.search(
+      r'FATAL: cell rank 1 \(pid (\d+) on (\S+)\) died \(killed by SIGKILL\); the other cells stopped: '
+      r'rank 0 after ([\d.]+) s', out)
+  assert fatal and int(fatal.group(1)) == pid1 and fatal.group(2) == socket.gethostname(), out[-4000:]
+  assert re.search(rf'trainer rank 1 \({re.escape(socket.gethostname())} pid {pid1}\) died', out), out[-4000:]
+  print(f'rank 0 stopped {fatal.group(3)} s after rank 1 was killed')
+  assert float(fatal.group(3)) < 30
+  assert not lifecycle.pid_alive(pid0) and not lifecycle.pid_alive(pid1)
+  directory = str(run_dir / 'checkpoints')
+  steps = checkpoint.committed_steps(directory)
+  assert steps and checkpoint.damage(directory, steps[0]) is None, steps
+
+
+def test_cell_keys_and_flag_errors():
+  root = keys.root(0)
+  assert (keys.cell_key(root, 0) == root).all() and not (keys.cell_key(root, 1) == root).all()
+  assert keys.env_seed(0, keys.ENV_RESET, 0, cell=0) == keys.env_seed(0, keys.ENV_RESET, 0)
+  assert keys.env_seed(0, keys.ENV_RESET, 0, cell=1) != keys.env_seed(0, keys.ENV_RESET, 0)
+  with pytest.raises(ValueError, match='--launcher=local needs --num_processes'):
+    config_lib.CellConfig(launcher='local')
+  with pytest.raises(ValueError, match='run --schedule=fused for now'):
+    config_lib.Config(schedule=config_lib.ScheduleConfig(name='sync'), cells=config_lib.CellConfig(num_processes=2))
+  with pytest.raises(ValueError, match='cannot stop on --max_wall_s'):
+    config_lib.Config(schedule=config_lib.ScheduleConfig(max_wall_s=5), cells=config_lib.CellConfig(num_processes=2))
