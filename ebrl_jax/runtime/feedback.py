@@ -70,7 +70,7 @@ class FeedbackSnapshot(NamedTuple):
   start_iteration: float
   last_iteration: float
   period_s: float
-  retire_at: float
+  retire_at: float = 0.0
 
   def stage_s_since(self, earlier: Optional['FeedbackSnapshot']) -> Optional[float]:
     """Mean stage seconds per iteration since `earlier` (None: since the start); None without a new iteration."""

@@ -330,14 +330,15 @@ def test_phase_reports_write_on_change_stop_after_done_and_never_raise(tmp_path)
 def test_mps_daemon_death_stops_the_run_and_resume_continues(tmp_path, monkeypatch):
   """The stand-in MPS control binary stops answering mid-run: the controller names the daemon's pipe directory,
   stops every worker, frees shared memory, keeps the checkpoint, and says to resume; --resume then continues.
-  A stand-in NVML reports a 16 GiB GPU, so both runs make a memory plan."""
+  A stand-in NVML reports a 24 GiB GPU, so both runs make a memory plan (4 processes with a GPU context: the
+  trainer, the evaluator and two rollout workers)."""
   run_dir, dead, calls = tmp_path / 'mps_dies', tmp_path / 'daemon_dead', tmp_path / 'mps_calls.log'
   env = {
       'PATH': f'{FAKES}:{os.environ["PATH"]}',
       'PYTHONPATH': os.pathsep.join([FAKES, ROOT]),
       'FAKE_MPS_DEAD': str(dead),
       'FAKE_MPS_LOG': str(calls),
-      'EBRL_FAKE_GPU_MIB': '16384',
+      'EBRL_FAKE_GPU_MIB': '24576',
       'CUDA_MPS_PIPE_DIRECTORY': ''
   }
   proc = _launch(run_dir,
@@ -361,7 +362,7 @@ def test_mps_daemon_death_stops_the_run_and_resume_continues(tmp_path, monkeypat
   assert proc.returncode == 3, out[-3000:]  # a RunError
   assert f'The MPS daemon serving pipe directory {pipe} died' in out
   assert f'the MPS daemon (pipe directory {pipe}) died mid-run' in out and 'continue with --resume' in out
-  assert 'GPU memory plan on 16384 MiB' in out
+  assert 'GPU memory plan on 24576 MiB' in out
   assert 'quit' not in calls.read_text()  # a dead daemon is not asked to quit
   _assert_workers_gone(workers)
   from ebrl_jax.trainer import checkpoint  # pylint: disable=g-import-not-at-top
@@ -371,7 +372,7 @@ def test_mps_daemon_death_stops_the_run_and_resume_continues(tmp_path, monkeypat
   # Resume (in threads, to be quick) for two iterations of 1280 env steps past the checkpoint.
   monkeypatch.syspath_prepend(FAKES)
   monkeypatch.delitem(sys.modules, 'pynvml', raising=False)
-  monkeypatch.setenv('EBRL_FAKE_GPU_MIB', '16384')
+  monkeypatch.setenv('EBRL_FAKE_GPU_MIB', '24576')
   summary = controller.run(
       _config(run_dir,
               schedule='sync',
@@ -382,5 +383,5 @@ def test_mps_daemon_death_stops_the_run_and_resume_continues(tmp_path, monkeypat
               resume=True))
   assert summary.iterations == step + 2 and summary.env_steps == (step + 2) * 1280
   plan = summary.extra['memory_plan']
-  assert plan['device_total_mib'] == 16384 and set(plan['roles']) == {'trainer', 'rollout/0'}
+  assert plan['device_total_mib'] == 24576 and set(plan['roles']) == {'trainer', 'evaluator', 'rollout/0'}
   assert all(r['budget_mib'] >= r['footprint_mib'] * 1.5 for r in plan['roles'].values())

@@ -117,8 +117,9 @@ def test_a_daemon_that_dies_is_seen_and_not_sent_quit(tmp_path, monkeypatch):
 
 
 def test_feeders_take_their_core_after_startup_and_simulators_at_once(monkeypatch):
-  # Native MuJoCo, separate generation: the rollouts (CPU simulators) are pinned when they start; the trainer and
-  # the generation worker compile on every core and take their own core once compiled (pin_after_startup).
+  # Native MuJoCo, separate generation: the rollouts (CPU simulators) are pinned when they start; the trainer, the
+  # generation worker and the evaluator compile on every core and take their own core once compiled
+  # (pin_after_startup).
   import os  # pylint: disable=g-import-not-at-top
   from ebrl_jax import config as config_lib  # pylint: disable=g-import-not-at-top
   from ebrl_jax.controller import supervisor  # pylint: disable=g-import-not-at-top
@@ -128,13 +129,16 @@ def test_feeders_take_their_core_after_startup_and_simulators_at_once(monkeypatc
   cfg = config_lib.Config(sim=config_lib.SimConfig(num_envs=32, num_eval_envs=4),
                           algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
                           schedule=config_lib.ScheduleConfig(name='async', num_groups=2, colocate_generation=False))
-  plan = memory.make_plan(cfg, ['trainer', 'generation'], None)
+  plan = memory.make_plan(cfg, ['trainer', 'generation', 'evaluator'], None)
   placement = supervisor.Placement(cfg, topology.make_topology(cfg), None, plan)
-  # 6 cores: generation and trainer one each (the last two), the two rollouts two each.
-  assert placement.env('rollout/0')['EBRL_CPUS'] == '0,1' and placement.env('rollout/1')['EBRL_CPUS'] == '2,3'
-  for role in ('trainer', 'generation'):
+  # 6 cores: generation, trainer and evaluator one each (the last three), the two rollouts the other three.
+  assert placement.env('rollout/0')['EBRL_CPUS'] == '0,1' and placement.env('rollout/1')['EBRL_CPUS'] == '2'
+  after = []
+  for role in ('trainer', 'generation', 'evaluator'):
     env = placement.env(role)
-    assert 'EBRL_CPUS' not in env and env['EBRL_CPUS_AFTER_STARTUP'] in ('4', '5')
+    assert 'EBRL_CPUS' not in env
+    after.append(env['EBRL_CPUS_AFTER_STARTUP'])
+  assert sorted(after) == ['3', '4', '5']
   mine = sorted(os.sched_getaffinity(0))
   pinned = []
   monkeypatch.setattr(startup, 'pin', pinned.append)
