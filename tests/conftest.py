@@ -294,6 +294,12 @@ OPT_IN = frozenset({
     ('test_pipeline.py', 'test_killed_worker_is_restarted_without_losing_or_duplicating_segments[generation_worker]'),
     # 236 s: Brax's trainer and the stage profile beside the schedules; test_quick_bench_reports_every_figure stays
     ('test_bench.py', 'test_labels_brax_and_stage_profile_in_one_quick_invocation'),
+    # 120 s: a calibration process on the CPU; --plan / --schedule=auto from a saved profile store stay
+    # (test_autoplan, test_schedule_choice), the calibration's own stages are timed by the bench's stage profile
+    ('test_autoplan.py', 'test_cpu_run_calibrates_once_then_starts_from_the_saved_profiles'),
+    # the fault suite's kill_rollout kind (80 kills) and kill_evaluator kind (8 kills) cover these at length
+    ('test_pipeline.py', 'test_killed_worker_is_restarted_without_losing_or_duplicating_segments[rollout_worker]'),
+    ('test_evaluator.py', 'test_a_killed_evaluator_is_restarted_and_the_curve_has_every_version'),
     # 124 s: the fused variant stays, and the fault suite's disk_full kind runs this one (6 trials, faults_cpu.json)
     ('test_disk_full.py', 'test_a_full_disk_stops_the_run_clearly_and_resume_continues[async_processes]'),
 })
