@@ -300,8 +300,15 @@ OPT_IN = frozenset({
     # the fault suite's kill_rollout kind (80 kills) and kill_evaluator kind (8 kills) cover these at length
     ('test_pipeline.py', 'test_killed_worker_is_restarted_without_losing_or_duplicating_segments[rollout_worker]'),
     ('test_evaluator.py', 'test_a_killed_evaluator_is_restarted_and_the_curve_has_every_version'),
-    # 124 s: the fused variant stays, and the fault suite's disk_full kind runs this one (6 trials, faults_cpu.json)
+    # 124 s and 82 s: the fault suite's disk_full kind runs both (6 trials, faults_cpu.json); the metrics writer's
+    # full-disk test and the recognition / resume-advice tests stay
     ('test_disk_full.py', 'test_a_full_disk_stops_the_run_clearly_and_resume_continues[async_processes]'),
+    ('test_disk_full.py', 'test_a_full_disk_stops_the_run_clearly_and_resume_continues[fused]'),
+    # 90 s: a real run's daemon killed by the probe; test_pipeline's MPS-death run (stand-in daemon) stays
+    ('test_mps_kill_probe.py', 'test_probe_kills_the_runs_daemon_and_the_run_stops_cleanly_then_resumes'),
+    # 60 s: env slices over a generation worker; the slicing, batching and dead-slice tests stay, and the fault
+    # suite's kill_generation kind (80 kills) runs such groups
+    ('test_env_slices.py', 'test_async_with_env_slices_learns_without_losing_or_duplicating_segments'),
 })
 FULL = os.environ.get('EBRL_FULL_TESTS') == '1'
 
