@@ -38,6 +38,11 @@ def parse_group_schedule(text: str):
   return tuple(sorted(out))
 
 
+def _live_quota_changes(resources) -> list:
+  """The flags of a `ResourceConfig` that change the rollout workers' quota during the run, as given."""
+  return [f'--{name}' for name in ('quota_schedule', 'replan', 'slack_quotas') if getattr(resources, name)]
+
+
 def check_schedule_options(cfg) -> None:
   """`--schedule=auto`, `--deterministic` and `--group_schedule` of a `Config` against what they cannot be
   combined with."""
@@ -45,10 +50,7 @@ def check_schedule_options(cfg) -> None:
   if schedule.group_changes:
     _check_group_schedule(cfg)
   if schedule.name == 'auto':
-    live = [
-        f'--{name}' for name in ('quota_schedule', 'replan', 'slack_quotas', 'group_schedule')
-        if getattr(resources, name, None) or getattr(schedule, name, None)
-    ]
+    live = _live_quota_changes(resources) + (['--group_schedule'] if schedule.group_schedule else [])
     if live:
       raise ValueError(f'--schedule=auto cannot be combined with {" / ".join(live)}: they change a process '
                        'schedule\'s quotas during the run, and auto may choose fused; choose the schedule yourself '
@@ -65,7 +67,7 @@ def _check_group_schedule(cfg) -> None:
   if not schedule.colocate_generation:
     raise ValueError(f'{text} needs --colocate_generation: a separate generation worker serves a fixed set of '
                      'groups and slices.')
-  live = [f'--{name}' for name in ('quota_schedule', 'replan', 'slack_quotas') if getattr(cfg.resources, name)]
+  live = _live_quota_changes(cfg.resources)
   if live or schedule.deterministic:
     raise ValueError(f'{text} cannot be combined with {" / ".join(live) or "--deterministic"}: one live change '
                      'of the rollout workers at a time (and --deterministic leaves nothing to timing).')
@@ -87,7 +89,7 @@ def _check_deterministic(schedule, resources) -> None:
   if not schedule.colocate_generation:
     raise ValueError('--deterministic needs --colocate_generation: a separate generation worker batches whichever '
                      'requests are ready, so its batches (and their keys) depend on timing.')
-  live = [f'--{name}' for name in ('quota_schedule', 'replan', 'slack_quotas') if getattr(resources, name)]
+  live = _live_quota_changes(resources)
   if live:
     raise ValueError(f'--deterministic cannot be combined with {" / ".join(live)}: a live quota change replaces a '
                      'rollout worker, whose replacement starts new episodes at a moment set by timing.')

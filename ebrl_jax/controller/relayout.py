@@ -180,12 +180,7 @@ class GroupChanger:
     pending = list(self.retired)
     if self.active is not None and self.active.phase == 'standby':
       pending += [w for w, _ in self.active.standbys]
-    deadline = time.monotonic() + 10.0
-    for w in pending:
-      w.join(timeout=max(0.1, deadline - time.monotonic()))
-      if self._workers.use_processes and w.is_alive():
-        w.kill()
-        w.join(timeout=2.0)
+    replan.join_or_kill(pending, self._workers.use_processes)
 
   def record(self) -> dict:
     """Every change (its cost, and the trainer's iteration period after it: the measured gain), and one the

@@ -161,13 +161,7 @@ class QuotaChanger:
 
   def close(self) -> None:
     """Stops what a swap left running (retired workers still delivering, standbys) after the run's stop."""
-    pending = self.retired + [s.new for s in self.active if s.phase == 'standby']
-    deadline = time.monotonic() + _JOIN_S
-    for w in pending:
-      w.join(timeout=max(0.1, deadline - time.monotonic()))
-      if self._workers.use_processes and w.is_alive():
-        w.kill()
-        w.join(timeout=2.0)
+    join_or_kill(self.retired + [s.new for s in self.active if s.phase == 'standby'], self._workers.use_processes)
 
   def record(self, now: Optional[float] = None) -> dict:
     """The decisions, the finished swaps, and any swap the run's end cut short ('pending': its phase, e.g. a
@@ -180,6 +174,16 @@ class QuotaChanger:
         'elapsed_s': now - s.started_t
     } for s in self.active]
     return {'mode': self._trigger.mode, 'decisions': self._trigger.decisions, 'swaps': self.swaps, 'pending': pending}
+
+
+def join_or_kill(pending, use_processes: bool) -> None:
+  """Waits up to _JOIN_S in all for the workers a live change left running, then kills the processes still alive."""
+  deadline = time.monotonic() + _JOIN_S
+  for w in pending:
+    w.join(timeout=max(0.1, deadline - time.monotonic()))
+    if use_processes and w.is_alive():
+      w.kill()
+      w.join(timeout=2.0)
 
 
 def trainer_iteration(workers) -> int:

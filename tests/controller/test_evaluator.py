@@ -21,23 +21,20 @@ from ebrl_jax.trainer import checkpoint
 from ebrl_jax.trainer import driver
 from ebrl_jax.trainer import remote_eval
 from ebrl_jax.trainer import stages
+from test_pipeline import _config as pipeline_config  # pylint: disable=g-bad-import-order
 
 
 def _config(run_dir, schedule='sync', transport_kind='thread', **schedule_kw):
-  schedule_kw = {'num_timesteps': 12_800, 'num_evals': 2, **schedule_kw}
-  return config_lib.Config(sim=config_lib.SimConfig(task='inverted_pendulum',
-                                                    num_envs=32,
-                                                    num_eval_envs=8,
-                                                    num_threads=1),
-                           algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
-                           schedule=config_lib.ScheduleConfig(name=schedule,
-                                                              run_dir=str(run_dir),
-                                                              compilation_cache_dir='',
-                                                              progress_bar=False,
-                                                              transport=transport_kind,
-                                                              num_groups=1,
-                                                              evaluator='process',
-                                                              **schedule_kw))
+  """test_pipeline's tiny run, one group, evaluated by the evaluator process."""
+  return pipeline_config(run_dir,
+                         schedule,
+                         transport_kind,
+                         num_groups=1,
+                         evaluator='process',
+                         **{
+                             'num_timesteps': 12_800,
+                             **schedule_kw
+                         })
 
 
 def test_the_evaluator_scores_a_version_as_the_in_trainer_evaluation_does(tmp_path):

@@ -4,24 +4,7 @@ import pytest
 from ebrl_jax import config as config_lib
 from ebrl_jax import controller
 from ebrl_jax.controller import topology as topology_lib
-
-
-def _config(run_dir, schedule, transport, group_schedule, num_groups=2, **schedule_kw):
-  return config_lib.Config(sim=config_lib.SimConfig(task='inverted_pendulum',
-                                                    num_envs=32,
-                                                    num_eval_envs=8,
-                                                    num_threads=1),
-                           algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
-                           schedule=config_lib.ScheduleConfig(name=schedule,
-                                                              run_dir=str(run_dir),
-                                                              compilation_cache_dir='',
-                                                              progress_bar=False,
-                                                              transport=transport,
-                                                              num_groups=num_groups,
-                                                              num_timesteps=19_200,
-                                                              num_evals=2,
-                                                              group_schedule=group_schedule,
-                                                              **schedule_kw))
+from test_pipeline import _config  # pylint: disable=g-bad-import-order
 
 
 @pytest.mark.parametrize('schedule, transport', [('sync', 'thread'), ('async', 'thread')])
@@ -29,7 +12,12 @@ def test_groups_change_twice_without_losing_or_duplicating_a_segment(tmp_path, s
   """2 groups of 16 envs, then 4 of 8 from iteration 4, then 1 of 32 from iteration 8: every iteration's 4 env
   blocks (lcm(2, 4, 1) = 4, 8 envs each) reach the trainer once. In sync a lost block would hang the trainer; a
   duplicated one is counted."""
-  cfg = _config(tmp_path / schedule, schedule, transport, '4:groups=4,8:groups=1')
+  cfg = _config(tmp_path / schedule,
+                schedule,
+                transport,
+                num_groups=2,
+                num_timesteps=19_200,
+                group_schedule='4:groups=4,8:groups=1')
   summary = controller.run(cfg)
   extra = summary.extra
   assert summary.iterations == 16 and summary.env_steps == 16 * cfg.env_steps_per_iteration
