@@ -171,6 +171,12 @@ TEST_TIERS = {
         'contract',
     ('test_bench.py', 'test_brax_refuses_what_its_trainer_cannot_run'):
         'contract',
+    ('test_bench.py', 'test_label_time_limits_are_checked_and_default_to_timeout_s'):
+        'contract',
+    ('test_bench.py', 'test_a_stopped_runs_summary_is_taken_and_a_stale_one_is_not'):
+        'unit',
+    ('test_bench.py', 'test_brax_start_up_is_on_our_clock_by_hand'):
+        'unit',
     ('test_bench.py', 'test_report_names_the_file_and_field_of_a_bad_result'):
         'contract',
     ('test_bench.py', 'test_report_plots_sm_activity_and_a_stage_timeline'):

@@ -131,13 +131,17 @@ def test_labels_brax_and_stage_profile_in_one_quick_invocation(tmp_path):
                         env=dict(os.environ, JAX_PLATFORMS='cpu', PYTHONPATH=ROOT))
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   result = json.load(open(out))
-  assert result['labels']['a2'] == {'schedule': 'async', 'flags': ['--max_staleness=2']}
+  assert result['labels']['a2'] == {'schedule': 'async', 'flags': ['--max_staleness=2'], 'time_limit_s': 3600}
   assert '--max_staleness=2' in result['runs']['a2'][0]['command']
   assert '--max_staleness=2' not in result['runs']['sync'][0]['command']
   assert result['runs']['a2'][0]['summary']['schedule'] == 'async'
   brax = result['runs']['brax'][0]['summary']
   assert brax['schedule'] == 'brax' and brax['env_steps'] == 6400 and brax['env_steps_per_s'] > 0
   assert brax['eval_curve'][0]['env_steps'] == 0 and len(brax['eval_curve']) >= 2
+  # On the harness's clock: from process start, with the start-up parts adding up to compile_s.
+  assert brax['start_unix'] >= result['runs']['brax'][0]['start_unix'] - 1.0
+  assert sum(brax['compile_breakdown'].values()) == pytest.approx(brax['compile_s'], abs=1e-2)
+  assert brax['compile_breakdown']['imports'] > 0 and brax['eval_curve'][-1]['wall_s'] <= brax['wall_s']
   profile = result['stage_profile']
   assert sorted(profile['groups']) == ['16', '8']  # all envs (fused, brax) and one of 2 groups (sync, async)
   for e, g in profile['groups'].items():
@@ -258,6 +262,46 @@ def test_schedule_labels_and_only_flags_are_checked():
     bench_run.parse_schedules(['async'], ['sync:--use_mps'])
   with pytest.raises(ValueError, match='must be label:--flag'):
     bench_run.parse_schedules(['async'], ['async'])
+
+
+def test_label_time_limits_are_checked_and_default_to_timeout_s():
+  from experiments.bench import run as bench_run
+  labels = bench_run.parse_schedules(['fused', 'auto'], [])
+  assert bench_run.parse_label_timeouts(['auto:400'], labels, 300) == {'fused': 300, 'auto': 400}
+  with pytest.raises(ValueError, match="label_timeout_s='sync:5' must be label:seconds with a label"):
+    bench_run.parse_label_timeouts(['sync:5'], labels, 300)
+  with pytest.raises(ValueError, match='seconds must be a positive integer'):
+    bench_run.parse_label_timeouts(['auto:soon'], labels, 300)
+
+
+def test_a_stopped_runs_summary_is_taken_and_a_stale_one_is_not(tmp_path):
+  from experiments.bench import run as bench_run
+  path = str(tmp_path / 'summary.json')
+  assert bench_run.take_summary(path, 0, 100.0) is None  # nothing written
+  stopped = {'start_unix': 101.0, 'stopped': 'SIGTERM', 'eval_curve': [{'env_steps': 8}]}
+  with open(path, 'w') as f:
+    json.dump(stopped, f)
+  assert bench_run.take_summary(path, 143, 100.0) == stopped  # stopped at the time limit, partial curve kept
+  assert bench_run.take_summary(path, 143, 200.0) is None  # written by an earlier attempt in the same directory
+  assert bench_run.take_summary(path, 1, 100.0) is None  # a failure is a failure, whatever the directory holds
+  with open(path, 'w') as f:
+    json.dump(dict(stopped, stopped='num_timesteps'), f)
+  assert bench_run.take_summary(path, 143, 100.0) is None  # killed after it finished: not a stopped run's record
+  assert bench_run.take_summary(path, 0, 100.0)['stopped'] == 'num_timesteps'
+
+
+def test_brax_start_up_is_on_our_clock_by_hand():
+  """Brax's curve: step-0 evaluation ends at 30 s of the process clock; epochs take 12, 4, 5 and 4 s of Brax's
+  training time (the first compiles): start-up is 30 + (12 - 4) s, the rate counts 25 - 8 s of training."""
+  from experiments.bench import brax_ppo
+  curve = [{'wall_s': 30.0, 'walltime': 0.0}] + [{'wall_s': 30.0 + w, 'walltime': w} for w in (12., 16., 21., 25.)]
+  split = brax_ppo.startup_split(curve, imports_s=6.0, env_build_s=1.5)
+  assert split['compile_s'] == pytest.approx(38.0)
+  assert split['compile_breakdown'] == {'imports': 6.0, 'env_build': 1.5, 'init_and_first_eval': 22.5, 'compile': 8.0}
+  assert sum(split['compile_breakdown'].values()) == pytest.approx(split['compile_s'])
+  assert split['train_wall_s'] == pytest.approx(17.0) and not split['train_compile_in_rate']
+  one = brax_ppo.startup_split(curve[:2], imports_s=6.0, env_build_s=1.5)  # one epoch: its compile stays in
+  assert one['compile_s'] == 30.0 and one['train_wall_s'] == 12.0 and one['train_compile_in_rate']
 
 
 def test_brax_refuses_what_its_trainer_cannot_run():

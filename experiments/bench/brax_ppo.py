@@ -8,10 +8,19 @@ repeat, unroll length, batch size, minibatches, updates per batch, discount, lea
 scaling, evaluations, seed); for W1 these are Brax's published Ant hyperparameters. Only MLP policies with
 Brax's default network sizes and PPO are accepted: anything else is not Brax's trainer and is refused by name.
 
-It uses the same persistent compilation cache (`--compilation_cache_dir`) as our runs. Like our runs, training stops at the first evaluation whose return reaches the target (`--target_return`).
-Figures: `compile_s` is the wall time to Brax's first evaluation (environment, evaluator and training
-compilation); `env_steps_per_s` is the mean of Brax's own `training/sps` over the evaluation periods after the
-first (Brax times its training epochs without evaluation or compilation, as our `train_wall_s` does).
+It uses the same persistent compilation cache (`--compilation_cache_dir`) as our runs. Like our runs, training
+stops at the first evaluation whose return reaches the target (`--target_return`).
+
+Clocks (docs/benchmarks.md): the same as our runs'. Every time is seconds since this process started
+(`ebrl_jax.main.process_start_unix`). `compile_s` is start-up, process start -> the first training work counted
+in the rate: the step-0 evaluation's end plus the first training epoch's compile, which Brax times inside that
+epoch (`training/walltime`), estimated as the first epoch's time minus the median of the later epochs' (they do
+the same work). Its parts (`compile_breakdown`): imports (interpreter, flags, JAX), env_build, init_and_first_eval
+(Brax's network and state init, the reset and evaluation compiles, the step-0 evaluation), compile (the training
+epoch's). `env_steps_per_s` is env steps over `train_wall_s`, Brax's own training time (its epochs, evaluation
+excluded) less that compile, so the first epoch's steps count at the pace of the others. With one training epoch
+(`--num_evals=2`) the compile cannot be told apart: it stays in `train_wall_s` and
+`extra.train_compile_in_rate` says so.
 
 brax 0.14.2 calls `jax.device_put_replicated`, which JAX removed in 0.10.2; this module (and only this module)
 provides it for the duration of the run.
@@ -71,22 +80,55 @@ def check_supported(cfg: config_lib.Config) -> None:
     raise ValueError('Brax PPO cannot run this workload: ' + '; '.join(problems))
 
 
-def run(cfg: config_lib.Config) -> dict:
-  """Trains with Brax's PPO; returns a summary with the fields of ebrl_jax's RunSummary that apply."""
+def startup_split(curve: list, imports_s: float, env_build_s: float) -> dict:
+  """compile_s, its parts and the training time counted in the rate, from the evaluation curve's wall times
+  (process clock) and Brax's cumulative `training/walltime` at each evaluation (see the module's Clocks)."""
+  walltimes = [c['walltime'] for c in curve[1:]]
+  epochs = [b - a for a, b in zip([0.0] + walltimes[:-1], walltimes)]
+  train_compile = None
+  if len(epochs) >= 2:
+    later = sorted(epochs[1:])
+    steady = later[len(later) // 2] if len(later) % 2 else (later[len(later) // 2 - 1] + later[len(later) // 2]) / 2
+    train_compile = max(0.0, epochs[0] - steady)
+  first_eval_end = curve[0]['wall_s']
+  parts = {
+      'imports': imports_s,
+      'env_build': env_build_s,
+      'init_and_first_eval': max(0.0, first_eval_end - imports_s - env_build_s),
+      'compile': train_compile or 0.0
+  }
+  train_wall = (walltimes[-1] - (train_compile or 0.0)) if walltimes else None
+  return {
+      'compile_s': first_eval_end + (train_compile or 0.0),
+      'compile_breakdown': {
+          k: round(v, 3) for k, v in parts.items()
+      },
+      'train_wall_s': train_wall,
+      'train_compile_in_rate': bool(walltimes) and train_compile is None
+  }
+
+
+def run(cfg: config_lib.Config, start_unix: float) -> dict:
+  """Trains with Brax's PPO; returns a summary with the fields of ebrl_jax's RunSummary that apply, every time
+  on the clock of this process (`start_unix`: when it started)."""
   check_supported(cfg)
   from brax import envs  # pylint: disable=g-import-not-at-top
   from brax.training.agents.ppo import train as ppo  # pylint: disable=g-import-not-at-top
   s, a, sc = cfg.sim, cfg.algo, cfg.schedule
   target = sc.target_return
+  imports_s = time.time() - start_unix
   env = envs.get_environment(s.task, backend='mjx')
-  curve, start = [], time.monotonic()
+  env_build_s = time.time() - start_unix - imports_s
+  curve = []
 
   def progress(step, metrics):
     curve.append({
         'env_steps': int(step),
-        'wall_s': round(time.monotonic() - start, 3),
+        'wall_s': round(time.time() - start_unix, 3),
+        'unix': time.time(),
         'return': float(metrics['eval/episode_reward']),
-        'sps': float(metrics.get('training/sps', 0.0))
+        'sps': float(metrics.get('training/sps', 0.0)),
+        'walltime': float(metrics.get('training/walltime', 0.0))
     })
     logging.info('brax: step %d return %.1f wall %.1f s', step, curve[-1]['return'], curve[-1]['wall_s'])
     if target is not None and curve[-1]['return'] >= target and step > 0:
@@ -115,26 +157,31 @@ def run(cfg: config_lib.Config) -> dict:
               deterministic_eval=sc.deterministic_eval,
               progress_fn=progress)
   except _TargetReached:
-    pass
+    reached = True
+  else:
+    reached = False
   finally:
     if saved is None:
       del jax.device_put_replicated
     else:
       jax.device_put_replicated = saved
-  wall = time.monotonic() - start
+  wall = time.time() - start_unix
   if not curve:
     raise RuntimeError('Brax PPO reported no evaluation.')
   hit = next((c for c in curve if target is not None and c['return'] >= target and c['env_steps'] > 0), None)
-  steady = [c['sps'] for c in curve[1:] if c['sps'] > 0]
-  sps = sum(steady) / len(steady) if steady else None
   env_steps = curve[-1]['env_steps']
-  compile_s = curve[0]['wall_s']
+  split = startup_split(curve, imports_s, env_build_s)
+  train_wall = split['train_wall_s']
+  sps = env_steps / train_wall if train_wall else None
   returns = [c['return'] for c in curve]
   return {
       'env_steps': env_steps,
       'wall_s': wall,
-      'compile_s': compile_s,
-      'train_wall_s': env_steps / sps if sps else None,
+      'compile_s': split['compile_s'],
+      'compile_breakdown': split['compile_breakdown'],
+      'start_unix': start_unix,
+      'stopped': 'target_return' if reached else 'num_timesteps',
+      'train_wall_s': train_wall,
       'env_steps_per_s': sps,
       'final_eval_return': returns[-1],
       'best_eval_return': max(returns),
@@ -143,7 +190,7 @@ def run(cfg: config_lib.Config) -> dict:
       'wall_s_to_target': hit['wall_s'] if hit else None,
       'train_s_to_target': hit['env_steps'] / sps if hit and sps else None,
       'eval_curve': [{
-          k: c[k] for k in ('env_steps', 'wall_s', 'return')
+          k: c[k] for k in ('env_steps', 'wall_s', 'unix', 'return')
       } for c in curve],
       'schedule': 'brax',
       'backend': 'mjx',
@@ -151,19 +198,21 @@ def run(cfg: config_lib.Config) -> dict:
       'device': str(jax.devices()[0].device_kind),
       'extra': {
           'trainer': 'brax.training.agents.ppo',
-          'sps_per_eval': [c['sps'] for c in curve]
+          'sps_per_eval': [c['sps'] for c in curve],
+          'train_compile_in_rate': split['train_compile_in_rate']
       },
   }
 
 
 def main(argv):
   del argv
+  start_unix = ebrl_main.process_start_unix()
   try:
     cfg = ebrl_main.config_from_flags()
     from ebrl_jax.runtime import startup  # pylint: disable=g-import-not-at-top
     startup.configure_jax(cfg.resources.platform, cfg.schedule.compilation_cache_dir
                          )  # the same persistent compilation cache as our runs, so seeds after the first
-    summary = run(cfg)
+    summary = run(cfg, start_unix)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   os.makedirs(cfg.schedule.run_dir, exist_ok=True)

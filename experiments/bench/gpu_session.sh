@@ -23,6 +23,8 @@
 #         cold compilation cache, which is where it stalled before.
 # w3b     W3 async planned (--plan, calibrated at 100 %) and async with equal quotas (generation 50 / trainer 50).
 # w3p     W3 async planned once more, after the planner's no-quota candidate (the same flags as w3b's async_plan).
+# w2auto  W2 fused / sync / async / auto (MPS for the last three), 2 M env steps, 1 seed (issue 14 item 6).
+# bf16w6  W2 fused in float32 and bfloat16, 2 M env steps; W6 fused and async, 1 M env steps, with its stage profile.
 # w2x     W2 fused seed 1 again (cut by its limit at 11.5 M in the w2s_fused call), then the quota-change run
 #         (rollout 20 -> 25 % at iteration 10 of 48, 3 M steps) whose whole output is kept.
 # The device tool brings back a limited number of files: write OUT_DIR outside $OUT and tar it into $OUT
@@ -129,6 +131,16 @@ case $PART in
     bench w2_quota_change_1gpu 0-15 $W2 --gpus=0 --timeout_s=230 --schedules=async_swap=async \
       --extra=--use_mps --extra=--num_groups=2 --extra=--num_timesteps=3000000 --extra=--num_evals=3 \
       --only=async_swap:--sm_quotas=trainer=50,rollout=20 --only=async_swap:--quota_schedule=10:rollout=25 ;;
+  w2auto)  # issue 14: the four schedules side by side after the evaluator process, --schedule=auto among them
+    bench w2_auto_1gpu 0-15 $W2 --gpus=0 --schedules=fused,sync,async,auto --extra=--num_groups=2 \
+      --extra=--num_timesteps=2000000 --extra=--num_evals=3 --only=sync:--use_mps --only=async:--use_mps \
+      --only=auto:--use_mps --timeout_s=125 --label_timeout_s=auto:175 ;;
+  bf16w6)  # issue 13: W2 in bfloat16 beside float32 (fused); W6 (the token policy) fused and async, its stages
+    bench w2_bf16_1gpu 0-15 $W2 --gpus=0 --schedules=fused,fused_bf16=fused --extra=--num_timesteps=2000000 \
+      --extra=--num_evals=3 --only=fused_bf16:--compute_dtype=bfloat16 --timeout_s=130
+    bench w6_token_1gpu 0-15 --bench_flagfile=experiments/w6_token.flags --gpus=0 --schedules=fused,async \
+      --stage_profile --extra=--num_groups=2 --extra=--num_timesteps=1000000 --extra=--num_evals=3 \
+      --only=async:--use_mps --timeout_s=130 ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
 for c in $(find /tmp $ROOT runs -name control -type p 2>/dev/null); do

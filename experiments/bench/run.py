@@ -39,14 +39,18 @@ from ebrl_jax.resources import telemetry
 from experiments.bench import figures as run_figures
 
 _FLAGFILE = flags.DEFINE_string('bench_flagfile', None, 'The workload flagfile (passed on as --flagfile).')
-_SCHEDULES = flags.DEFINE_list('schedules', ['fused', 'sync', 'async'],
-                               'Schedules to run, in order: fused, sync, async, overlap, brax, or label=schedule.')
+_SCHEDULES = flags.DEFINE_list(
+    'schedules', ['fused', 'sync', 'async'], 'Schedules to run, in order: fused, sync, async, overlap, auto, brax, or '
+    'label=schedule.')
 _ONLY = flags.DEFINE_multi_string('only', [], 'label:--flag, a flag for one label\'s runs, e.g. async:--use_mps.')
 _GPUS = flags.DEFINE_list('gpus', [], 'GPU indices to run on concurrently, one run per GPU (default: in sequence).')
 _SEEDS = flags.DEFINE_list('seeds', ['0'], 'Seeds, run in sequence for every schedule.')
 _EXTRA = flags.DEFINE_multi_string('extra', [], 'Extra flags for every run, e.g. --extra=--num_groups=2.')
 _OUT = flags.DEFINE_string('out', 'experiments/results/bench.json', 'Where to write the JSON result.')
 _TIMEOUT = flags.DEFINE_integer('timeout_s', 3600, 'Per-run time limit (the run is stopped with SIGTERM).')
+_LABEL_TIMEOUT = flags.DEFINE_multi_string(
+    'label_timeout_s', [], 'label:seconds, a time limit for one label\'s runs instead of --timeout_s '
+    '(e.g. auto:400: its calibration comes first).')
 _STAGE_PROFILE = flags.DEFINE_bool(
     'stage_profile', False, 'Before the runs, time each stage alone (experiments/bench/stage_profile.py) and report '
     'every label\'s overlap efficiency: env steps/s over the perfect-overlap ceiling.')
@@ -63,7 +67,7 @@ _TELEMETRY = flags.DEFINE_list(
     'lacks it.')
 _QUICK = flags.DEFINE_bool('quick', False, 'Tiny CPU workload (native MuJoCo pendulum) that exercises the harness.')
 
-SCHEDULES = ('fused', 'sync', 'async', 'overlap', 'brax')
+SCHEDULES = ('fused', 'sync', 'async', 'overlap', 'auto', 'brax')
 QUICK_FLAGFILE = 'experiments/quickstart.flags'
 QUICK_EXTRA = [
     '--num_envs=16', '--batch_size=16', '--num_minibatches=4', '--num_timesteps=6400', '--num_evals=2',
@@ -101,6 +105,46 @@ def parse_schedules(entries: List[str], only: List[str]) -> List[Tuple[str, str,
       raise ValueError(f'--only={item!r}: no schedule labelled {label!r} in --schedules.')
     next(e for e in out if e[0] == label)[2].append(flag)
   return [(label, schedule, tuple(f)) for label, schedule, f in out]
+
+
+def parse_label_timeouts(entries: List[str], labels, default: int) -> Dict[str, int]:
+  """{label: seconds} from `--label_timeout_s` entries (label:seconds), every label given one (`default` where
+  none is named); errors name the bad entry."""
+  known = [label for label, _, _ in labels]
+  out = {label: default for label in known}
+  for entry in entries:
+    label, sep, value = entry.partition(':')
+    if not sep or label not in known:
+      raise ValueError(f'--label_timeout_s={entry!r} must be label:seconds with a label of --schedules '
+                       f'({", ".join(known)}).')
+    try:
+      seconds = int(value)
+    except ValueError:
+      seconds = 0
+    if seconds <= 0:
+      raise ValueError(f'--label_timeout_s={entry!r}: seconds must be a positive integer.')
+    out[label] = seconds
+  return out
+
+
+def take_summary(summary_path: str, returncode: int, start_unix: float) -> Optional[dict]:
+  """The run's summary.json when it counts: a finished run's (exit code 0), or a stopped run's (SIGTERM at the
+  harness's time limit, Ctrl-C: exit codes 143 / 130, `stopped` names why) that this process wrote, not one left
+  in the run directory by an earlier attempt. None otherwise."""
+  if not os.path.exists(summary_path):
+    return None
+  try:
+    with open(summary_path) as f:
+      summary = json.load(f)
+  except (OSError, json.JSONDecodeError):
+    return None
+  if returncode == 0:
+    return summary
+  fresh = summary.get('start_unix') is not None and summary['start_unix'] >= start_unix - 5.0
+  if returncode in (130, 143, -signal.SIGTERM, -signal.SIGINT) and fresh and summary.get('stopped') in ('SIGTERM',
+                                                                                                        'SIGINT'):
+    return summary
+  return None
 
 
 def _gpm_window(tel: Optional[telemetry.Telemetry], start: float, end: float) -> dict:
@@ -169,20 +213,22 @@ def _stop_runs(signum, frame) -> None:
       pass
 
 
-def _run_one(cmd: List[str], run_dir: str, env: dict, tel: Optional[telemetry.Telemetry]) -> dict:
+def _run_one(cmd: List[str], run_dir: str, env: dict, tel: Optional[telemetry.Telemetry], timeout_s: int) -> dict:
   start = time.time()
   popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
   _LIVE.add(popen)
+  timed_out = False
   try:
-    stdout, stderr = popen.communicate(timeout=_TIMEOUT.value)
+    stdout, stderr = popen.communicate(timeout=timeout_s)
   except subprocess.TimeoutExpired:
+    timed_out = True
     popen.send_signal(signal.SIGTERM)  # the controller stops its workers and unlinks shared memory
     try:
       stdout, stderr = popen.communicate(timeout=60)
     except subprocess.TimeoutExpired:
       popen.kill()
       stdout, stderr = popen.communicate()
-    stderr += f'\n[bench] stopped after --timeout_s={_TIMEOUT.value}'
+    stderr += f'\n[bench] stopped after its time limit of {timeout_s} s'
   finally:
     _LIVE.discard(popen)
   end = time.time()
@@ -203,12 +249,13 @@ def _run_one(cmd: List[str], run_dir: str, env: dict, tel: Optional[telemetry.Te
     result['log'] = os.path.join(run_dir, 'output.log')
   except OSError as e:
     print(f'[bench] could not keep the output of {run_dir}: {e}', file=sys.stderr, flush=True)
-  summary_path = os.path.join(run_dir, 'summary.json')
-  if popen.returncode or not os.path.exists(summary_path):
+  summary = take_summary(os.path.join(run_dir, 'summary.json'), popen.returncode, start)
+  if summary is None:
     result['error_tail'] = (stdout + stderr)[-4000:]
     return result
-  with open(summary_path) as f:
-    result['summary'] = json.load(f)
+  result['summary'] = summary
+  if popen.returncode:  # stopped by its time limit (or a signal) with its summary and partial curve written
+    result['stopped'] = {'reason': summary.get('stopped'), 'time_limit_s': timeout_s if timed_out else None}
   window = run_figures.steady_window(result)
   if window is not None and tel is not None:
     result['gpm_steady'] = steady_gpm(tel.records, window)
@@ -258,7 +305,10 @@ def aggregate(runs: Dict[str, List[dict]]) -> Dict[str, dict]:
   and steady rates also with their sample standard deviation over seeds."""
   out = {}
   for schedule, seeds in runs.items():
-    done = [r['summary'] for r in seeds if 'summary' in r]
+    # A run stopped (at its time limit) before its first counted iteration has a summary but no rate: it is
+    # listed (seeds_stopped) and kept out of every mean.
+    counted = [r for r in seeds if 'summary' in r and not ('stopped' in r and not r['summary'].get('train_wall_s'))]
+    done = [r['summary'] for r in counted]
     figures = {k: _mean([s.get(k) for s in done]) for k in FIGURES}
     # End to end over the seeds of one definition (runs kept from before start-up was excluded are not averaged
     # with later ones, see figures.end_to_end), with its spread; the steady pace the same way over every seed.
@@ -267,11 +317,9 @@ def aggregate(runs: Dict[str, List[dict]]) -> Dict[str, dict]:
     figures['env_steps_per_s_sd'] = e2e['sd']
     figures['env_steps_per_s_seeds'] = e2e['seeds']
     figures['env_steps_per_s_counts_first_iteration'] = e2e['counts_first_iteration']
-    figures['sm_activity_pct'] = _mean([r['gpm'].get('sm_activity_pct') for r in seeds if 'summary' in r])
+    figures['sm_activity_pct'] = _mean([r['gpm'].get('sm_activity_pct') for r in counted])
     # The same over the steady window (second to last evaluation), where start-up does not dilute it.
-    figures['steady_sm_activity_pct'] = _mean([
-        (r.get('gpm_steady') or {}).get('sm_activity_pct') for r in seeds if 'summary' in r
-    ])
+    figures['steady_sm_activity_pct'] = _mean([(r.get('gpm_steady') or {}).get('sm_activity_pct') for r in counted])
     pace = run_figures.steady(done)
     figures['steady_env_steps_per_s'] = pace['mean']
     figures['steady_env_steps_per_s_sd'] = pace['sd']
@@ -283,6 +331,7 @@ def aggregate(runs: Dict[str, List[dict]]) -> Dict[str, dict]:
     figures['quota_change_gap_s'] = _mean([w.get('gap_s') for w in swaps])
     figures['quota_change_env_steps_lost'] = _mean([w.get('env_steps_lost') for w in swaps])
     figures['seeds_finished'] = len(done)
+    figures['seeds_stopped'] = sum('stopped' in r for r in seeds if 'summary' in r)  # with a rate: in seeds_finished
     figures['seeds_reaching_target'] = sum(s.get('env_steps_to_target') is not None for s in done)
     out[schedule] = figures
   return out
@@ -534,6 +583,7 @@ def main(argv):
     raise app.UsageError(f'--bench_flagfile={flagfile} does not exist.')
   try:
     labels = parse_schedules(_SCHEDULES.value, _ONLY.value)
+    timeouts = parse_label_timeouts(_LABEL_TIMEOUT.value, labels, _TIMEOUT.value)
     slots = _gpu_slots(_GPUS.value)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
@@ -547,7 +597,8 @@ def main(argv):
       'labels': {
           label: {
               'schedule': sched,
-              'flags': list(f)
+              'flags': list(f),
+              'time_limit_s': timeouts[label]
           } for label, sched, f in labels
       },
       'gpus': [s[0] for s in slots if s is not None],
@@ -591,7 +642,7 @@ def main(argv):
       run_dir = os.path.join(run_root, job.label, f'seed{job.seed}')
       with lock:
         print(f'== {job.label} seed {job.seed}' + (f' on GPU {slot[0]}' if slot else ''), flush=True)
-      run = _run_one(_command(flagfile, job, extra, run_dir), run_dir, env, tels[slot])
+      run = _run_one(_command(flagfile, job, extra, run_dir), run_dir, env, tels[slot], timeouts[job.label])
       if slot is not None:
         run['gpu'] = slot[0]
       summary = run.get('summary', {})
