@@ -2,7 +2,8 @@ r"""--obs=pixels on --backend=mjx_warp on a CUDA GPU: frames against native MuJo
 
     MUJOCO_GL=egl python -m experiments.warp_pixels_check --out=$OUT/warp_pixels_check_h200.json
 
-Sections (each written to the JSON as soon as it is done; a time budget, --budget_s, skips what is left, saying so):
+Sections, in this order (each written to the JSON as soon as it is done; a time budget, --budget_s, skips what is
+left, saying so, and the training child is stopped --reserve_s before it):
   agreement   push_cube, --agree_envs envs: their reset states and the states after --agree_steps random env
               steps. Each state is rendered by MJX-Warp (`warp_render.WarpRenderer` on the Warp data after
               `mjx.forward`, so the geom poses are those of its qpos) and by native MuJoCo (`render.PixelRenderer`,
@@ -11,11 +12,11 @@ Sections (each written to the JSON as soon as it is done; a time budget, --budge
               more than 32; depth: the same over pixels both hit, and the fraction where one hits and the other
               does not. PNGs next to the JSON: <out>_warp.png and <out>_native.png (4 envs, reset state above,
               stepped state below, 4x upscaled).
+  training    a short fused run of experiments/w5_pixels_warp.flags (--train_timesteps env steps: 3 iterations,
+              one evaluation) in a child process: its exit code, wall time, and the last records of metrics.jsonl.
   throughput  at --num_envs (1024, 4096), --image_size 64, 3 frames stacked: a jitted lax.scan of --steps
               `stages.step` with uniform random actions, on the env with a camera (step + render + stack) and
               without (step alone): lower+compile s, first run s, env steps/s (median of --repeats).
-  training    a short fused run of experiments/w5_pixels_warp.flags (--train_timesteps env steps: 3 iterations,
-              one evaluation) in a child process: its exit code, wall time, and the last records of metrics.jsonl.
 """
 from __future__ import annotations
 
@@ -189,7 +190,7 @@ def section_throughput(args, result):
 
 
 def section_training(args, result):
-  remaining = args.budget_s - (time.perf_counter() - _T0) - 10
+  remaining = args.budget_s - (time.perf_counter() - _T0) - args.reserve_s
   with tempfile.TemporaryDirectory() as run_dir:
     cmd = [
         sys.executable, '-m', 'ebrl_jax.main', f'--flagfile={FLAGFILE}', f'--num_timesteps={args.train_timesteps}',
@@ -251,7 +252,8 @@ def main(argv=None):
                  default=3 * 10240,
                  help='env steps of the training child (the flagfile: 1024 envs x 10 steps = 10240 per iteration)')
   p.add_argument('--train_flags', default='', help='extra flags for the training child (after the flagfile)')
-  p.add_argument('--budget_s', type=float, default=330.0, help='skip later sections after this many seconds')
+  p.add_argument('--budget_s', type=float, default=300.0, help='skip later sections after this many seconds')
+  p.add_argument('--reserve_s', type=float, default=80.0, help='of the budget, kept from the training child')
   args = p.parse_args(argv)
   args.num_envs = [int(n) for n in args.num_envs.split(',')]
   from ebrl_jax.sim import warp as warp_lib  # pylint: disable=g-import-not-at-top
@@ -271,8 +273,9 @@ def main(argv=None):
       'args': vars(args),
       'skipped': [],
   }
-  for name, fn in (('agreement', section_agreement), ('throughput', section_throughput), ('training',
-                                                                                          section_training)):
+  # Training before throughput: the budget trims the throughput grid, never the run.
+  for name, fn in (('agreement', section_agreement), ('training', section_training), ('throughput',
+                                                                                      section_throughput)):
     if name not in args.sections.split(','):
       continue
     if _over_budget(args, result, f'before {name}'):

@@ -15,6 +15,7 @@ import pytest
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import types
+from ebrl_jax.rollout import mjx as mjx_rollout
 from ebrl_jax.sim import mjx_env
 from ebrl_jax.sim import registry
 from ebrl_jax.sim import render
@@ -127,3 +128,15 @@ def test_warp_frames_stack_through_reset_chunks_and_episode_ends(auto_reset):
   again = np.asarray(regrouped.pixels)  # a group reset refreshes every stack
   np.testing.assert_array_equal(again, np.concatenate([again[..., :3]] * 3, axis=-1))
   assert (again[..., :3] != first[..., :3]).any() and (again[0] == again[3]).all()
+
+
+def test_mjx_rollouts_build_their_env_with_the_flags_camera(monkeypatch):
+  calls = []
+  monkeypatch.setattr(stages, 'make_mjx_env', lambda *args, **kwargs: calls.append((args, kwargs)))
+  sim = config_lib.SimConfig(task='push_cube', backend='mjx_warp', obs='pixels', image_size=32, frame_stack=2)
+  mjx_rollout.make_env(sim, auto_reset=False)
+  mjx_rollout.make_env(config_lib.SimConfig(task='push_cube', backend='mjx_warp'), auto_reset=True)
+  (args, pixels), (_, state) = calls
+  assert args == ('push_cube', sim.episode_length, sim.action_repeat)
+  assert pixels['camera'] == render.CameraObs(camera='fixed', height=32, width=32, frame_stack=2)
+  assert pixels['impl'] == 'warp' and not pixels['auto_reset'] and state['camera'] is None and state['auto_reset']
