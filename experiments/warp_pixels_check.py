@@ -7,12 +7,12 @@ so; the training child starts first, runs beside the agreement section and is st
 budget ends, and the throughput section runs after it):
   agreement   push_cube, --agree_envs envs: their reset states and the states after --agree_steps random env
               steps. Each state is rendered by MJX-Warp (`warp_render.WarpRenderer` on the Warp data after
-              `mjx.forward`, so the geom poses are those of its qpos) and by native MuJoCo (`render.PixelRenderer`,
-              mujoco.Renderer on EGL, on an MjData with the same qpos/qvel after mj_forward), RGB and depth (uint8,
-              depth_max 2 m). Mean / p99 / max |warp - native| per RGB channel value, fraction of values off by
-              more than 32; depth: the same over pixels both hit, and the fraction where one hits and the other
-              does not. PNGs next to the JSON: <out>_warp.png and <out>_native.png (4 envs, reset state above,
-              stepped state below, 4x upscaled).
+              `mjx.forward`, so the geom poses are those of its qpos) and by native MuJoCo (`render.PixelRenderer`:
+              mujoco.Renderer on EGL, from MUJOCO_GL=egl or switched to, else OSMesa; on an MjData with the same
+              qpos/qvel after mj_forward), RGB and depth (uint8, depth_max 2 m). Mean / p99 / max |warp - native|
+              per RGB channel value, fraction of values off by more than 32; depth: the same over pixels both
+              hit, and the fraction where one hits and the other does not. PNGs next to the JSON: <out>_warp.png
+              and <out>_native.png (4 envs, reset state above, stepped state below, 4x upscaled).
   training    a short fused run of experiments/w5_pixels_warp.flags (--train_timesteps env steps: 3 iterations,
               one evaluation) in a child process: its exit code, wall time, and the last records of metrics.jsonl.
   throughput  at --num_envs (1024, 4096), --image_size 64, 3 frames stacked: a jitted lax.scan of --steps
@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault('MUJOCO_GL', 'egl')  # native MuJoCo's renderer, before mujoco is imported
-os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')  # leave the GPU to the training child
+os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')  # the GPU is shared with the training child
 
 import argparse  # pylint: disable=g-import-not-at-top,wrong-import-position
 import json  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -86,6 +85,18 @@ def _diff_stats(warp: np.ndarray, native: np.ndarray) -> dict:
   }
 
 
+def _use_egl() -> str:
+  """Native MuJoCo's renderer on EGL (MUJOCO_GL=egl, or switched to it here), else OSMesa; says which happened."""
+  if render.gl_backend() == 'egl':
+    return 'egl from MUJOCO_GL'
+  try:
+    render.select_gl_backend('egl')
+    return 'switched to egl'
+  except RuntimeError as err:
+    render.select_gl_backend('osmesa')
+    return f'egl failed ({err}); osmesa'
+
+
 def section_agreement(args, result):
   camera = render.CameraObs(height=args.image_size, width=args.image_size, frame_stack=1, depth=True)
   env = mjx_env.make_mjx_env('push_cube', 250, 1, True, impl='warp', camera=camera)
@@ -100,8 +111,9 @@ def section_agreement(args, result):
   warp_frames = jax.jit(lambda data: renderer.frames(sys, mjx.forward(sys, data))[1])
   model = mujoco.MjModel.from_xml_path(manipulation.XML_PATH)
   datas = [mujoco.MjData(model) for _ in range(n)]
+  gl_note = _use_egl()
   native_renderer = render.PixelRenderer(model, camera, n)
-  out, pictures = {'gl_backend': render.gl_backend(), 'envs': n, 'image_size': args.image_size}, {}
+  out, pictures = {'gl_backend': render.gl_backend(), 'gl_note': gl_note, 'envs': n, 'image_size': args.image_size}, {}
   try:
     for name, s in states.items():
       data = s.brax_state.pipeline_state
