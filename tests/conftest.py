@@ -212,7 +212,7 @@ HEAVY = frozenset({
 # Measured over ~5 s on the 2-core CPU machine: (file basename, test function name) marks every parametrisation,
 # (file basename, test id with its parameters) one of them.
 SLOW = frozenset({
-    # ~25-40 s each on Warp's CPU kernels (EBRL_WARP_ALLOW_CPU=1); skipped without a CUDA GPU or that variable
+    # ~40-50 s each on Warp's CPU kernels (EBRL_WARP_ALLOW_CPU=1); skipped without a CUDA GPU or that variable
     ('test_warp_pixels.py', 'test_warp_frames_stack_through_reset_chunks_and_episode_ends'),
     ('test_cells.py', 'test_two_cells_hold_one_state_count_the_global_batch_and_resume_on_one_cell'),
     ('test_cells.py', 'test_a_killed_cell_stops_the_run_naming_it_and_leaves_nothing_behind'),
