@@ -3,7 +3,9 @@
 that `config.py` stays under 400 lines). Errors are `ValueError`s that name the flag.
 
 `--obs=pixels`: each env's observation is `types.PixelObs(pixels [H, W, 3 * frame_stack] uint8, state [O] float32)`,
-the camera frames rendered by native MuJoCo's `mujoco.Renderer` (sim/render.py) beside the proprioceptive state.
+the camera frames beside the proprioceptive state, rendered by native MuJoCo's `mujoco.Renderer` on
+`--backend=mujoco_cpu` (sim/render.py) or by MJX's GPU renderer inside the jitted simulation stage on
+`--backend=mjx_warp` (sim/warp_render.py).
 """
 from __future__ import annotations
 
@@ -18,11 +20,10 @@ PIXEL_TASKS = ('push_cube',)
 # transformer and token policies); 'patches': ViT patch tokens (transformer and token policies only).
 VISION_ENCODERS = ('cnn', 'patches')
 MIN_IMAGE_SIZE = 8
-# Why a backend cannot give pixels yet (the GPU plan is MJX-Warp's renderer inside the simulation stage).
-_NO_RENDERING = {
-    'mjx': 'rendering inside MJX (JAX implementation) is not built',
-    'mjx_warp': 'MJX-Warp rendering is not built yet (the GPU plan: mjx.render inside the simulation stage)',
-}
+# Why a backend cannot give pixels (checked against MJX 3.17: mujoco/mjx/_src/render.py and bvh.py).
+NO_JAX_RENDERING = ("MJX's renderer (mjx.render and mjx.refit_bvh, MJX 3.17) takes MuJoCo Warp data only and raises "
+                    'NotImplementedError for the JAX implementation')
+_NO_RENDERING = {'mjx': NO_JAX_RENDERING}
 
 
 def pixel_shape(sim) -> Tuple[int, ...]:
@@ -44,8 +45,8 @@ def check_sim_obs(sim) -> None:
       raise ValueError(f'--frame_stack={frame_stack} stacks camera frames: it needs --obs=pixels.')
     return
   if backend in _NO_RENDERING:
-    raise ValueError(f'--obs=pixels on --backend={backend}: {_NO_RENDERING[backend]}; pixel observations render '
-                     'with native MuJoCo for now: use --backend=mujoco_cpu.')
+    raise ValueError(f'--obs=pixels on --backend={backend}: {_NO_RENDERING[backend]}; use --backend=mjx_warp (MJX '
+                     "on Warp, rendered on a CUDA GPU) or --backend=mujoco_cpu (native MuJoCo's renderer).")
   if task not in PIXEL_TASKS:
     raise ValueError(f'--obs=pixels needs a task with a camera: --task={" or ".join(PIXEL_TASKS)} (got --task={task}).')
 

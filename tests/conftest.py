@@ -49,6 +49,7 @@ FILE_TIERS = {
     'test_randomize.py': 'contract',  # --randomize: spec, draws, both backends read back; compiles MJX
     'test_playground.py': 'contract',  # a bundled Playground task through our MJX stages; compiles MJX
     'test_render.py': 'unit',
+    'test_warp_pixels.py': 'unit',  # --obs=pixels on mjx_warp: frame stacks, checks; rendering needs Warp's device
     'test_checkpoint.py': 'contract',
     'test_driver_startup.py': 'contract',
     'test_checkpoint_fallback.py': 'contract',
@@ -117,6 +118,8 @@ TEST_TIERS = {
         'contract',
     ('test_registry.py', 'test_task_matches_brax_mjx_env'):
         'contract',  # builds Brax's MJX env of every task
+    ('test_warp_pixels.py', 'test_warp_frames_stack_through_reset_chunks_and_episode_ends'):
+        'contract',  # renders through MJX-Warp (a GPU, or Warp's CPU kernels)
     ('test_memory.py', 'test_mjx_footprint_traces_envs_in_a_child_and_starts_no_accelerator_client'):
         'contract',
     ('test_autoplan.py', 'test_cpu_run_calibrates_once_then_starts_from_the_saved_profiles'):
@@ -215,6 +218,8 @@ HEAVY = frozenset({
 # Measured over ~5 s on the 2-core CPU machine: (file basename, test function name) marks every parametrisation,
 # (file basename, test id with its parameters) one of them.
 SLOW = frozenset({
+    # ~40-50 s each on Warp's CPU kernels (EBRL_WARP_ALLOW_CPU=1); skipped without a CUDA GPU or that variable
+    ('test_warp_pixels.py', 'test_warp_frames_stack_through_reset_chunks_and_episode_ends'),
     ('test_cells.py', 'test_two_cells_hold_one_state_count_the_global_batch_and_resume_on_one_cell'),
     ('test_cells.py', 'test_a_killed_cell_stops_the_run_naming_it_and_leaves_nothing_behind'),
     ('test_faults.py', 'test_the_short_suite_survives_every_trial'),

@@ -19,8 +19,8 @@ def _pixels(**sim):
 
 @pytest.mark.parametrize('sim,pattern', [
     (dict(obs='rgb'), r"--obs='rgb' is not valid; allowed values: state, pixels"),
-    (_pixels(backend='mjx_warp'), r'--obs=pixels on --backend=mjx_warp: MJX-Warp rendering is not built yet'),
-    (_pixels(backend='mjx'), r'--obs=pixels on --backend=mjx: rendering inside MJX .* is not built'),
+    (_pixels(backend='mjx'), r"--obs=pixels on --backend=mjx: MJX's renderer .* takes MuJoCo Warp data only .*"
+     r'use --backend=mjx_warp'),
     (_pixels(task='ant'), r'--obs=pixels needs a task with a camera: --task=push_cube \(got --task=ant\)'),
     (_pixels(image_size=4), r'--image_size=4 must be at least 8'),
     (_pixels(frame_stack=0), r'--frame_stack=0 must be > 0'),
@@ -70,9 +70,9 @@ def test_flags_default_from_the_fields_and_build_the_pixel_config():
   assert values['obs'].default == config_lib.SimConfig.obs and values['patch_size'].default == 8
 
 
-def test_command_line_refuses_pixels_on_mjx_warp_before_any_work(tmp_path):
+def test_command_line_refuses_pixels_on_mjx_before_any_work(tmp_path):
   result = subprocess.run([
-      sys.executable, '-m', 'ebrl_jax.main', '--task=push_cube', '--obs=pixels', '--backend=mjx_warp',
+      sys.executable, '-m', 'ebrl_jax.main', '--task=push_cube', '--obs=pixels', '--backend=mjx',
       f'--run_dir={tmp_path}/run'
   ],
                           cwd=ROOT,
@@ -81,5 +81,5 @@ def test_command_line_refuses_pixels_on_mjx_warp_before_any_work(tmp_path):
                           text=True,
                           timeout=120)
   assert result.returncode == 2, result.stderr
-  assert 'MJX-Warp rendering is not built yet' in result.stderr and '--backend=mujoco_cpu' in result.stderr
+  assert 'takes MuJoCo Warp data only' in result.stderr and '--backend=mujoco_cpu' in result.stderr
   assert not os.path.exists(tmp_path / 'run')

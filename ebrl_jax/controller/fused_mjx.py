@@ -51,12 +51,7 @@ class MjxFusedLoop:
 
   def __init__(self, cfg: config_lib.Config, spec: types.EnvSpec, network, optimizer):
     self._cfg = cfg
-    self._env = sim_stages.make_mjx_env(cfg.sim.task,
-                                        cfg.sim.episode_length,
-                                        cfg.sim.action_repeat,
-                                        auto_reset=not cfg.algo.episodic,
-                                        impl=sim_stages.impl_for_backend(cfg.sim.backend),
-                                        randomization=cfg.sim.randomization)
+    self._env = rollout.make_env(cfg.sim, auto_reset=not cfg.algo.episodic)
     self._network, self._optimizer = network, optimizer
     self._root_key = keys.root(cfg.schedule.seed)
     self._env_state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(self._env,

@@ -253,7 +253,8 @@ def footprints(cfg, spec, profile: Optional[dict] = None) -> Dict[str, Footprint
   act = lambda rows: rows * (obs_row + 2 * largest_row)  # observations in, two largest intermediates live
   if cfg.sim.backend != 'mujoco_cpu':  # MJX-Warp's state is estimated from MJX-JAX's (no GPU needed)
     per_env = mjx_state_bytes(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
-    envs = lambda n, auto_reset: 2 * (per_env[auto_reset][0] * n + per_env[auto_reset][1])  # scan carry in, out
+    stacks = math.prod(px) if px else 0  # --obs=pixels on mjx_warp: each env's uint8 frame stack is in its state
+    envs = lambda n, auto_reset: 2 * ((per_env[auto_reset][0] + stacks) * n + per_env[auto_reset][1])  # carry in, out
     evaluation = envs(cfg.sim.num_eval_envs, False) + act(cfg.sim.num_eval_envs)
   else:
     envs, evaluation = None, act(cfg.sim.num_eval_envs)

@@ -45,13 +45,7 @@ class MjxEvaluator:
                network):
     del seed  # the evaluation's key carries its randomness
     from ebrl_jax.rollout import mjx as mjx_rollout  # lazy: brax and MJX load only for an MJX run
-    from ebrl_jax.sim import stages as sim_stages  # lazy: as above
-    env = sim_stages.make_mjx_env(sim.task,
-                                  sim.episode_length,
-                                  sim.action_repeat,
-                                  auto_reset=False,
-                                  impl=sim_stages.impl_for_backend(sim.backend),
-                                  randomization=sim.randomization)
+    env = mjx_rollout.make_env(sim, auto_reset=False)
     self._eval = jax.jit(
         functools.partial(mjx_rollout.evaluate_policy,
                           env,

@@ -67,12 +67,7 @@ class MjxGroup:
     from ebrl_jax.rollout import mjx as mjx_rollout  # lazy: brax and MJX load only in an MJX group's process
     from ebrl_jax.sim import stages as sim_stages  # lazy: as above
     num_envs, sim = cfg.group_envs, cfg.sim
-    env = sim_stages.make_mjx_env(sim.task,
-                                  sim.episode_length,
-                                  sim.action_repeat,
-                                  auto_reset=not cfg.collect.episodic,
-                                  impl=sim_stages.impl_for_backend(sim.backend),
-                                  randomization=sim.randomization)
+    env = mjx_rollout.make_env(sim, auto_reset=not cfg.collect.episodic)
     key = keys.env_reset_key(keys.root(cfg.seed), group)
     self._env_state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(env, key, num_envs, sim.group_size)
     self._program = jax.jit(functools.partial(mjx_rollout.collect_iteration, env, network, cfg.collect, num_envs),

@@ -14,7 +14,23 @@ import jax.numpy as jnp
 from ebrl_jax import config as config_lib
 from ebrl_jax import types
 from ebrl_jax.generation import stages as gen_stages
+from ebrl_jax.sim import render
 from ebrl_jax.sim import stages as sim_stages
+
+
+def make_env(sim: config_lib.SimConfig, auto_reset: bool):
+  """The batched MJX env of `sim` (memoised): its task, backend's implementation and randomisation, and with
+  `--obs=pixels` (on `--backend=mjx_warp`) the square camera that the simulation stage renders and stacks."""
+  camera = None
+  if sim.obs == 'pixels':
+    camera = render.CameraObs(height=sim.image_size, width=sim.image_size, frame_stack=sim.frame_stack)
+  return sim_stages.make_mjx_env(sim.task,
+                                 sim.episode_length,
+                                 sim.action_repeat,
+                                 auto_reset=auto_reset,
+                                 impl=sim_stages.impl_for_backend(sim.backend),
+                                 randomization=sim.randomization,
+                                 camera=camera)
 
 
 def collect_segment(env: Any,
@@ -38,7 +54,7 @@ def collect_segment(env: Any,
 
   def body(carry, step_key):
     env_state, active = carry
-    obs = env_state.brax_state.obs
+    obs = sim_stages.observation(env_state)
     out = gen_stages.act(network, params, obs, step_key, min_std=min_std)
     env_state, res = sim_stages.step_chunk(env, env_state, out.actions)
     done = res.done.astype(jnp.float32)
@@ -85,7 +101,7 @@ def evaluate_policy(env: Any,
     env_state, active, ret, length = carry
     out = gen_stages.act(network,
                          params,
-                         env_state.brax_state.obs,
+                         sim_stages.observation(env_state),
                          step_key,
                          deterministic=deterministic,
                          min_std=min_std)

@@ -30,9 +30,11 @@ from brax.envs import base as brax_base
 from brax.envs.wrappers import training as brax_training
 
 from ebrl_jax import config as config_lib
+from ebrl_jax import config_vision
 from ebrl_jax.sim import playground
 from ebrl_jax.sim import randomize
 from ebrl_jax.sim import registry
+from ebrl_jax.sim import render
 
 
 def _where_batch(mask: jax.Array, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -107,16 +109,29 @@ def make_mjx_env(task: str,
                  action_repeat: int = 1,
                  auto_reset: bool = True,
                  impl: str = 'jax',
-                 randomization: Optional[config_lib.RandomizationConfig] = None) -> brax_base.Wrapper:
+                 randomization: Optional[config_lib.RandomizationConfig] = None,
+                 camera: Optional[render.CameraObs] = None) -> brax_base.Wrapper:
   """The wrapped batch env: `reset(keys [B, 2])`, `step(state, actions [B, A])` (Brax's API).
 
   impl: MJX's implementation of the physics, 'jax' (--backend=mjx) or 'warp' (--backend=mjx_warp; CUDA GPU and
   warp-lang needed). randomization (enabled, impl='jax' only): each env steps with its own model fields, drawn
-  at reset (`RandomizedVmapWrapper`). Memoised: equal arguments (defaults filled in) give the same env object.
+  at reset (`RandomizedVmapWrapper`). camera (impl='warp' only): the env carries a `warp_render.WarpRenderer`
+  (`pixel_renderer(env)`) that `sim.stages` renders stacked frames with. Memoised: equal arguments (defaults
+  filled in) give the same env object.
   """
   if randomization is not None and not randomization.enabled:
     randomization = None
-  return _make_mjx_env(task, int(episode_length), int(action_repeat), bool(auto_reset), impl, randomization)
+  return _make_mjx_env(task, int(episode_length), int(action_repeat), bool(auto_reset), impl, randomization, camera)
+
+
+def pixel_renderer(env):
+  """The env's `warp_render.WarpRenderer` (built with a camera), else None."""
+  while env is not None:
+    renderer = vars(env).get('renderer')
+    if renderer is not None:
+      return renderer
+    env = vars(env).get('env')
+  return None
 
 
 class RandomizedVmapWrapper(brax_training.VmapWrapper):
@@ -187,7 +202,8 @@ class WhereAutoResetWrapper(brax_training.AutoResetWrapper):
 
 @functools.lru_cache(maxsize=None)
 def _make_mjx_env(task: str, episode_length: int, action_repeat: int, auto_reset: bool, impl: str,
-                  randomization: Optional[config_lib.RandomizationConfig]) -> brax_base.Wrapper:
+                  randomization: Optional[config_lib.RandomizationConfig],
+                  camera: Optional[render.CameraObs]) -> brax_base.Wrapper:
   task_def = None if playground.is_playground(task) else registry.load(task)
   if episode_length <= 0 or action_repeat <= 0:
     raise ValueError(f'episode_length={episode_length} and action_repeat={action_repeat} must be > 0.')
@@ -196,6 +212,12 @@ def _make_mjx_env(task: str, episode_length: int, action_repeat: int, auto_reset
                      "(--backend=mjx is 'jax', --backend=mjx_warp is 'warp').")
   if randomization is not None and impl != 'jax':
     raise ValueError(f'--randomize runs on --backend=mjx (impl=\'jax\'), not impl={impl!r}.')
+  if camera is not None and impl != 'warp':
+    raise ValueError(f'--obs=pixels on --backend=mjx: {config_vision.NO_JAX_RENDERING}; use --backend=mjx_warp '
+                     "(CUDA GPU) or --backend=mujoco_cpu (native MuJoCo's renderer).")
+  if camera is not None and task_def is None:
+    raise ValueError(f'--obs=pixels is not wired for --task={task} (Playground envs render in their own vision '
+                     'configs).')
   if task_def is None:  # a Playground env: batched like ours; its config's impl does the physics
     if randomization is not None:
       raise ValueError(f'--randomize is not wired for --task={task} (Playground ships its own randomisers).')
@@ -205,7 +227,10 @@ def _make_mjx_env(task: str, episode_length: int, action_repeat: int, auto_reset
     env = brax_training.VmapWrapper(playground.PlaygroundEnv(task, impl))
   elif impl == 'warp':
     from ebrl_jax.sim import warp as warp_lib  # lazy: imports mujoco.mjx.warp; only --backend=mjx_warp needs it
-    env = warp_lib.WarpVmapWrapper(warp_lib.make_brax_env(task_def.brax_name))
+    from ebrl_jax.sim import warp_render  # lazy: as above
+    env = warp_lib.make_brax_env(task_def.brax_name)
+    renderer = None if camera is None else warp_render.WarpRenderer(warp_lib.pipeline_of(env).mj_model, camera)
+    env = warp_lib.WarpVmapWrapper(env, renderer=renderer)
   else:
     env = brax_envs.get_environment(task_def.brax_name, backend='mjx')
     env = brax_training.VmapWrapper(env) if randomization is None else RandomizedVmapWrapper(env, randomization)

@@ -62,22 +62,36 @@ class CameraObs:
     return (self.height, self.width, self.channels * self.frame_stack)
 
 
-def stack_frames(stack: np.ndarray, frame: np.ndarray) -> np.ndarray:
-  """The stack [..., H, W, C * S] with its oldest frame dropped and `frame` [..., H, W, C] appended last."""
+def stack_frames(stack, frame, xp=np):
+  """The stack [..., H, W, C * S] with its oldest frame dropped and `frame` [..., H, W, C] appended last (`xp`:
+  numpy here, `jax.numpy` in the MJX-Warp simulation stage)."""
   channels = frame.shape[-1]
   if stack.shape[-1] % channels or stack.shape[:-1] != frame.shape[:-1]:
     raise ValueError(f'stack {stack.shape} must be frames {frame.shape} stacked on the last axis.')
-  return np.concatenate([stack[..., channels:], frame], axis=-1)
+  return xp.concatenate([stack[..., channels:], frame], axis=-1)
 
 
-def fill_stack(frame: np.ndarray, frame_stack: int) -> np.ndarray:
+def fill_stack(frame, frame_stack: int, xp=np):
   """A stack [..., H, W, C * frame_stack] of copies of `frame` [..., H, W, C] (what a reset starts from)."""
-  return np.concatenate([frame] * frame_stack, axis=-1)
+  return xp.concatenate([frame] * frame_stack, axis=-1)
 
 
-def depth_to_uint8(depth: np.ndarray, depth_max: float) -> np.ndarray:
+def next_stacks(stack, frame, keep, refill, xp=np):
+  """The stacks [B, H, W, C * S] after one observation of B envs, as `PixelRenderer` updates them: env b keeps
+  its stack where keep[b] (it was already frozen and did not step), is refilled with `frame` [B, H, W, C] where
+  refill[b] (an auto-reset restarted it: its reset frame), else gets `frame` appended (oldest dropped)."""
+
+  def per_env(mask):
+    return xp.reshape(xp.asarray(mask, bool), (-1,) + (1,) * (stack.ndim - 1))
+
+  fresh = xp.where(per_env(refill), fill_stack(frame, stack.shape[-1] // frame.shape[-1], xp),
+                   stack_frames(stack, frame, xp))
+  return xp.where(per_env(keep), stack, fresh)
+
+
+def depth_to_uint8(depth, depth_max: float, xp=np):
   """Depth in metres [..., H, W] -> uint8 [..., H, W, 1]: round(255 * depth / depth_max), clipped to 0..255."""
-  return np.round(np.clip(depth / depth_max, 0.0, 1.0) * 255.0).astype(np.uint8)[..., None]
+  return xp.round(xp.clip(depth / depth_max, 0.0, 1.0) * 255.0).astype(xp.uint8)[..., None]
 
 
 def gl_backend() -> str:

@@ -338,10 +338,12 @@ def _report_mode(value=None) -> str:
 
 class WarpVmapWrapper(brax_training.VmapWrapper):
   """Brax's VmapWrapper that tells the pipeline the batch size at reset (to size the shared contact buffer) and
-  reports overflow bits once per kind (`jax.debug.callback` of one int32; see `_report_mode`)."""
+  reports overflow bits once per kind (`jax.debug.callback` of one int32; see `_report_mode`). `renderer`: the
+  `warp_render.WarpRenderer` that the simulation stage renders camera frames with (`--obs=pixels`), or None."""
 
-  def __init__(self, env, report_overflow=None):
+  def __init__(self, env, report_overflow=None, renderer=None):
     super().__init__(env)
+    self.renderer = renderer
     mode = _report_mode(report_overflow)
     if mode != 'off' and _host_device() is None:  # jax.debug.callback needs JAX's CPU platform
       _LOG.warning("JAX_PLATFORMS leaves out 'cpu', so MJX-Warp overflows are not reported (call "
