@@ -63,12 +63,15 @@ FILE_TIERS = {
     'test_slack.py': 'unit',
     'test_memory.py': 'unit',
     'test_autoplan.py': 'unit',
-    'test_schedule_choice.py': 'unit',  # --schedule=auto by hand (its CPU runs are e2e, below)
+    'test_schedule_choice.py': 'unit',
+    'test_generation_choice.py':
+        'unit',  # --plan_generation: co-located or separate generation by hand  # --schedule=auto by hand (its CPU runs are e2e, below)
     'test_mps_and_cpus.py': 'contract',
     'test_telemetry.py': 'contract',
     # transport and the runtime's error paths
     'test_contract.py': 'contract',
     'test_shm_processes.py': 'contract',
+    'test_generation_transport.py': 'contract',  # --generation_transport: host round trips; CUDA IPC on a GPU
     'test_metrics_disk_full.py': 'contract',
     # the whole system
     'test_fused_e2e.py': 'e2e',
@@ -80,6 +83,7 @@ FILE_TIERS = {
     'test_overlap.py': 'e2e',  # sync and overlap runs, native MuJoCo
     'test_overlap_mjx.py': 'e2e',  # the same on MJX (compiles MJX)
     'test_env_slices.py': 'e2e',
+    'test_mjx_generation.py': 'e2e',  # MJX groups served by a generation worker: one short async run (compiles MJX)
     'test_deterministic.py': 'e2e',  # --deterministic: two async runs (processes, threads) give one curve
     'test_relayout.py': 'e2e',  # --group_schedule: runs whose env groups change twice
     'test_bench.py': 'e2e',
@@ -209,6 +213,7 @@ HEAVY = frozenset({
 # Measured over ~5 s on the 2-core CPU machine: (file basename, test function name) marks every parametrisation,
 # (file basename, test id with its parameters) one of them.
 SLOW = frozenset({
+    ('test_mjx_generation.py', 'test_async_mjx_groups_served_by_a_generation_worker_deliver_every_segment_once'),
     ('test_cells.py', 'test_two_cells_hold_one_state_count_the_global_batch_and_resume_on_one_cell'),
     ('test_cells.py', 'test_a_killed_cell_stops_the_run_naming_it_and_leaves_nothing_behind'),
     ('test_faults.py', 'test_the_short_suite_survives_every_trial'),
@@ -284,6 +289,9 @@ def tier_of(path: str, name: str, fixturenames=()) -> str:
 # backends' agreement on the locomotion tasks (test_agreement), 2 ranks matching 1 (test_data_parallel). Run them
 # before a release: EBRL_FULL_TESTS=1 python -m pytest -q -n 2 tests
 OPT_IN = frozenset({
+    # ~70 s of MJX compiles: a served MJX group's segment equals the co-located program's; the served async run
+    # and the per-request keys' contract (test_generation_transport) stay in CI
+    ('test_mjx_generation.py', 'test_served_mjx_group_collects_the_colocated_segment_given_the_same_keys'),
     ('test_pipeline.py', 'test_sync_with_one_group_replays_fused_exactly_on_mjx'),
     ('test_randomize.py', 'test_mjx_draws_reach_the_step'),
     # 5 s: the token policy over a pixel prefix through the stages; its state twin and the vision tests stay in CI
