@@ -213,7 +213,6 @@ HEAVY = frozenset({
 # Measured over ~5 s on the 2-core CPU machine: (file basename, test function name) marks every parametrisation,
 # (file basename, test id with its parameters) one of them.
 SLOW = frozenset({
-    ('test_mjx_generation.py', 'test_async_mjx_groups_served_by_a_generation_worker_deliver_every_segment_once'),
     ('test_cells.py', 'test_two_cells_hold_one_state_count_the_global_batch_and_resume_on_one_cell'),
     ('test_cells.py', 'test_a_killed_cell_stops_the_run_naming_it_and_leaves_nothing_behind'),
     ('test_faults.py', 'test_the_short_suite_survives_every_trial'),
@@ -289,8 +288,10 @@ def tier_of(path: str, name: str, fixturenames=()) -> str:
 # backends' agreement on the locomotion tasks (test_agreement), 2 ranks matching 1 (test_data_parallel). Run them
 # before a release: EBRL_FULL_TESTS=1 python -m pytest -q -n 2 tests
 OPT_IN = frozenset({
-    # ~70 s of MJX compiles: a served MJX group's segment equals the co-located program's; the served async run
-    # and the per-request keys' contract (test_generation_transport) stay in CI
+    # MJX groups served by a generation worker: the short async run (176 s on the loaded 2-core machine, MJX
+    # compiles of both groups) and the served segment == the co-located one (~70 s); the hand-off round trips, the
+    # per-request keys and the server's key routing (test_generation_transport) stay in CI
+    ('test_mjx_generation.py', 'test_async_mjx_groups_served_by_a_generation_worker_deliver_every_segment_once'),
     ('test_mjx_generation.py', 'test_served_mjx_group_collects_the_colocated_segment_given_the_same_keys'),
     ('test_pipeline.py', 'test_sync_with_one_group_replays_fused_exactly_on_mjx'),
     ('test_randomize.py', 'test_mjx_draws_reach_the_step'),

@@ -6,7 +6,8 @@ Both layouts are predicted with the planner's iteration model (planner.py's docs
   separate    one generation process acts for every group; a group's step pays the hand-off both ways:
               step = max(t_sim(E, q_r) + t_gen(E, q_g) + h,  G * t_gen(E, q_g)),
 where h is the per-step hand-off of one group (`step_handoff_s`): one act round trip through the mailbox, plus,
-on the host path, the observations and actions copied device -> host -> device in each process. The separate
+on the host path, the observations and actions copied device -> host -> device in each process (estimated at the
+run's --num_groups group size for every layout the search tries: the planner takes one hand-off per space). The separate
 layout is chosen only if its prediction beats co-located by more than `margin` (default 5 %): it costs a process
 more (start-up, a GPU context) than the model counts. Without a 'generation' profile the model cannot tell the
 two apart and generation stays co-located.

@@ -10,12 +10,15 @@ the same buffer. Only the small request / reply records cross the host (the shar
 bytes): they are the per-step flag and sequence number. Before a side sends its record it synchronises the
 stream that wrote the buffer, so the other side's reads see the writes.
 
-DLPack, both ways (JAX 0.11): `jax.dlpack.from_dlpack(cupy_array, copy=False)` is zero-copy (copy=False makes
-it raise rather than copy); JAX passes its stream to CuPy's `__dlpack__`, which makes that stream wait for CuPy's
-current stream. `cupy.from_dlpack(jax_array)` hands CuPy a view that is safe on CuPy's current stream (JAX makes
-that stream wait for the array). The JAX views alias memory the peer overwrites: a requester's actions are
-consumed by its next simulation step before it sends the next request, and the generation worker has finished
-with a slice's observations before it replies (the reply copy waits on the act that read them).
+DLPack, both ways (JAX 0.10-0.11, jax/_src/dlpack.py): `jax.dlpack.from_dlpack(cupy_array, copy=False)` is
+zero-copy (copy=False makes it raise rather than copy, e.g. for a buffer not aligned as XLA's are: each field
+starts ALIGN-aligned); JAX passes the device's `get_stream_for_external_ready_events()` stream to CuPy's
+`__dlpack__`, which makes that stream wait for CuPy's current stream. `cupy.from_dlpack(jax_array)` hands CuPy
+a view that is safe on CuPy's current stream (JAX makes that stream wait for the array); each copy into a buffer
+runs on this process's own non-blocking copy stream, synchronised before the record goes. The JAX views alias
+memory the peer overwrites: a requester's actions are consumed by its next simulation step before it sends the
+next request, and the generation worker has finished with a slice's observations before it replies (the reply
+copy waits on the act that read them).
 
 CuPy is optional (`pip install -e .[ipc]`); `unavailable_reason()` says why the path cannot run here.
 """
@@ -36,6 +39,7 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
 FIELDS = ('obs', 'actions', 'raw_actions', 'log_probs')
+ALIGN = 256  # bytes: cudaMalloc's own alignment
 
 
 def unavailable_reason() -> Optional[str]:
@@ -77,22 +81,46 @@ class Layout(NamedTuple):
     m, k, a = self.envs, self.chunk, self.action_dim
     return {'obs': (m, self.obs_dim), 'actions': (m, k, a), 'raw_actions': (m, k, a), 'log_probs': (m,)}
 
+  def offsets(self) -> Dict[str, int]:
+    """Each field's byte offset in the slot's buffer, ALIGN-aligned (JAX refuses a zero-copy view of a buffer
+    that is not aligned to what XLA allocates)."""
+    out, offset = {}, 0
+    for name, shape in self.shapes().items():
+      out[name] = offset
+      offset += -(-4 * int(np.prod(shape)) // ALIGN) * ALIGN
+    return out
+
   @property
   def nbytes(self) -> int:
-    return 4 * sum(int(np.prod(s)) for s in self.shapes().values())
+    last = FIELDS[-1]
+    return self.offsets()[last] + -(-4 * int(np.prod(self.shapes()[last])) // ALIGN) * ALIGN
 
 
 def _views(memptr, layout: Layout) -> Dict[str, object]:
-  """CuPy float32 views of each field, consecutive in one allocation."""
-  out, offset = {}, 0
-  for name, shape in layout.shapes().items():
-    out[name] = cupy.ndarray(shape, cupy.float32, memptr + offset)
-    offset += 4 * int(np.prod(shape))
-  return out
+  """CuPy float32 views of each field of one allocation."""
+  offsets = layout.offsets()
+  return {name: cupy.ndarray(shape, cupy.float32, memptr + offsets[name]) for name, shape in layout.shapes().items()}
+
+
+class _Stream:
+  """This process's copy stream (non-blocking: it never waits on the legacy default stream, nor it on it)."""
+  stream = None
+
+  @classmethod
+  def get(cls):
+    if cls.stream is None:
+      cls.stream = cupy.cuda.Stream(non_blocking=True)
+    return cls.stream
 
 
 def _copy_in(view, array: jax.Array) -> None:
-  view[...] = cupy.from_dlpack(array)
+  """view[...] = array on the copy stream (which CuPy's from_dlpack makes wait for the JAX array)."""
+  with _Stream.get():
+    view[...] = cupy.from_dlpack(array)
+
+
+def _synchronize() -> None:
+  _Stream.get().synchronize()
 
 
 def _to_jax(view) -> jax.Array:
@@ -114,7 +142,7 @@ class OwnedSlot:
   def put_obs(self, obs: jax.Array) -> None:
     """Copies the observations [B_s, O] into the buffer (device to device) and waits for the copy."""
     _copy_in(self._views['obs'], obs)
-    cupy.cuda.get_current_stream().synchronize()
+    _synchronize()
 
   def reply(self) -> Tuple[jax.Array, jax.Array, jax.Array]:
     """(actions, raw_actions, log_probs) as zero-copy JAX views of the buffer (valid until the next request)."""
@@ -173,7 +201,7 @@ class PeerSlots:
     views = self._slot(group, env_slice, request).views
     for name, array in zip(FIELDS[1:], (actions, raw_actions, log_probs)):
       _copy_in(views[name], array)
-    cupy.cuda.get_current_stream().synchronize()
+    _synchronize()
 
   def close(self) -> None:
     for _, slot in self._open.values():

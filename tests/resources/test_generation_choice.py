@@ -4,6 +4,8 @@ import dataclasses
 
 import pytest
 
+from ebrl_jax import config as config_lib
+from ebrl_jax.resources import autoplan
 from ebrl_jax.resources import generation_choice
 from ebrl_jax.resources import planner
 from test_planner import _profile  # pylint: disable=g-bad-import-order
@@ -56,3 +58,35 @@ def test_step_hand_off_of_each_transport():
     generation_choice.step_handoff_s('nvlink', 1, 1, 1)
   with pytest.raises(ValueError, match='handoff_s=-1'):
     generation_choice.choose(PROFILES, dataclasses.replace(SPACE), 'sync', -1.0)
+
+
+def _cfg(**schedule):
+  return config_lib.Config(sim=config_lib.SimConfig(task='ant', backend='mjx', num_envs=4096),
+                           algo=config_lib.AlgoConfig(batch_size=2048, num_minibatches=32),
+                           schedule=config_lib.ScheduleConfig(name='async', num_groups=4, **schedule),
+                           resources=config_lib.ResourceConfig(plan=True, plan_generation=True, platform='cpu'))
+
+
+def test_plan_generation_applies_the_choice_and_records_why():
+  # 4096 envs, 80 policy steps per env per iteration, 1-8 groups, quotas 10-100 % (MPS). Co-located, one group of
+  # 4096 at 90 %: 80 x (1.0 + 0.1 x 100 / 90) = 88.889 s -> 3686.4 env-steps/s. Separate cannot beat it: its best
+  # (1 group, rollout 10 %, generation 80 %) is 80 x (1.0 + 0.125 + h) = 90.03 s. Co-located stays, and says why.
+  cfg, record = autoplan.choose_generation(_cfg(colocate_generation=False), PROFILES, True, 'async')
+  assert cfg.schedule.colocate_generation and record['colocated'] and record['transport'] == ''
+  assert record['predicted']['colocated'] == pytest.approx(4096 * 80 / (80 * (1.0 + 1 / 9)))
+  assert record['reason'].startswith('co-located: separate generation is predicted -1.3% (slower)')
+  # The hand-off is the host path's at the run's group size (4 groups of 1024; --platform=cpu: no CUDA IPC).
+  assert record['step_handoff_s'] == pytest.approx(generation_choice.step_handoff_s('host', 1024, 27, 8))
+  # Not asked for: no choice made.
+  assert autoplan.choose_generation(dataclasses.replace(_cfg(), resources=config_lib.ResourceConfig(plan=True)),
+                                    PROFILES, True, 'async')[1] is None
+
+
+def test_a_separate_choice_another_flag_forbids_stays_colocated_with_the_reason(monkeypatch):
+  separate = generation_choice.choose(PROFILES, SPACE, 'sync', 0.0)
+  assert not separate.colocate
+  monkeypatch.setattr(generation_choice, 'choose', lambda *args, **kwargs: separate)
+  cfg, record = autoplan.choose_generation(_cfg(deterministic=True), PROFILES, True, 'async')
+  assert cfg.schedule.colocate_generation and record['colocated'] and record['transport'] == ''
+  assert record['reason'].startswith('co-located: --deterministic needs --colocate_generation')
+  assert '(the model preferred: separate: predicted' in record['reason']
