@@ -18,7 +18,11 @@ a view that is safe on CuPy's current stream (JAX makes that stream wait for the
 runs on this process's own non-blocking copy stream, synchronised before the record goes. The JAX views alias
 memory the peer overwrites: a requester's actions are consumed by its next simulation step before it sends the
 next request, and the generation worker has finished with a slice's observations before it replies (the reply
-copy waits on the act that read them).
+copy waits on the act that read them). Each JAX view is made once per buffer (a `from_dlpack` per step would cost
+more than the copy): JAX's documentation calls mutating a zero-copy buffer under a live array undefined
+behaviour, which here means only that no JAX computation may be running on a field while the peer writes it, and
+the protocol above orders exactly that; the round-trip contract (experiments/handoff_round_trip.py) checks every
+reply's values against its own request's observations.
 
 CuPy is optional (`pip install -e .[ipc]`); `unavailable_reason()` says why the path cannot run here.
 """
@@ -138,6 +142,8 @@ class OwnedSlot:
     self._memory = cupy.cuda.Memory(layout.nbytes)  # its own cudaMalloc: the handle names exactly this buffer
     self._views = _views(cupy.cuda.MemoryPointer(self._memory, 0), layout)
     self.handle = np.frombuffer(cupy.cuda.runtime.ipcGetMemHandle(self._memory.ptr), np.uint8).copy()
+    # Made once: only the peer writes these fields, and it synchronised before its reply record came.
+    self._reply = tuple(_to_jax(self._views[n]) for n in FIELDS[1:])
 
   def put_obs(self, obs: jax.Array) -> None:
     """Copies the observations [B_s, O] into the buffer (device to device) and waits for the copy."""
@@ -146,10 +152,10 @@ class OwnedSlot:
 
   def reply(self) -> Tuple[jax.Array, jax.Array, jax.Array]:
     """(actions, raw_actions, log_probs) as zero-copy JAX views of the buffer (valid until the next request)."""
-    return tuple(_to_jax(self._views[n]) for n in FIELDS[1:])
+    return self._reply
 
   def close(self) -> None:
-    self._views, self._memory = {}, None
+    self._views, self._reply, self._memory = {}, (), None
 
 
 class _Opened:
@@ -158,9 +164,10 @@ class _Opened:
     self.ptr = cupy.cuda.runtime.ipcOpenMemHandle(bytes(np.asarray(handle, np.uint8)))
     memory = cupy.cuda.UnownedMemory(self.ptr, layout.nbytes, self)
     self.views = _views(cupy.cuda.MemoryPointer(memory, 0), layout)
+    self.obs = _to_jax(self.views['obs'])  # made once: the requester writes it, synchronised before its record
 
   def close(self) -> None:
-    self.views = {}
+    self.views, self.obs = {}, None
     cupy.cuda.runtime.ipcCloseMemHandle(self.ptr)
 
 
@@ -190,7 +197,7 @@ class PeerSlots:
 
   def pack(self, requests: Sequence[Tuple[int, int, object]], rows: int) -> jax.Array:
     """The observations of [(group, slice, request)] in order, zero-padded to `rows` rows, on the device."""
-    parts = [_to_jax(self._slot(g, s, r).views['obs']) for g, s, r in requests]
+    parts = [self._slot(g, s, r).obs for g, s, r in requests]
     pad = rows - len(parts) * self.layout.envs
     if pad:
       parts.append(jnp.zeros((pad, self.layout.obs_dim), jnp.float32))
