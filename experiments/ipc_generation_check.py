@@ -58,12 +58,12 @@ def contract(n: int) -> dict:
   return out
 
 
-def run_layout(name: str, work: str, cache: str, timeout_s: float) -> dict:
+def run_layout(name: str, work: str, cache: str, timeout_s: float, flagfile: str, extra=()) -> dict:
   run_dir = os.path.join(work, name)
   cmd = [
-      sys.executable, '-m', 'ebrl_jax.main', '--flagfile=experiments/w1_ant.flags', '--schedule=async',
-      '--num_groups=2', f'--num_timesteps={NUM_TIMESTEPS}', '--num_evals=0', '--evaluator=trainer',
-      f'--run_dir={run_dir}', f'--compilation_cache_dir={cache}', '--noprogress_bar', *LAYOUTS[name]
+      sys.executable, '-m', 'ebrl_jax.main', f'--flagfile={flagfile}', '--schedule=async', '--num_groups=2',
+      f'--num_timesteps={NUM_TIMESTEPS}', '--num_evals=0', '--evaluator=trainer', f'--run_dir={run_dir}',
+      f'--compilation_cache_dir={cache}', '--noprogress_bar', *LAYOUTS[name], *extra
   ]
   env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get('PYTHONPATH', ''))
   env.pop('XLA_PYTHON_CLIENT_PREALLOCATE', None)  # the run's memory plan sets each process's share
@@ -74,7 +74,7 @@ def run_layout(name: str, work: str, cache: str, timeout_s: float) -> dict:
       rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
     except subprocess.TimeoutExpired:
       rc = 'timeout'
-  out = {'flags': LAYOUTS[name], 'rc': rc, 'wall_s': time.monotonic() - t0}
+  out = {'flags': LAYOUTS[name] + list(extra), 'rc': rc, 'wall_s': time.monotonic() - t0}
   path = os.path.join(run_dir, 'summary.json')
   if os.path.exists(path):
     with open(path) as f:
@@ -103,17 +103,20 @@ def main() -> None:
   parser.add_argument('--run_timeout_s', type=float, default=100.0)
   parser.add_argument('--layouts', default=','.join(LAYOUTS))
   parser.add_argument('--budget_s', type=float, default=340.0, help='the whole check, round trips and runs')
+  parser.add_argument('--flagfile', default='experiments/w1_ant.flags')
+  parser.add_argument('--extra_flags', default='', help='more run flags, space-separated (a CPU dry run: smaller)')
   args = parser.parse_args()
   t0 = time.monotonic()
   result = {'date': time.strftime('%Y-%m-%d %H:%M:%S'), 'contract': contract(args.round_trips), 'runs': {}}
   with tempfile.TemporaryDirectory(prefix='ipc_check_') as work:
     cache = os.path.join(work, 'xla_cache')
-    for name in args.layouts.split(','):
+    for name in filter(None, args.layouts.split(',')):
       left = args.budget_s - (time.monotonic() - t0)  # the whole check stays inside --budget_s
       if left < 30:
         result['runs'][name] = {'skipped': f'{left:.0f} s of --budget_s={args.budget_s:.0f} left'}
         continue
-      result['runs'][name] = run_layout(name, work, cache, min(args.run_timeout_s, left))
+      result['runs'][name] = run_layout(name, work, cache, min(args.run_timeout_s, left), args.flagfile,
+                                        args.extra_flags.split())
   runs = result['runs']
   base = (runs.get('colocated') or {}).get('env_steps_per_s')
   if base:

@@ -1,5 +1,6 @@
 """Env groups for a rollout worker, behind one `Group` protocol: an MJX group (one jitted program collects the
-group's share of an iteration on the device) and a native-MuJoCo group (a host loop around a jitted `act`, or
+group's share of an iteration on the device), an MJX group the generation worker acts for (rollout/mjx_remote.py:
+a host loop around the jitted simulation step) and a native-MuJoCo group (a host loop around a jitted `act`, or
 around requests to the generation worker — one `RemoteAct` per env slice)."""
 from __future__ import annotations
 
