@@ -53,6 +53,10 @@ setup(
         # version mujoco-mjx[warp] pins, so the two extras install together. In the test extra too: ~30-50 s of
         # CI install (most of it unpacking warp-lang), and the Playground tests run there.
         'playground': _PLAYGROUND,
+        # --generation_transport=cuda_ipc: an MJX group's observations and actions cross to the generation worker
+        # in device buffers opened through CUDA IPC (CuPy), read zero-copy by JAX through DLPack. CUDA 13
+        # machines take the cupy-cuda13x wheel instead.
+        'ipc': ['cupy-cuda12x>=13,<15'],
     },
     entry_points={'console_scripts': ['ebrl_jax=ebrl_jax.main:run_main']},
     classifiers=[

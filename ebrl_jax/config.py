@@ -15,6 +15,7 @@ from ebrl_jax.config_checks import check_choice as _check_choice
 from ebrl_jax.config_checks import check_positive as _check_positive
 from ebrl_jax.config_checks import check_env_slices, check_schedule_options, parse_group_schedule
 from ebrl_jax.config_checks import check_range as _check_range
+from ebrl_jax.config_generation import GENERATION_TRANSPORTS, check_generation
 from ebrl_jax.config_randomize import RANDOMIZE_PARAMS, RandomizationConfig, parse_randomize
 from ebrl_jax.config_resources import EVALUATOR_QUOTA, QUOTA_ROLES, ResourceConfig
 from ebrl_jax.config_vision import OBS_MODES, check_policy_vision, check_run_pixels, check_sim_obs, pixel_shape
@@ -224,8 +225,9 @@ class ScheduleConfig:
   max_restarts: int = 3
   trace_dir: str = ''  # '' disables the Perfetto/chrome://tracing timeline
   # Process schedules: act inside each rollout worker (True), or in one generation worker process that batches
-  # the groups' requests (False; native MuJoCo only for now).
+  # the groups' requests (False; config_generation.py says how MJX groups hand observations over).
   colocate_generation: bool = True
+  generation_transport: str = 'auto'  # MJX with --nocolocate_generation: auto, host or cuda_ipc
   # With a separate generation worker: split each native-MuJoCo env group into this many slices that step and
   # ask for actions on their own, so a slice waiting for actions never holds its group's other envs.
   env_slices: int = 1
@@ -249,6 +251,7 @@ class ScheduleConfig:
     _check_choice('worker_fault', self.worker_fault, FAULT_POLICIES)
     _check_positive('max_restarts', self.max_restarts, allow_zero=True)
     _check_positive('env_slices', self.env_slices)
+    _check_choice('generation_transport', self.generation_transport, GENERATION_TRANSPORTS)
     _check_choice('evaluator', self.evaluator, EVALUATORS)
     _check_positive('evaluator_wait_s', self.evaluator_wait_s)
     _ = self.group_changes  # parses and checks
@@ -306,9 +309,7 @@ class Config:
     if self.resources.slack_quotas and self.schedule.name == 'fused':
       raise ValueError('--slack_quotas changes the rollout workers\' quota; it needs a process schedule (sync, '
                        'async or overlap).')
-    if not self.schedule.colocate_generation and self.sim.backend != 'mujoco_cpu':
-      raise ValueError('--nocolocate_generation (a separate generation worker) needs --backend=mujoco_cpu; '
-                       f'got --backend={self.sim.backend}.')
+    check_generation(self)
     check_env_slices(self)
     check_schedule_options(self)
     check_run_pixels(self)

@@ -67,6 +67,9 @@ class ResourceConfig:
   # sync/async: choose the number of env groups and (under MPS) the SM quotas from stage profiles, calibrating
   # the stages first when the profile store holds none for this machine and workload. --sm_quotas pins roles.
   plan: bool = False
+  # With --plan or --schedule=auto on an MJX backend: also choose co-located or separate generation (a generation
+  # worker acting for every group) from the same profiles and the per-step hand-off (resources/generation_choice.py).
+  plan_generation: bool = False
   # Where stage profiles are kept between runs ('' = ~/.cache/ebrl_jax/profiles).
   profile_dir: str = ''
   # SM quotas (percent) the calibration times each stage at, one process per quota (100 only without MPS).

@@ -68,43 +68,74 @@ _HELP = {
              'Playground env (the playground extra; --backend=mjx or mjx_warp).'),
     'randomize': ('Domain randomisation drawn per env at reset, name=lo:hi,...: '
                   f'{", ".join(config_lib.RANDOMIZE_PARAMS)} (e.g. friction=0.8:1.2,mass=0.9:1.1); empty: off.'),
-    'backend': f'Simulator: {", ".join(config_lib.BACKENDS)} (mjx runs on the accelerator).',
+    'backend':
+        f'Simulator: {", ".join(config_lib.BACKENDS)} (mjx runs on the accelerator).',
     'obs': (f'Observations: {", ".join(config_lib.OBS_MODES)}. pixels: stacked uint8 RGB frames of the task\'s '
             'fixed camera beside the state, rendered by native MuJoCo (--backend=mujoco_cpu, --task=push_cube).'),
-    'image_size': 'With --obs=pixels: the side of the square camera frames, in pixels.',
-    'frame_stack': 'With --obs=pixels: camera frames per observation, stacked on the channel axis, newest last.',
+    'image_size':
+        'With --obs=pixels: the side of the square camera frames, in pixels.',
+    'frame_stack':
+        'With --obs=pixels: camera frames per observation, stacked on the channel axis, newest last.',
     'vision_encoder': ('With --obs=pixels: cnn (IMPALA CNN: its d_model features beside the state for --policy=mlp, '
                        'its feature map as tokens for transformer/token) or patches (ViT patch tokens).'),
-    'cnn_channels': 'With --obs=pixels and --vision_encoder=cnn: the IMPALA CNN\'s stage widths.',
-    'cnn_blocks': 'With --obs=pixels and --vision_encoder=cnn: residual blocks per CNN stage.',
-    'patch_size': 'With --obs=pixels and --vision_encoder=patches: the side of a ViT patch, in pixels.',
-    'policy': f'Policy network: {", ".join(config_lib.POLICIES)}.',
-    'num_bins': 'Token policy: discrete bins per action dimension (bin centres span [-1, 1]).',
+    'cnn_channels':
+        'With --obs=pixels and --vision_encoder=cnn: the IMPALA CNN\'s stage widths.',
+    'cnn_blocks':
+        'With --obs=pixels and --vision_encoder=cnn: residual blocks per CNN stage.',
+    'patch_size':
+        'With --obs=pixels and --vision_encoder=patches: the side of a ViT patch, in pixels.',
+    'policy':
+        f'Policy network: {", ".join(config_lib.POLICIES)}.',
+    'num_bins':
+        'Token policy: discrete bins per action dimension (bin centres span [-1, 1]).',
     'compute_dtype': (f'Activation dtype of the transformer and token policies: {", ".join(config_lib.COMPUTE_DTYPES)} '
                       '(params, optimizer state and log-probs stay float32).'),
-    'algo': f'Algorithm: {", ".join(config_lib.ALGORITHMS)}.',
-    'schedule': f'Schedule: {", ".join(config_lib.SCHEDULES)}.',
-    'num_envs': 'Environments simulated in parallel.',
-    'num_timesteps': 'Environment steps to train for.',
-    'target_return': 'Stop once the evaluation return reaches this.',
-    'run_dir': 'Directory for metrics.jsonl, TensorBoard events, checkpoints and summary.json.',
-    'compilation_cache_dir': "JAX's persistent compilation cache; '' disables it.",
-    'resume': 'Continue the run in --run_dir from its newest intact checkpoint.',
-    'max_wall_s': 'Wall-clock budget in seconds from process start (0: none); the run stops cleanly after it.',
+    'algo':
+        f'Algorithm: {", ".join(config_lib.ALGORITHMS)}.',
+    'schedule':
+        f'Schedule: {", ".join(config_lib.SCHEDULES)}.',
+    'num_envs':
+        'Environments simulated in parallel.',
+    'num_timesteps':
+        'Environment steps to train for.',
+    'target_return':
+        'Stop once the evaluation return reaches this.',
+    'run_dir':
+        'Directory for metrics.jsonl, TensorBoard events, checkpoints and summary.json.',
+    'compilation_cache_dir':
+        "JAX's persistent compilation cache; '' disables it.",
+    'resume':
+        'Continue the run in --run_dir from its newest intact checkpoint.',
+    'max_wall_s':
+        'Wall-clock budget in seconds from process start (0: none); the run stops cleanly after it.',
     'deterministic': ('sync/async: a repeatable run: each group acts with exactly the version its iteration is '
                       'due (--max_staleness behind) and the trainer takes every group\'s segment of each '
                       'iteration in group order.'),
     'group_schedule': ('sync/async: live changes of the number of env groups, iteration:groups=G,... (e.g. '
                        '10:groups=4): warm standbys in the new layout, swapped in at an iteration boundary.'),
-    'first_checkpoint_iteration': 'A first checkpoint after this many iterations (0: only --checkpoint_every).',
-    'evaluator': 'sync/async: who evaluates the published versions: process (an evaluator process) or trainer.',
-    'evaluator_wait_s': "--evaluator=process: seconds the run's end waits for the outstanding evaluations.",
+    'first_checkpoint_iteration':
+        'A first checkpoint after this many iterations (0: only --checkpoint_every).',
+    'evaluator':
+        'sync/async: who evaluates the published versions: process (an evaluator process) or trainer.',
+    'evaluator_wait_s':
+        "--evaluator=process: seconds the run's end waits for the outstanding evaluations.",
     'launcher': ("'': this process is one cell (trainer rank with its own envs) of --num_processes; local: start "
                  '--num_processes cells of this command on this host (one per GPU) and watch them.'),
-    'num_processes': 'Cells (trainer ranks) of the run; 0: JAX_NUM_PROCESSES or SLURM_NTASKS, else 1.',
-    'coordinator_address': 'host:port of rank 0\'s jax.distributed coordinator; \'\': JAX_COORDINATOR_ADDRESS.',
-    'process_id': "This cell's rank in [0, --num_processes); -1: JAX_PROCESS_ID or SLURM_PROCID.",
-    'heartbeat_timeout_s': 'Seconds of silence after which the ranks declare a cell dead.',
+    'num_processes':
+        'Cells (trainer ranks) of the run; 0: JAX_NUM_PROCESSES or SLURM_NTASKS, else 1.',
+    'coordinator_address':
+        'host:port of rank 0\'s jax.distributed coordinator; \'\': JAX_COORDINATOR_ADDRESS.',
+    'process_id':
+        "This cell's rank in [0, --num_processes); -1: JAX_PROCESS_ID or SLURM_PROCID.",
+    'heartbeat_timeout_s':
+        'Seconds of silence after which the ranks declare a cell dead.',
+    'colocate_generation': ('sync/async: act inside each rollout worker (True) or in one generation worker that '
+                            'batches every group\'s requests (False; native MuJoCo or MJX groups).'),
+    'generation_transport': ('MJX groups with --nocolocate_generation: how observations and actions cross: host '
+                             '(shared-memory mailbox), cuda_ipc (device buffers through CUDA IPC; needs CuPy and a '
+                             'GPU) or auto (cuda_ipc where available, else host).'),
+    'plan_generation': ('With --plan or --schedule=auto on MJX: also choose co-located or separate generation from '
+                        'the profiles (the reason goes to summary.extra).'),
 }
 
 

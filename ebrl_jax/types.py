@@ -177,17 +177,24 @@ class ActRequest(NamedTuple):
   """Sim worker -> generation worker: the observations of one slice of an env group (the whole group unless
   `--env_slices` > 1). group, env_slice, seq: [] int32 (seq numbers the slice's requests, so a reply to a
   re-sent request can be told apart); min_version: [] int32, the oldest policy version the slice may act with
-  (its group's staleness bound); obs [B_s, O] (B_s envs per slice)."""
+  (its group's staleness bound); obs [B_s, O] (B_s envs per slice; [0, O] over CUDA IPC, where they lie in the
+  slice's device buffer); key [2] uint32, the step's sampling key (an MJX group's, so a served step samples what
+  a co-located one would); owner [] int32, the requester's pid, and handle [64] uint8, its CUDA IPC buffer's
+  handle (zeros on the host path)."""
   group: Any
   env_slice: Any
   seq: Any
   min_version: Any
   obs: Any
+  key: Any
+  owner: Any
+  handle: Any
 
 
 class ActReply(NamedTuple):
   """Generation worker -> sim worker: actions [B_s, K, A], raw_actions [B_s, K, A], log_probs [B_s], and the
-  policy version that produced them ([] int32); group, env_slice and seq echo the request."""
+  policy version that produced them ([] int32); group, env_slice and seq echo the request. Over CUDA IPC the
+  three arrays have 0 rows: they lie in the requester's device buffer."""
   group: Any
   env_slice: Any
   seq: Any

@@ -9,6 +9,9 @@
 (b) Parameter broadcast: trainer publishes N float32 parameters (4 leaves), a reader process polls `version()`
     and copies with `latest()`; time from the start of `publish` to the reader holding its copy, for
     N = 1M and 100M; multiprocessing.Queue (pickled) as the reference.
+(c) An MJX group's generation hand-off (`--generation_transport`): one act round trip through RemoteAct and the
+    generation worker's ActServer, host path (device_get / device_put around the mailbox) and CUDA IPC path
+    (device buffers, only the flags through the mailbox; needs CuPy and a GPU), at [64, 27] and [1024, 27].
 """
 from __future__ import annotations
 
@@ -24,7 +27,12 @@ from typing import NamedTuple
 
 import numpy as np
 
+os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')  # (c): two JAX processes share one GPU
+# pylint: disable=wrong-import-position
 from ebrl_jax import transport
+from ebrl_jax.transport import cuda_ipc
+from experiments import handoff_round_trip
+# pylint: enable=wrong-import-position
 
 NUM_ENVS, OBS_DIM, ACTION_DIM = 64, 27, 8
 WARMUP, ROUND_TRIPS = 200, 2000
@@ -201,6 +209,22 @@ def bench_broadcast_mp_queue(n: int, reps: int) -> dict:
   }
 
 
+def generation_handoff() -> dict:
+  """(c): an MJX group's act round trip through the generation worker's own pieces (experiments/
+  handoff_round_trip.py), host path and CUDA IPC path (skipped with the reason where CuPy or a GPU is absent),
+  at this bench's record size and at one W1 env group's."""
+  out = {}
+  for label, shape in (('64x27', handoff_round_trip.Shape(64, OBS_DIM, 1, ACTION_DIM)),
+                       ('1024x27', handoff_round_trip.Shape(1024, OBS_DIM, 1, ACTION_DIM))):
+    for kind in ('host', 'cuda_ipc'):
+      reason = cuda_ipc.unavailable_reason() if kind == 'cuda_ipc' else None
+      out[f'{kind}_{label}'] = ({
+          'skipped': reason
+      } if reason else handoff_round_trip.round_trips(kind, n=ROUND_TRIPS, warmup=WARMUP, shape=shape))
+      print(f'{kind}_{label}', out[f'{kind}_{label}'], flush=True)
+  return out
+
+
 def main() -> None:
   parser = argparse.ArgumentParser()
   parser.add_argument('--out', default=os.path.join(os.path.dirname(__file__), 'results', 'transport_cpu.json'))
@@ -227,6 +251,7 @@ def main() -> None:
                                                                     lambda: bench_round_trip_mailbox('thread'))):
     results['round_trip'][name] = fn()
     print(name, results['round_trip'][name], flush=True)
+  results['generation_handoff'] = generation_handoff()
   for n, reps in ((1_000_000, 50), (100_000_000, 5)):
     for name, fn in (('shm_param_store', bench_broadcast), ('mp_queue_pickle', bench_broadcast_mp_queue)):
       key = f'{name}_{n // 1_000_000}M'

@@ -64,12 +64,15 @@ FILE_TIERS = {
     'test_slack.py': 'unit',
     'test_memory.py': 'unit',
     'test_autoplan.py': 'unit',
-    'test_schedule_choice.py': 'unit',  # --schedule=auto by hand (its CPU runs are e2e, below)
+    'test_schedule_choice.py': 'unit',
+    'test_generation_choice.py':
+        'unit',  # --plan_generation: co-located or separate generation by hand  # --schedule=auto by hand (its CPU runs are e2e, below)
     'test_mps_and_cpus.py': 'contract',
     'test_telemetry.py': 'contract',
     # transport and the runtime's error paths
     'test_contract.py': 'contract',
     'test_shm_processes.py': 'contract',
+    'test_generation_transport.py': 'contract',  # --generation_transport: host round trips; CUDA IPC on a GPU
     'test_metrics_disk_full.py': 'contract',
     # the whole system
     'test_fused_e2e.py': 'e2e',
@@ -81,6 +84,7 @@ FILE_TIERS = {
     'test_overlap.py': 'e2e',  # sync and overlap runs, native MuJoCo
     'test_overlap_mjx.py': 'e2e',  # the same on MJX (compiles MJX)
     'test_env_slices.py': 'e2e',
+    'test_mjx_generation.py': 'e2e',  # MJX groups served by a generation worker: one short async run (compiles MJX)
     'test_deterministic.py': 'e2e',  # --deterministic: two async runs (processes, threads) give one curve
     'test_relayout.py': 'e2e',  # --group_schedule: runs whose env groups change twice
     'test_bench.py': 'e2e',
@@ -295,6 +299,11 @@ def tier_of(path: str, name: str, fixturenames=()) -> str:
 # backends' agreement on the locomotion tasks (test_agreement), 2 ranks matching 1 (test_data_parallel). Run them
 # before a release: EBRL_FULL_TESTS=1 python -m pytest -q -n 2 tests
 OPT_IN = frozenset({
+    # MJX groups served by a generation worker: the short async run (176 s on the loaded 2-core machine, MJX
+    # compiles of both groups) and the served segment == the co-located one (~70 s); the hand-off round trips, the
+    # per-request keys and the server's key routing (test_generation_transport) stay in CI
+    ('test_mjx_generation.py', 'test_async_mjx_groups_served_by_a_generation_worker_deliver_every_segment_once'),
+    ('test_mjx_generation.py', 'test_served_mjx_group_collects_the_colocated_segment_given_the_same_keys'),
     ('test_pipeline.py', 'test_sync_with_one_group_replays_fused_exactly_on_mjx'),
     ('test_randomize.py', 'test_mjx_draws_reach_the_step'),
     # 5 s: the token policy over a pixel prefix through the stages; its state twin and the vision tests stay in CI

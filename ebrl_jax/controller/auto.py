@@ -39,4 +39,6 @@ def run(cfg: config_lib.Config, pids: Dict[str, int], start: driver.StartClock) 
   else:
     summary = pipeline.run(chosen, pids, start)
   summary.extra['auto'] = record
+  if record.get('generation') is not None and 'generation_layout' in summary.extra:
+    summary.extra['generation_layout']['reason'] = record['generation']['reason']  # chosen here, not by a flag
   return summary

@@ -72,6 +72,17 @@ def rollout_figures(cfg: config_lib.Config, history, segment_steps=None) -> dict
   }
 
 
+def generation_layout(cfg: config_lib.Config, topology, plan_record) -> dict:
+  """Where generation ran, how its hand-off travelled, and why (the planner's reason, or the flags')."""
+  planned = (plan_record or {}).get('generation')
+  reason = planned['reason'] if planned else (
+      'set by --colocate_generation' if cfg.schedule.colocate_generation else 'set by --nocolocate_generation')
+  transport_name = topology.rollout.generation_transport
+  if transport_name and not planned:
+    reason += f'; hand-off {transport_name} (--generation_transport={cfg.schedule.generation_transport})'
+  return {'colocated': cfg.schedule.colocate_generation, 'transport': transport_name, 'reason': reason}
+
+
 def _generation_stats_files(cfg: config_lib.Config):
   return sorted(glob.glob(os.path.join(cfg.schedule.run_dir, generation_worker.STATS_PREFIX + '*.json')))
 
@@ -264,6 +275,7 @@ def _add_extra(cfg, summary, workers, topology, plan_record, memory_plan, change
     logging.info('--plan predicted %.0f env steps/s, measured %.0f (%.2fx).', plan_record['predicted_env_steps_per_s'],
                  summary.env_steps_per_s, plan_record['measured_over_predicted'])
   summary.extra['memory_plan'] = memory_plan.summary()
+  summary.extra['generation_layout'] = generation_layout(cfg, topology, plan_record)
   if changer is not None:
     summary.extra['relayout' if isinstance(changer, relayout.GroupChanger) else 'replan'] = changer.record()
   generation = generation_worker.merge_stats(_generation_stats_files(cfg))

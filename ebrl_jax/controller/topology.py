@@ -9,6 +9,7 @@ from typing import Any, Dict, Optional, Tuple
 import jax
 
 from ebrl_jax import config as config_lib
+from ebrl_jax import config_generation
 from ebrl_jax import sim
 from ebrl_jax import types
 from ebrl_jax import transport
@@ -18,6 +19,7 @@ from ebrl_jax.generation import worker as generation_worker
 from ebrl_jax.rollout import evaluator as evaluator_lib
 from ebrl_jax.rollout import groups
 from ebrl_jax.runtime import startup
+from ebrl_jax.transport import cuda_ipc
 from ebrl_jax.trainer import driver
 from ebrl_jax.trainer import stages as trainer_stages
 
@@ -80,6 +82,7 @@ class Topology:
     }
     if self.request_spec is not None:
       out['request_bytes'], out['reply_bytes'] = self.request_spec.nbytes, self.reply_spec.nbytes
+      out['generation_transport'] = self.rollout.generation_transport
     return out
 
 
@@ -97,28 +100,45 @@ def block_envs(cfg: config_lib.Config) -> int:
   return cfg.sim.num_envs // cfg.schedule.block_count
 
 
-def mailbox_specs(cfg: config_lib.Config, spec: types.EnvSpec):
-  """Request and reply specs of one env slice (the whole group without `--env_slices`)."""
+def generation_transport(cfg: config_lib.Config) -> str:
+  """How a separate generation worker's hand-off travels: 'host' (the shared-memory mailbox) or 'cuda_ipc' (MJX
+  groups' device buffers; config_generation.py); '' with co-located generation."""
+  if cfg.schedule.colocate_generation:
+    return ''
+  return config_generation.resolve_transport(cfg.schedule.generation_transport, cfg.sim.backend, cfg.resources.platform,
+                                             cuda_ipc.host_reason)
+
+
+def mailbox_specs(cfg: config_lib.Config, spec: types.EnvSpec, ipc: bool = False):
+  """Request and reply specs of one env slice (the whole group without `--env_slices`). With `ipc` (CUDA IPC)
+  the arrays have 0 rows: they travel in the slice's device buffer, the records are only the per-step flags."""
   b, k, o, a = cfg.slice_envs, cfg.policy.action_chunk, spec.obs_dim, spec.action_dim
+  rows = 0 if ipc else b
   ints = {'group': 'int32', 'env_slice': 'int32', 'seq': 'int32'}
   request = transport.record_spec(types.ActRequest, {
       'group': (),
       'env_slice': (),
       'seq': (),
       'min_version': (),
-      'obs': (b, o)
+      'obs': (rows, o),
+      'key': (2,),
+      'owner': (),
+      'handle': (cuda_ipc.HANDLE_BYTES,)
   },
                                   dtypes={
-                                      **ints, 'min_version': 'int32'
+                                      **ints, 'min_version': 'int32',
+                                      'key': 'uint32',
+                                      'owner': 'int32',
+                                      'handle': 'uint8'
                                   })
   reply = transport.record_spec(types.ActReply, {
       'group': (),
       'env_slice': (),
       'seq': (),
       'version': (),
-      'actions': (b, k, a),
-      'raw_actions': (b, k, a),
-      'log_probs': (b,)
+      'actions': (rows, k, a),
+      'raw_actions': (rows, k, a),
+      'log_probs': (rows,)
   },
                                 dtypes={
                                     **ints, 'version': 'int32'
@@ -181,7 +201,8 @@ def _worker_configs(cfg: config_lib.Config, switches: Tuple[str, ...]):
                                  env_slices=cfg.schedule.env_slices,
                                  windows=switches,
                                  deterministic=cfg.schedule.deterministic,
-                                 block_envs=block_envs(cfg))
+                                 block_envs=block_envs(cfg),
+                                 generation_transport=generation_transport(cfg))
   generation = None
   if not cfg.schedule.colocate_generation:
     generation = generation_worker.GenerationConfig(process=process,
@@ -190,7 +211,9 @@ def _worker_configs(cfg: config_lib.Config, switches: Tuple[str, ...]):
                                                     seed=cfg.schedule.seed,
                                                     num_requesters=cfg.schedule.num_groups * cfg.schedule.env_slices,
                                                     slice_envs=cfg.slice_envs,
-                                                    total_envs=cfg.sim.num_envs)
+                                                    total_envs=cfg.sim.num_envs,
+                                                    transport=rollout.generation_transport,
+                                                    action_chunk=cfg.policy.action_chunk)
   return dataclasses.replace(driver.trainer_config(cfg, process), windows=switches), rollout, generation
 
 
@@ -208,7 +231,7 @@ def make_topology(cfg: config_lib.Config) -> Topology:
     planned += tuple(f'standby/{g}' for g in range(cfg.schedule.num_groups))
   request = reply = None
   if not cfg.schedule.colocate_generation:
-    request, reply = mailbox_specs(cfg, spec)
+    request, reply = mailbox_specs(cfg, spec, ipc=generation_transport(cfg) == 'cuda_ipc')
   graph = graph_lib.make_graph(cfg)
   trainer, rollout, generation = _worker_configs(cfg, graph.switches())
   evaluator, report = evaluator_parts(cfg, trainer.process)

@@ -204,3 +204,18 @@ def make_act(network: nn.Module, min_std: float, deterministic: bool = False):
   """A jitted `act(params, obs [B, O], key, index) -> ActOutput` with the index folded into the key (what a
   host loop around native MuJoCo and the generation worker call once per policy step)."""
   return jax.jit(functools.partial(_act_at, network, min_std, deterministic))
+
+
+def _act_per_request(network, min_std, slice_envs, params, obs, keys):
+  """`act` on R requests at once, each with its own key: obs [R * B_s, O], keys [R, 2] -> ActOutput [R * B_s, ...].
+  Request r's rows draw exactly what `act(network, params, obs_r, keys[r])` draws (a co-located MJX step)."""
+  r = keys.shape[0]
+  obs = obs.reshape((r, slice_envs) + obs.shape[1:])
+  out = jax.vmap(lambda o, k: act(network, params, o, k, min_std=min_std))(obs, keys)
+  return jax.tree.map(lambda x: x.reshape((r * slice_envs,) + x.shape[2:]), out)
+
+
+def make_act_per_request(network: nn.Module, min_std: float, slice_envs: int):
+  """A jitted `act(params, obs [R * B_s, O], keys [R, 2]) -> ActOutput`: what the generation worker calls for MJX
+  groups, whose requests carry their step's key."""
+  return jax.jit(functools.partial(_act_per_request, network, min_std, slice_envs))

@@ -34,6 +34,7 @@ from ebrl_jax.runtime import lifecycle
 from ebrl_jax.runtime import startup
 from ebrl_jax.runtime import tracing
 from ebrl_jax.transport import ChannelClosed
+from ebrl_jax.transport import cuda_ipc
 
 STATS_PREFIX = 'generation_stats_'
 
@@ -49,6 +50,14 @@ class GenerationConfig:
   num_requesters: int
   slice_envs: int
   total_envs: int
+  # 'host' (the shared-memory mailbox) or 'cuda_ipc' (MJX groups' device buffers, transport/cuda_ipc.py).
+  transport: str = 'host'
+  action_chunk: int = 1
+
+  @property
+  def per_request_keys(self) -> bool:
+    """MJX groups send their step's key: a served step samples what a co-located one would."""
+    return self.sim.backend != 'mujoco_cpu'
 
 
 class ActServer:
@@ -56,7 +65,10 @@ class ActServer:
   each request's (group, slice).
 
   `act(params, obs [B, O], key, index) -> ActOutput`-like (actions, raw_actions, log_probs); `mailbox` is a
-  `transport.Mailbox` whose requests are `types.ActRequest`s of `slice_envs` envs each.
+  `transport.Mailbox` whose requests are `types.ActRequest`s of `slice_envs` envs each. With `per_request_keys`
+  (MJX groups) `act` is `act(params, obs [B, O], keys [B / slice_envs, 2])`: each request samples with the key it
+  carries (padding rows get key 0). With `slots` (a `transport.cuda_ipc.PeerSlots`) observations are read from,
+  and replies written to, the requesters' device buffers; the records carry no arrays.
   """
 
   def __init__(self,
@@ -66,9 +78,12 @@ class ActServer:
                total_envs: int,
                obs_dim: int,
                tracer=None,
-               reply_timeout_s: float = 2.0):
+               reply_timeout_s: float = 2.0,
+               per_request_keys: bool = False,
+               slots=None):
     self._mailbox, self._act, self._m, self._tracer = mailbox, act, slice_envs, tracer
     self._reply_timeout_s = reply_timeout_s
+    self._per_request_keys, self._slots = per_request_keys, slots
     self.buckets = batching.make_buckets(slice_envs, total_envs)
     self._obs = {b: np.zeros((b, obs_dim), np.float32) for b in self.buckets}
     self._programs: Dict[int, Callable] = {}
@@ -76,11 +91,18 @@ class ActServer:
     self.batches_per_bucket: collections.Counter = collections.Counter()
     self.rows, self.padded_rows, self.dropped_replies = 0, 0, 0
 
+  def _keys(self, bucket: int, requests=()) -> np.ndarray:
+    keys = np.zeros((bucket // self._m, 2), np.uint32)
+    for i, (_, request) in enumerate(requests):
+      keys[i] = request.key
+    return keys
+
   def compile(self, params, key) -> float:
     """Compiles the act program of every bucket (a jitted `act`); returns the seconds it took."""
     t0 = time.monotonic()
     for bucket in self.buckets:
-      self._programs[bucket] = self._act.lower(params, self._obs[bucket], key, 0).compile()
+      extra = (self._keys(bucket),) if self._per_request_keys else (key, 0)
+      self._programs[bucket] = self._act.lower(params, self._obs[bucket], *extra).compile()
     return time.monotonic() - t0
 
   def serve(self, requests: Sequence, params, version: int, key, index: int) -> int:
@@ -88,16 +110,26 @@ class ActServer:
     Returns the bucket (batch rows) used."""
     rows = len(requests) * self._m
     bucket = batching.bucket_for(self.buckets, rows)
-    obs = batching.pack([r.obs for _, r in requests], self._obs[bucket])
+    slices = [self._mailbox.slice_of(r) for _, r in requests]
+    if self._slots is None:
+      obs = batching.pack([r.obs for _, r in requests], self._obs[bucket])
+    else:
+      obs = self._slots.pack([(g, s, r) for (g, r), s in zip(requests, slices)], bucket)
     act = self._programs.get(bucket, self._act)
     start = time.time_ns() // 1000
-    out = act(params, obs, key, index)
-    actions, raw, log_probs = np.asarray(out.actions), np.asarray(out.raw_actions), np.asarray(out.log_probs)
+    out = act(params, obs, self._keys(bucket, requests)) if self._per_request_keys else act(params, obs, key, index)
+    if self._slots is None:
+      actions, raw, log_probs = np.asarray(out.actions), np.asarray(out.raw_actions), np.asarray(out.log_probs)
+    else:  # the records carry no arrays: each reply is written into its requester's buffer first
+      actions = raw = np.zeros((0,) + out.actions.shape[1:], np.float32)
+      log_probs = np.zeros((0,), np.float32)
     if self._tracer is not None:
       self._tracer.add('gen/act_batch', start, time.time_ns() // 1000 - start, batch=rows, bucket=bucket)
-    for i, (group, request) in enumerate(requests):
-      env_slice = self._mailbox.slice_of(request)
+    for i, ((group, request), env_slice) in enumerate(zip(requests, slices)):
       part = slice(i * self._m, (i + 1) * self._m)
+      if self._slots is not None:
+        self._slots.write(group, env_slice, request, out.actions[part], out.raw_actions[part], out.log_probs[part])
+        part = slice(0, 0)
       reply = types.ActReply(group=np.int32(group),
                              env_slice=np.int32(env_slice),
                              seq=np.int32(request.seq),
@@ -130,8 +162,14 @@ class ActServer:
         },
         'rows': self.rows,
         'padded_rows': self.padded_rows,
-        'dropped_replies': self.dropped_replies
+        'dropped_replies': self.dropped_replies,
+        'transport': 'host' if self._slots is None else 'cuda_ipc',
+        'ipc_buffers_opened': 0 if self._slots is None else self._slots.opened
     }
+
+  def close(self) -> None:
+    if self._slots is not None:
+      self._slots.close()
 
 
 def merge_stats(paths: Sequence[str]) -> Optional[Dict[str, Any]]:
@@ -143,14 +181,33 @@ def merge_stats(paths: Sequence[str]) -> Optional[Dict[str, Any]]:
     if merged is None:
       merged = stats
       continue
-    for name in ('batches', 'rows', 'padded_rows', 'dropped_replies'):
-      merged[name] += stats[name]
+    for name in ('batches', 'rows', 'padded_rows', 'dropped_replies', 'ipc_buffers_opened'):
+      merged[name] = merged.get(name, 0) + stats.get(name, 0)
     for name in ('requests_per_batch', 'batches_per_bucket'):
       for k, v in stats[name].items():
         merged[name][k] = merged[name].get(k, 0) + v
   if merged is not None:
     merged['workers'] = len(paths)
   return merged
+
+
+def make_server(cfg: GenerationConfig, mailbox, network, spec: types.EnvSpec, tracer=None) -> ActServer:
+  """The worker's server: per-request keys for MJX groups, their device buffers over CUDA IPC."""
+  slots = None
+  if cfg.transport == 'cuda_ipc':
+    slots = cuda_ipc.PeerSlots(cuda_ipc.Layout(cfg.slice_envs, spec.obs_dim, cfg.action_chunk, spec.action_dim))
+  if cfg.per_request_keys:
+    act = gen_stages.make_act_per_request(network, cfg.policy.min_std, cfg.slice_envs)
+  else:
+    act = gen_stages.make_act(network, cfg.policy.min_std)
+  return ActServer(mailbox,
+                   act,
+                   cfg.slice_envs,
+                   cfg.total_envs,
+                   spec.obs_dim,
+                   tracer,
+                   per_request_keys=cfg.per_request_keys,
+                   slots=slots)
 
 
 def generation_main(cfg: GenerationConfig, mailbox: Any, store: Any, stop: Any, env: Optional[dict] = None):
@@ -162,8 +219,7 @@ def generation_main(cfg: GenerationConfig, mailbox: Any, store: Any, stop: Any, 
   tracer = tracing.Tracer(cfg.process.trace_dir, 'generation')
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
   network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
-  server = ActServer(mailbox, gen_stages.make_act(network, cfg.policy.min_std), cfg.slice_envs, cfg.total_envs,
-                     spec.obs_dim, tracer if tracer.enabled else None)
+  server = make_server(cfg, mailbox, network, spec, tracer if tracer.enabled else None)
   num_requesters = cfg.num_requesters
   logging.info('generation worker: %d requesters of %d envs; act batches padded to buckets %s (%d programs).',
                num_requesters, cfg.slice_envs, server.buckets, len(server.buckets))
@@ -198,6 +254,7 @@ def generation_main(cfg: GenerationConfig, mailbox: Any, store: Any, stop: Any, 
     pass
   finally:
     tracer.close()
+    server.close()
     try:
       with open(stats_path, 'w') as f:
         json.dump(server.stats(), f)

@@ -28,12 +28,16 @@ from typing import Dict, List, Optional, Tuple
 from absl import logging
 
 from ebrl_jax import config as config_lib
+from ebrl_jax import config_generation
+from ebrl_jax import sim
 from ebrl_jax.resources import calibrate
 from ebrl_jax.resources import cpus
+from ebrl_jax.resources import generation_choice
 from ebrl_jax.resources import planner
 from ebrl_jax.resources import profiles
 from ebrl_jax.resources import schedule_choice
 from ebrl_jax.resources import telemetry
+from ebrl_jax.transport import cuda_ipc
 
 _GROUP_CHOICES = (1, 2, 4, 8)
 _QUOTA_GRID = tuple(range(10, 101, 10))
@@ -197,14 +201,43 @@ def _pinned(cfg: config_lib.Config, space: planner.PlanSpace, mps_active: bool) 
   return {role: q for role, q in cfg.resources.quotas.items() if role in space.roles} if mps_active else {}
 
 
+def choose_generation(cfg: config_lib.Config, store, mps_active: bool, schedule: str):
+  """`--plan_generation` on an MJX backend: (cfg with the chosen --colocate_generation, the record of the choice);
+  otherwise (cfg, None). The hand-off is the transport the separate layout would use (config_generation.py)."""
+  if not cfg.resources.plan_generation or cfg.sim.backend == 'mujoco_cpu':
+    return cfg, None
+  transport = config_generation.resolve_transport(cfg.schedule.generation_transport, cfg.sim.backend,
+                                                  cfg.resources.platform, cuda_ipc.host_reason)
+  spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
+  handoff = generation_choice.step_handoff_s(transport, cfg.group_envs, spec.obs_dim, spec.action_dim,
+                                             cfg.policy.action_chunk)
+  space = plan_space(cfg, mps_active)
+  choice = generation_choice.choose(store, space, schedule, handoff, _pinned(cfg, space, mps_active))
+  logging.info('--plan_generation chose %s', choice.reason)
+  record = {
+      'colocated': choice.colocate,
+      'transport': '' if choice.colocate else transport,
+      'predicted': choice.predicted,
+      'step_handoff_s': handoff,
+      'reason': choice.reason
+  }
+  try:
+    chosen = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, colocate_generation=choice.colocate))
+  except ValueError as e:  # another flag needs co-located generation (e.g. --deterministic)
+    record.update(colocated=True, transport='', reason=f'co-located: {e} (the model preferred: {choice.reason})')
+    chosen = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, colocate_generation=True))
+  return chosen, record
+
+
 def plan_run(cfg: config_lib.Config, mps_active: bool, worker_env) -> Tuple[config_lib.Config, dict]:
   """The config the run goes on with, and the record of the decision (for the log and the summary).
 
   `worker_env(quota)` gives the environment of a calibration process at that quota (MPS pipe, memory share).
   """
   store, path, calibrated_s, quotas = _profiles(cfg, mps_active, worker_env)
-  space = plan_space(cfg, mps_active)
   schedule = 'async' if cfg.schedule.name == 'async' else 'sync'  # overlap plans as sync (its semantics)
+  cfg, generation = choose_generation(cfg, store, mps_active, schedule)
+  space = plan_space(cfg, mps_active)
   chosen = planner.plan(store, space, schedule, _pinned(cfg, space, mps_active))
   fused_like = planner.evaluate(store, space, 1, {r: 100 for r in space.roles}, 'sync') if not mps_active else None
   logging.info('--plan chose %s', chosen.reason)
@@ -214,6 +247,8 @@ def plan_run(cfg: config_lib.Config, mps_active: bool, worker_env) -> Tuple[conf
   record = _record(chosen, mps_active, store, path, calibrated_s, quotas)
   if fused_like is not None:
     record['predicted_sequential_env_steps_per_s'] = fused_like.env_steps_per_s
+  if generation is not None:
+    record['generation'] = generation
   return _apply(cfg, chosen, mps_active, cfg.schedule.name), record
 
 
@@ -233,6 +268,7 @@ def plan_auto(cfg: config_lib.Config, mps_active: bool, worker_env, handoff: flo
   """`--schedule=auto`: the config with the chosen schedule (fused, or sync/async with the planned groups and
   quotas) and the record of the choice (`schedule_choice`'s predictions and reason, plus the plan's figures)."""
   store, path, calibrated_s, quotas = _profiles(cfg, mps_active, worker_env)
+  cfg, generation = choose_generation(cfg, store, mps_active, 'async')
   space = plan_space(cfg, mps_active)
   choice = schedule_choice.choose(store, space, handoff, _pinned(cfg, space, mps_active))
   logging.info('--schedule=auto chose %s', choice.reason)
@@ -243,4 +279,6 @@ def plan_auto(cfg: config_lib.Config, mps_active: bool, worker_env, handoff: flo
     chosen_cfg = _apply(cfg, choice.plan, mps_active, choice.schedule)
     record = _record(choice.plan, mps_active, store, path, calibrated_s, quotas)
   record.update(schedule=choice.schedule, predicted=choice.predicted, choice_reason=choice.reason, handoff_s=handoff)
+  if generation is not None:
+    record['generation'] = generation
   return chosen_cfg, record

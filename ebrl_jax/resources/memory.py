@@ -266,15 +266,17 @@ def footprints(cfg, spec, profile: Optional[dict] = None) -> Dict[str, Footprint
       'evaluation': evaluation
   }
   e = cfg.group_envs
-  if not cfg.schedule.colocate_generation:
-    rollout = {}
-  elif envs is not None:
+  if not cfg.schedule.colocate_generation and envs is None:
+    rollout = {}  # native MuJoCo served by a generation worker: no GPU context
+  elif envs is not None:  # MJX: a served group holds its envs and segment buffers, not the policy
     rollout = {
         'params': 2 * params,
         'act': act(e),
         'env_state': envs(e, not cfg.algo.episodic),
         'segment': _transition_bytes(t, unrolls * e, o, k, a, px)
     }
+    if not cfg.schedule.colocate_generation:
+      rollout = {name: rollout[name] for name in ('env_state', 'segment')}
   else:
     rollout = {'params': 2 * params, 'act': act(e)}
   out = {'trainer': trainer, 'rollout': rollout}

@@ -1,10 +1,12 @@
 """Env groups for a rollout worker, behind one `Group` protocol: an MJX group (one jitted program collects the
-group's share of an iteration on the device) and a native-MuJoCo group (a host loop around a jitted `act`, or
+group's share of an iteration on the device), an MJX group the generation worker acts for (rollout/mjx_remote.py:
+a host loop around the jitted simulation step) and a native-MuJoCo group (a host loop around a jitted `act`, or
 around requests to the generation worker — one `RemoteAct` per env slice)."""
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import List, Protocol, Tuple
 
 import jax
@@ -18,6 +20,8 @@ from ebrl_jax.rollout import cpu as cpu_rollout
 from ebrl_jax.rollout import keys
 from ebrl_jax.runtime import startup
 from ebrl_jax.sim import registry
+
+HANDLE_BYTES = 64  # a CUDA IPC memory handle (transport/cuda_ipc.py); zeros on the host path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +44,9 @@ class RolloutConfig:
   # Envs of one segment record (0: the whole group): with --group_schedule a group's segment travels as
   # group_envs / block_envs records, each one env block of the run's fixed block layout.
   block_envs: int = 0
+  # With a separate generation worker: 'host' (the shared-memory mailbox) or, for MJX groups, 'cuda_ipc' (device
+  # buffers, transport/cuda_ipc.py); '' with co-located generation.
+  generation_transport: str = ''
 
 
 class Group(Protocol):
@@ -91,23 +98,29 @@ class MjxGroup:
 
 class RemoteAct:
   """Stands in for a local `act`: sends one slice's observations (the whole group's without slices) to the
-  generation worker, waits for its reply.
+  generation worker, waits for its reply. `request(obs, key)` is the same with the step's sampling key (MJX
+  groups); `handle` is the slice's CUDA IPC buffer handle (then `obs` has 0 rows: it lies in that buffer).
 
   NOTE: a request whose reply does not come within `resend_s` is sent again (the generation worker may have
   died and been replaced); replies carry the request's seq, so a late duplicate is recognised and dropped.
   """
 
-  def __init__(self, mailbox, group: int, stop, env_slice: int = 0, resend_s: float = 2.0):
+  def __init__(self, mailbox, group: int, stop, env_slice: int = 0, resend_s: float = 2.0, handle=None):
     self._mailbox, self._group, self._slice = mailbox, group, env_slice
     self._stop, self._resend_s = stop, resend_s
+    self._owner = np.int32(os.getpid())
+    self._handle = np.zeros((HANDLE_BYTES,), np.uint8) if handle is None else np.asarray(handle, np.uint8)
     self.min_version, self._seq = 0, 0
 
-  def _ask(self, obs) -> None:
+  def _ask(self, obs, key) -> None:
     request = types.ActRequest(group=np.int32(self._group),
                                env_slice=np.int32(self._slice),
                                seq=np.int32(self._seq),
                                min_version=np.int32(self.min_version),
-                               obs=np.asarray(obs, np.float32))
+                               obs=np.asarray(obs, np.float32),
+                               key=key,
+                               owner=self._owner,
+                               handle=self._handle)
     while not self._stop.is_set():
       try:
         self._mailbox.ask(request, timeout=0.5)
@@ -116,19 +129,24 @@ class RemoteAct:
         continue
     raise InterruptedError('stop requested')
 
-  def __call__(self, params, obs, key, index):
-    del params, key, index  # the generation worker holds the parameters and its own keys
+  def request(self, obs, key=None):
+    """The reply to `obs` ([B_s, O] numpy), sampled with `key` ([2] uint32; None: the worker's own keys)."""
+    key = np.zeros((2,), np.uint32) if key is None else np.asarray(key, np.uint32)
     self._seq += 1
-    self._ask(obs)
+    self._ask(obs, key)
     while not self._stop.is_set():
       try:
         reply = self._mailbox.receive(self._group, timeout=self._resend_s, env_slice=self._slice)
       except TimeoutError:
-        self._ask(obs)
+        self._ask(obs, key)
         continue
       if int(reply.seq) == self._seq:
         return reply
     raise InterruptedError('stop requested')
+
+  def __call__(self, params, obs, key, index):
+    del params, key, index  # the generation worker holds the parameters and its own keys
+    return self.request(obs)
 
 
 class CpuGroup:
@@ -169,4 +187,7 @@ class CpuGroup:
 def make_group(cfg: RolloutConfig, group: int, network, tracer, mailbox=None, stop=None) -> Group:
   if cfg.sim.backend == 'mujoco_cpu':
     return CpuGroup(cfg, group, network, tracer, mailbox, stop)
+  if mailbox is not None:
+    from ebrl_jax.rollout import mjx_remote  # lazy: brax and MJX load only in an MJX group's process
+    return mjx_remote.MjxServedGroup(cfg, group, functools.partial(RemoteAct, mailbox, group, stop, 0), tracer)
   return MjxGroup(cfg, group, network)

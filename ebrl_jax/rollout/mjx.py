@@ -54,32 +54,43 @@ def collect_segment(env: Any,
 
   def body(carry, step_key):
     env_state, active = carry
-    obs = sim_stages.observation(env_state)
-    out = gen_stages.act(network, params, obs, step_key, min_std=min_std)
-    env_state, res = sim_stages.step_chunk(env, env_state, out.actions)
-    done = res.done.astype(jnp.float32)
-    truncation = res.truncation.astype(jnp.float32)
-    mask = active if episodic else jnp.ones_like(done)
-    transition = types.Transition(obs=obs,
-                                  raw_action=out.raw_actions,
-                                  reward=res.reward * mask,
-                                  termination=done * (1.0 - truncation),
-                                  truncation=truncation,
-                                  next_obs=res.obs,
-                                  behaviour_log_prob=out.log_probs,
-                                  mask=mask,
-                                  policy_version=jnp.full(done.shape, policy_version, jnp.int32))
-    finished = done * mask
-    stats = types.EpisodeStats(jnp.sum(res.episode_return * finished), jnp.sum(res.episode_length * finished),
-                               jnp.sum(finished))
-    if episodic:
-      active = active * (1.0 - done)
+    out = gen_stages.act(network, params, sim_stages.observation(env_state), step_key, min_std=min_std)
+    env_state, active, transition, stats = step_transition(env, env_state, active, out, policy_version, episodic)
     return (env_state, active), (transition, stats)
 
   keys = jax.random.split(key, num_steps)
   (env_state, active), (segment, stats) = jax.lax.scan(body, (env_state, active), keys)
   stats = jax.tree.map(jnp.sum, stats)
   return env_state, active, segment, stats
+
+
+def step_transition(env: Any, env_state: Any, active: jax.Array, out: gen_stages.ActOutput, policy_version: jax.Array,
+                    episodic: bool) -> Tuple[Any, jax.Array, types.Transition, types.EpisodeStats]:
+  """The simulation half of one policy step: the env steps the action chunk `out` (actions [B, K, A], raw
+  actions, log-probs [B]) chose for `env_state`'s observations. Returns (env_state, active, the step's transition
+  [B, ...], the episodes it finished). `collect_segment` and the rollout worker a generation worker serves
+  (rollout/mjx_remote.py) both step through it, so a served step is a co-located one given the same actions.
+  `policy_version`: [] or [B] int32."""
+  obs = sim_stages.observation(env_state)  # a PixelObs with --obs=pixels
+  env_state, res = sim_stages.step_chunk(env, env_state, out.actions)
+  done = res.done.astype(jnp.float32)
+  truncation = res.truncation.astype(jnp.float32)
+  mask = active if episodic else jnp.ones_like(done)
+  transition = types.Transition(obs=obs,
+                                raw_action=out.raw_actions,
+                                reward=res.reward * mask,
+                                termination=done * (1.0 - truncation),
+                                truncation=truncation,
+                                next_obs=res.obs,
+                                behaviour_log_prob=out.log_probs,
+                                mask=mask,
+                                policy_version=jnp.broadcast_to(jnp.asarray(policy_version, jnp.int32), done.shape))
+  finished = done * mask
+  stats = types.EpisodeStats(jnp.sum(res.episode_return * finished), jnp.sum(res.episode_length * finished),
+                             jnp.sum(finished))
+  if episodic:
+    active = active * (1.0 - done)
+  return env_state, active, transition, stats
 
 
 def evaluate_policy(env: Any,

@@ -78,7 +78,10 @@ def _request(group, env_slice, seq=1, min_version=0):
                           env_slice=np.int32(env_slice),
                           seq=np.int32(seq),
                           min_version=np.int32(min_version),
-                          obs=_obs(group, env_slice))
+                          obs=_obs(group, env_slice),
+                          key=np.zeros((2,), np.uint32),
+                          owner=np.int32(0),
+                          handle=np.zeros((64,), np.uint8))
 
 
 def test_server_batches_ready_slices_of_any_group_pads_to_a_bucket_and_replies_to_each_slice():
