@@ -133,7 +133,7 @@ _HELP = {
                             'batches every group\'s requests (False; native MuJoCo or MJX groups).'),
     'generation_transport': ('MJX groups with --nocolocate_generation: how observations and actions cross: host '
                              '(shared-memory mailbox), cuda_ipc (device buffers through CUDA IPC; needs CuPy and a '
-                             'GPU) or auto (cuda_ipc where available, else host).'),
+                             'GPU; not yet run on one) or auto (host until the IPC path is verified on a GPU).'),
     'plan_generation': ('With --plan or --schedule=auto on MJX: also choose co-located or separate generation from '
                         'the profiles (the reason goes to summary.extra).'),
 }

@@ -102,7 +102,8 @@ def test_generation_transport_flag_checks_and_auto():
   with pytest.raises(ValueError, match='generation_transport'):
     config_lib.ScheduleConfig(generation_transport='nvlink')
   resolve = config_generation.resolve_transport
-  assert resolve('auto', 'mjx', '', lambda: None) == 'cuda_ipc'
+  # auto stays on the host until the IPC path has run on a GPU (config_generation.AUTO_PICKS_IPC)
+  assert resolve('auto', 'mjx', '', lambda: None) == ('cuda_ipc' if config_generation.AUTO_PICKS_IPC else 'host')
   assert resolve('auto', 'mjx', '', lambda: 'no CuPy') == 'host'
   assert resolve('auto', 'mjx', 'cpu', lambda: None) == 'host'
   assert resolve('auto', 'mujoco_cpu', '', lambda: None) == 'host'
