@@ -40,6 +40,7 @@ class RolloutConfig:
   # Envs of one segment record (0: the whole group): with --group_schedule a group's segment travels as
   # group_envs / block_envs records, each one env block of the run's fixed block layout.
   block_envs: int = 0
+  cell: int = 0  # the cell (trainer rank) whose envs these are: its own keys (`keys.cell_key`; cell 0: one GPU's)
 
 
 class Group(Protocol):
@@ -73,7 +74,7 @@ class MjxGroup:
                                   auto_reset=not cfg.collect.episodic,
                                   impl=sim_stages.impl_for_backend(sim.backend),
                                   randomization=sim.randomization)
-    key = keys.env_reset_key(keys.root(cfg.seed), group)
+    key = keys.env_reset_key(keys.cell_key(keys.root(cfg.seed), cfg.cell), group)
     self._env_state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(env, key, num_envs, sim.group_size)
     self._program = jax.jit(functools.partial(mjx_rollout.collect_iteration, env, network, cfg.collect, num_envs),
                             donate_argnums=(2,))
@@ -144,7 +145,7 @@ class CpuGroup:
     env_spec = registry.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat,
                                  config_lib.pixel_shape(cfg.sim))
     # Group 0's envs are the fused schedule's envs, so one group replays it exactly.
-    seed = keys.env_seed(cfg.seed, keys.ENV_RESET, group)
+    seed = keys.env_seed(cfg.seed, keys.ENV_RESET, group, cell=cfg.cell)
     self._pool = cpu_rollout.make_pool(cfg.sim, cfg.group_envs, seed, auto_reset=not spec.episodic)
     self.remote_acts: List[RemoteAct] = []
     if mailbox is None:

@@ -57,6 +57,7 @@ class TrainerConfig:
   fixed_chunks: bool = False
   windows: Tuple[str, ...] = ()  # overlap windows it runs: 'h2d', 'evaluate', 'checkpoint' (iteration_graph.py)
   checkpoint_run_dir: str = ''  # whose checkpoints --resume reads ('': process.run_dir; a cell: rank 0's)
+  ranks: Any = None  # a cell of several: the runtime.distributed.DistributedSpec its trainer rank joins
 
 
 def trainer_config(cfg: config_lib.Config,
@@ -271,8 +272,7 @@ def _close(source, logger, checkpointer) -> None:
     try:
       source.close()
     finally:
-      if checkpointer is not None:
-        checkpointer.close()
+      _ = checkpointer is not None and checkpointer.close()
 
 
 def _summary(cfg, progress: _Progress, clock: _Clock, num_params: int, extra: dict, stopped: str,
