@@ -53,6 +53,9 @@ setup(
         # version mujoco-mjx[warp] pins, so the two extras install together. In the test extra too: ~30-50 s of
         # CI install (most of it unpacking warp-lang), and the Playground tests run there.
         'playground': _PLAYGROUND,
+        # --launcher=ray: cells placed over a Ray cluster's nodes (runtime/ray_launch.py). Not in the test extra:
+        # its one run over a 2-node cluster is opt-in (tests/conftest.py, OPT_IN) and skips without Ray.
+        'ray': ['ray>=2.10,<3'],
     },
     entry_points={'console_scripts': ['ebrl_jax=ebrl_jax.main:run_main']},
     classifiers=[

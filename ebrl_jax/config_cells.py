@@ -9,8 +9,9 @@ from ebrl_jax.config_checks import check_choice as _check_choice
 from ebrl_jax.config_checks import check_positive as _check_positive
 
 # '': this process is one cell (of --num_processes, else of JAX_NUM_PROCESSES / SLURM's tasks, else the only one);
-# 'local': this process starts --num_processes cells of itself on this host and watches them.
-LAUNCHERS = ('', 'local')
+# 'local': this process starts --num_processes cells of itself on this host and watches them; 'ray': it places them
+# over a Ray cluster's nodes, one host agent per node starting that node's cells (runtime/ray_launch.py).
+LAUNCHERS = ('', 'local', 'ray')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -70,6 +70,7 @@ FILE_TIERS = {
     'test_contract.py': 'contract',
     'test_shm_processes.py': 'contract',
     'test_metrics_disk_full.py': 'contract',
+    'test_ray_launch.py': 'contract',  # --launcher=ray's placement, agent and watch without Ray (its run: opt-in)
     # the whole system
     'test_fused_e2e.py': 'e2e',
     'test_cells.py': 'e2e',  # --launcher=local: 2 cells (trainer ranks, gloo) through the entry point
@@ -317,6 +318,10 @@ OPT_IN = frozenset({
     # 55 s: six JAX processes (two cells of controller, trainer rank, rollout worker); the fused killed cell (the
     # launcher's side) and the two async cells run to the end (the trainer ranks' side) stay in CI
     ('test_cells.py', 'test_a_killed_async_cell_stops_the_run_naming_it_and_leaves_nothing_behind'),
+    # ~90 s: a 2-node Ray cluster (~10 s to start) and two async cells over it (the ray extra, not in CI's install);
+    # the placement, the host agent and the driver's watch through it stay in CI (test_ray_launch), and the two
+    # async cells run to the end through --launcher=local (test_cells)
+    ('test_ray_launch.py', 'test_a_two_node_ray_cluster_runs_async_cells_one_per_node'),
 })
 FULL = os.environ.get('EBRL_FULL_TESTS') == '1'
 
