@@ -212,7 +212,7 @@ HEAVY = frozenset({
 SLOW = frozenset({
     ('test_cells.py', 'test_two_cells_hold_one_state_count_the_global_batch_and_resume_on_one_cell'),
     ('test_cells.py', 'test_a_killed_cell_stops_the_run_naming_it_and_leaves_nothing_behind'),
-    ('test_cells.py', 'test_two_async_cells_train_one_state_with_their_own_rollout_workers'),
+    ('test_cells.py', 'test_two_async_cells_train_one_state_with_their_own_rollout_workers_and_resume_on_one'),
     ('test_cells.py', 'test_a_killed_async_cell_stops_the_run_naming_it_and_leaves_nothing_behind'),
     ('test_faults.py', 'test_the_short_suite_survives_every_trial'),
     ('test_data_parallel.py', 'test_two_ranks_match_one_rank_and_resume_on_one'),

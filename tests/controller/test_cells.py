@@ -1,7 +1,9 @@
 """Cells (issue 16): `fused` runs as one trainer rank per process through the real entry point, on CPU with gloo
 collectives. Two cells started by `--launcher=local` hold the same parameters after every step (a sha256 chained
 over each step's parameters, in each rank's summary), count the global batch in the summary, and rank 0's
-checkpoint continues on one cell; a killed cell stops the run with a message naming it and leaves no process."""
+checkpoint continues on one cell; a killed cell stops the run with a message naming it and leaves no process. The
+same for `async` cells (each a controller, its trainer worker the rank, its own rollout worker process): one
+parameter chain on both ranks, a resume on one cell, a killed cell naming rank 1 (opt-in)."""
 import json
 import os
 import re
@@ -131,7 +133,7 @@ def _pids(run_dir):
   return [record['controller'], *record['workers'].values()]
 
 
-def test_two_async_cells_train_one_state_with_their_own_rollout_workers(tmp_path):
+def test_two_async_cells_train_one_state_with_their_own_rollout_workers_and_resume_on_one(tmp_path):
   run_dir = tmp_path / 'run'
   t0 = time.monotonic()
   two = _run(run_dir, '--launcher=local', '--num_processes=2', '--num_timesteps=1600', *ASYNC)
@@ -148,6 +150,12 @@ def test_two_async_cells_train_one_state_with_their_own_rollout_workers(tmp_path
   assert not os.path.exists(run_dir / 'rank1' / 'checkpoints')  # rank 0 alone checkpoints
   assert checkpoint.committed_steps(str(run_dir / 'checkpoints'))[0] == 10
   assert not any(lifecycle.pid_alive(p) for r in (run_dir, run_dir / 'rank1') for p in _pids(r))
+  # One cell (its workers as threads: one process) continues the global state: 8 iterations of 80 env steps.
+  one = _run(run_dir, '--resume', '--num_timesteps=2240', *ASYNC, '--transport=thread')
+  assert one.returncode == 0, one.stderr[-4000:]
+  resumed = _summary(run_dir / 'summary.json')
+  assert resumed['extra']['resumed_from']['env_steps'] == 1600 and resumed['env_steps'] == 2240
+  assert resumed['iterations'] == 18 and 'cells' not in resumed['extra']
 
 
 def test_a_killed_async_cell_stops_the_run_naming_it_and_leaves_nothing_behind(tmp_path):
