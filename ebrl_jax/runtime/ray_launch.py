@@ -49,15 +49,19 @@ class Node:
   gpus: bool
 
 
-def nodes_of(ray_nodes: Sequence[dict]) -> List[Node]:
-  """The alive nodes of `ray.nodes()`, each with the cells it takes (its GPUs, else its RESOURCE, else one)."""
+def nodes_of(ray_nodes: Sequence[dict], platform: str = '') -> List[Node]:
+  """The alive nodes of `ray.nodes()` that take cells, each with how many: its GPUs, else its RESOURCE, else one.
+  Where some node has GPUs (and --platform is not cpu), only the nodes with GPUs take cells (a CPU-only head node
+  takes none)."""
+  alive = [n for n in ray_nodes if n.get('Alive')]
+  gpus_of = {n['NodeID']: int(n.get('Resources', {}).get('GPU', 0)) for n in alive}
+  gpu_cluster = platform != 'cpu' and any(gpus_of.values())
   out = []
-  for n in ray_nodes:
-    if not n.get('Alive'):
+  for n in alive:
+    gpus = gpus_of[n['NodeID']] if platform != 'cpu' else 0
+    if gpu_cluster and not gpus:
       continue
-    resources = n.get('Resources', {})
-    gpus = int(resources.get('GPU', 0))
-    slots = gpus or int(resources.get(RESOURCE, 1))
+    slots = gpus or int(n.get('Resources', {}).get(RESOURCE, 1))
     out.append(Node(n['NodeID'], n.get('NodeManagerAddress', ''), slots, gpus > 0))
   return out
 
@@ -176,7 +180,7 @@ def run_ray(argv: Sequence[str],
   from ray.util import scheduling_strategies  # pylint: disable=g-import-not-at-top
   ray.init(address=os.environ.get('RAY_ADDRESS') or None, log_to_driver=True, configure_logging=False)
   try:
-    placed = plan(nodes_of(ray.nodes()), num, ray.get_runtime_context().get_node_id())
+    placed = plan(nodes_of(ray.nodes(), platform), num, ray.get_runtime_context().get_node_id())
     agent_cls = ray.remote(HostAgent)
     agents = []
     for node, ranks in placed:

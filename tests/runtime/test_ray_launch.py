@@ -22,19 +22,22 @@ def _node(node_id, host, gpus=0, cells=None, alive=True):
 
 def test_cells_fill_the_drivers_node_first_one_per_gpu_and_refuse_what_does_not_fit():
   nodes = ray_launch.nodes_of([
-      _node('b' * 8, '10.0.0.2', gpus=2),
+      _node('b' * 8, '10.0.0.2', cells=2),
       _node('a' * 8, '10.0.0.1', cells=3),
       _node('c' * 8, '10.0.0.3'),
-      _node('d' * 8, '10.0.0.4', gpus=8, alive=False)
-  ])
-  assert [(n.host, n.slots, n.gpus) for n in nodes] == [('10.0.0.2', 2, True), ('10.0.0.1', 3, False),
-                                                        ('10.0.0.3', 1, False)]
+      _node('d' * 8, '10.0.0.4', cells=8, alive=False)
+  ],
+                              platform='cpu')
+  assert [(n.host, n.slots, n.gpus) for n in nodes] == [('10.0.0.2', 2, False), ('10.0.0.1', 3, False),
+                                                        ('10.0.0.3', 1, False)]  # ebrl_cells, else one
   placed = ray_launch.plan(nodes, 5, first_node='b' * 8)  # the driver's node holds rank 0 (the coordinator)
   assert [(n.host, ranks) for n, ranks in placed] == [('10.0.0.2', [0, 1]), ('10.0.0.1', [2, 3, 4])]
   assert [(n.host, r) for n, r in ray_launch.plan(nodes, 6)] == [('10.0.0.1', [0, 1, 2]), ('10.0.0.2', [3, 4]),
                                                                  ('10.0.0.3', [5])]
   with pytest.raises(ValueError, match=r'--launcher=ray --num_processes=7: the cluster takes 6 cells'):
     ray_launch.plan(nodes, 7)
+  gpu_nodes = ray_launch.nodes_of([_node('h', '10.0.0.9'), _node('g', '10.0.0.8', gpus=8), _node('f', 'x', gpus=2)])
+  assert [(n.host, n.slots, n.gpus) for n in gpu_nodes] == [('10.0.0.8', 8, True), ('x', 2, True)]  # no CPU head
 
 
 class _FakeRay:
