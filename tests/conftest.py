@@ -116,6 +116,8 @@ DEFAULT_TIER = 'e2e'  # an unknown file is assumed expensive, so it stays out of
 TEST_TIERS = {
     ('test_cells.py', 'test_cell_keys_and_flag_errors'):
         'contract',
+    ('test_cells.py', 'test_the_topology_describes_the_cell_and_one_gpu_is_the_cell_of_one'):
+        'contract',
     ('test_registry.py', 'test_task_matches_brax_mjx_env'):
         'contract',  # builds Brax's MJX env of every task
     ('test_memory.py', 'test_mjx_footprint_traces_envs_in_a_child_and_starts_no_accelerator_client'):

@@ -17,7 +17,10 @@ import time
 import pytest
 
 from ebrl_jax import config as config_lib
+from ebrl_jax.controller import cells as cells_lib
+from ebrl_jax.controller import topology as topology_lib
 from ebrl_jax.rollout import keys
+from ebrl_jax.runtime import distributed
 from ebrl_jax.runtime import lifecycle
 from ebrl_jax.trainer import checkpoint
 
@@ -193,3 +196,21 @@ def test_a_killed_async_cell_stops_the_run_naming_it_and_leaves_nothing_behind(t
   directory = str(run_dir / 'checkpoints')
   steps = checkpoint.committed_steps(directory)
   assert steps and checkpoint.damage(directory, steps[0]) is None, steps
+
+
+def test_the_topology_describes_the_cell_and_one_gpu_is_the_cell_of_one(tmp_path):
+  cfg = config_lib.Config(sim=config_lib.SimConfig(task='inverted_pendulum', num_envs=8),
+                          algo=config_lib.AlgoConfig(batch_size=8, num_minibatches=2),
+                          schedule=config_lib.ScheduleConfig(name='async',
+                                                             run_dir=str(tmp_path / 'rank1'),
+                                                             num_groups=2,
+                                                             colocate_generation=False))
+  one = topology_lib.make_topology(cfg)
+  spec = distributed.DistributedSpec('host0:1234', 2, 1)
+  cell = topology_lib.make_topology(cfg, cells_lib.Cell(1, 2, spec, str(tmp_path)))
+  assert one.cell == cells_lib.Cell(run_dir=cfg.schedule.run_dir) and one.trainer.ranks is None
+  assert one.describe()['cell'] == {'rank': 0, 'count': 1} and cell.describe()['cell'] == {'rank': 1, 'count': 2}
+  assert cell.roles == one.roles  # a cell's own workers, as on one GPU
+  assert cell.trainer.env_steps_per_iteration == 2 * one.trainer.env_steps_per_iteration  # the global batch
+  assert cell.trainer.ranks == spec and cell.trainer.checkpoint_run_dir == str(tmp_path)  # rank 0's checkpoints
+  assert (one.rollout.cell, cell.rollout.cell, cell.generation.cell) == (0, 1, 1)  # the cell's own keys
