@@ -187,7 +187,11 @@ def test_a_killed_async_cell_stops_the_run_naming_it_and_leaves_nothing_behind(t
   reader.join(timeout=10)
   out = ''.join(lines)
   assert launcher.returncode == 3, out[-4000:]
-  assert re.search(r'FATAL: cell rank 1 \(pid \d+ on \S+\) died \(killed by SIGKILL\)', out), out[-4000:]
+  fatal = re.search(
+      r'FATAL: cell rank 1 \(pid \d+ on \S+\) died \(killed by SIGKILL\); the other cells stopped: '
+      r'rank 0 after ([\d.]+) s', out)
+  assert fatal, out[-4000:]
+  print(f'async: rank 0 stopped {fatal.group(1)} s after cell 1 was killed')
   assert re.search(r'the trainer worker \(pid \d+\) stopped: trainer rank 1 \(\S+ pid \d+\) died', out), out[-4000:]
   deadline = time.monotonic() + 10  # the orphaned workers of cell 1 end on their parent-death signal
   while any(lifecycle.pid_alive(p) for p in workers) and time.monotonic() < deadline:
