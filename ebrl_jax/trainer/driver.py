@@ -132,8 +132,7 @@ FINISHED = ('num_timesteps', 'target_return')
 
 
 def run_training(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
-  """`train` (below), with a full disk turned into `errors.DiskFull`: which file found it full, and which
-  checkpoint stays loadable for --resume (orbax commits a step only once it is whole)."""
+  """`train` (below), a full disk turned into `errors.DiskFull` (the file, the checkpoint --resume can load)."""
   try:
     return train(cfg, make_source, remote)
   except Exception as e:  # pylint: disable=broad-except  (orbax and tensorstore wrap the OS error)
@@ -272,7 +271,8 @@ def _close(source, logger, checkpointer) -> None:
     try:
       source.close()
     finally:
-      _ = checkpointer is not None and checkpointer.close()
+      if checkpointer is not None:
+        checkpointer.close()
 
 
 def _summary(cfg, progress: _Progress, clock: _Clock, num_params: int, extra: dict, stopped: str,
