@@ -57,6 +57,9 @@ setup(
         # in device buffers opened through CUDA IPC (CuPy), read zero-copy by JAX through DLPack. CUDA 13
         # machines take the cupy-cuda13x wheel instead.
         'ipc': ['cupy-cuda12x>=13,<15'],
+        # --launcher=ray: cells placed over a Ray cluster's nodes (runtime/ray_launch.py). Not in the test extra:
+        # its one run over a 2-node cluster is opt-in (tests/conftest.py, OPT_IN) and skips without Ray.
+        'ray': ['ray>=2.10,<3'],
     },
     entry_points={'console_scripts': ['ebrl_jax=ebrl_jax.main:run_main']},
     classifiers=[

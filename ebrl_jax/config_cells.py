@@ -1,6 +1,6 @@
 """`CellConfig`: how many cells a run has and how they find each other. A cell is one trainer rank with its own
-envs (one per GPU on a GPU host); the ranks join through `jax.distributed` (`runtime/distributed.py`). Part of
-`ebrl_jax.config` (re-exported there)."""
+envs (one per GPU on a GPU host; for sync/async also that GPU's rollout and generation workers); the ranks join
+through `jax.distributed` (`runtime/distributed.py`). Part of `ebrl_jax.config` (re-exported there)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,8 +9,9 @@ from ebrl_jax.config_checks import check_choice as _check_choice
 from ebrl_jax.config_checks import check_positive as _check_positive
 
 # '': this process is one cell (of --num_processes, else of JAX_NUM_PROCESSES / SLURM's tasks, else the only one);
-# 'local': this process starts --num_processes cells of itself on this host and watches them.
-LAUNCHERS = ('', 'local')
+# 'local': this process starts --num_processes cells of itself on this host and watches them; 'ray': it places them
+# over a Ray cluster's nodes, one host agent per node starting that node's cells (runtime/ray_launch.py).
+LAUNCHERS = ('', 'local', 'ray')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,11 +31,12 @@ class CellConfig:
     _check_positive('heartbeat_timeout_s', self.heartbeat_timeout_s)
     if self.process_id < -1:
       raise ValueError(f'--process_id={self.process_id} must be a rank (>= 0), or -1 to take it from the environment.')
-    if self.launcher == 'local' and (self.coordinator_address or self.process_id >= 0):
-      raise ValueError('--launcher=local chooses each cell\'s --coordinator_address and --process_id itself; drop '
-                       'them (or start the cells yourself without --launcher).')
-    if self.launcher == 'local' and self.num_processes < 1:
-      raise ValueError('--launcher=local needs --num_processes=N: the number of cells to start on this host.')
+    if self.launcher and (self.coordinator_address or self.process_id >= 0):
+      raise ValueError(f'--launcher={self.launcher} chooses each cell\'s --coordinator_address and --process_id '
+                       'itself; drop them (or start the cells yourself without --launcher).')
+    if self.launcher and self.num_processes < 1:
+      where = 'on this host' if self.launcher == 'local' else 'over the Ray cluster'
+      raise ValueError(f'--launcher={self.launcher} needs --num_processes=N: the number of cells to start {where}.')
 
 
 def check_run_cells(cfg, num_cells: int) -> None:
@@ -42,12 +44,22 @@ def check_run_cells(cfg, num_cells: int) -> None:
   if num_cells <= 1:
     return
   what = f'{num_cells} cells (--num_processes={num_cells}, or JAX_NUM_PROCESSES / SLURM)'
-  if cfg.schedule.name != 'fused':
-    raise ValueError(f'{what} run --schedule=fused for now (a cell is one process: its trainer rank collects its '
-                     f'own envs); got --schedule={cfg.schedule.name}.')
-  if cfg.sim.backend != 'mujoco_cpu':
-    raise ValueError(f'{what} need --backend=mujoco_cpu for now (the MJX fused program trains inside its jitted '
-                     f'chunk, not yet over the ranks); got --backend={cfg.sim.backend}.')
+  name = cfg.schedule.name
+  if name not in ('fused', 'sync', 'async'):
+    raise ValueError(f'{what} run --schedule=fused, sync or async (a cell is one trainer rank with its own envs and, '
+                     f'for sync/async, its own rollout workers); got --schedule={name}.')
+  if name == 'fused' and cfg.sim.backend != 'mujoco_cpu':
+    raise ValueError(f'{what} of --schedule=fused need --backend=mujoco_cpu for now (the MJX fused program trains '
+                     f'inside its jitted chunk, not yet over the ranks; --schedule=sync or async trains MJX '
+                     f'rollouts over the ranks); got --backend={cfg.sim.backend}.')
   if cfg.schedule.max_wall_s:
     raise ValueError(f'{what} cannot stop on --max_wall_s={cfg.schedule.max_wall_s:g}: each rank\'s clock would '
                      'stop it at its own iteration and leave the others in an all-reduce; use --num_timesteps.')
+  if name == 'fused':
+    return
+  if cfg.schedule.group_changes:
+    raise ValueError(f'{what} cannot change their env groups during the run (--group_schedule) yet; drop it.')
+  if cfg.schedule.evaluator == 'process' and cfg.schedule.target_return is not None:
+    raise ValueError(f'{what} with --target_return need --evaluator=trainer: an evaluator process answers each '
+                     'cell at its own time, so the ranks would stop at different iterations and leave one in an '
+                     'all-reduce (the trainer evaluates in line, alike on every rank).')

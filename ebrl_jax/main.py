@@ -43,6 +43,7 @@ from ebrl_jax import config as config_lib
 from ebrl_jax.runtime import distributed
 from ebrl_jax.runtime import errors
 from ebrl_jax.runtime import launch
+from ebrl_jax.runtime import ray_launch
 # pylint: enable=wrong-import-position
 
 EXIT_USAGE, EXIT_FAILED = 2, 3
@@ -120,7 +121,8 @@ _HELP = {
     'evaluator_wait_s':
         "--evaluator=process: seconds the run's end waits for the outstanding evaluations.",
     'launcher': ("'': this process is one cell (trainer rank with its own envs) of --num_processes; local: start "
-                 '--num_processes cells of this command on this host (one per GPU) and watch them.'),
+                 '--num_processes cells of this command on this host (one per GPU) and watch them; ray: place them '
+                 "over a Ray cluster's nodes (RAY_ADDRESS), one host agent per node (the ray extra)."),
     'num_processes':
         'Cells (trainer ranks) of the run; 0: JAX_NUM_PROCESSES or SLURM_NTASKS, else 1.',
     'coordinator_address':
@@ -251,8 +253,20 @@ def _main(argv):
   # without its optional accelerator: a line before every message of the run, an error's included.
   std_logging.getLogger('OpenGL').setLevel(std_logging.WARNING)
   if cfg.cells.launcher == 'local':  # this process only starts and watches the cells: no JAX here
-    return launch.run_local(sys.argv[1:], cfg.cells.num_processes, cfg.resources.platform, cfg.schedule.run_dir,
-                            cfg.cells.heartbeat_timeout_s, _pending_stop)
+    return launch.run_local(sys.argv[1:],
+                            cfg.cells.num_processes,
+                            cfg.resources.platform,
+                            cfg.schedule.run_dir,
+                            cfg.cells.heartbeat_timeout_s,
+                            _pending_stop,
+                            pin_cpus=cfg.resources.pin_cpus)
+  if cfg.cells.launcher == 'ray':  # this process places the cells over the Ray cluster and watches them
+    try:
+      ray_launch.require_ray()
+    except ValueError as e:
+      return _usage_error(str(e))
+    return ray_launch.run_ray(sys.argv[1:], cfg.cells.num_processes, cfg.resources.platform, cfg.schedule.run_dir,
+                              cfg.cells.heartbeat_timeout_s, _pending_stop)
   from ebrl_jax import controller  # lazy: a flag error is reported before JAX and the simulators load
   if _PENDING_STOP:
     print(f'STOPPED: {_PENDING_STOP[0]} before the run started; nothing was written.', file=sys.stderr)

@@ -74,6 +74,7 @@ FILE_TIERS = {
     'test_shm_processes.py': 'contract',
     'test_generation_transport.py': 'contract',  # --generation_transport: host round trips; CUDA IPC on a GPU
     'test_metrics_disk_full.py': 'contract',
+    'test_ray_launch.py': 'contract',  # --launcher=ray's placement, agent and watch without Ray (its run: opt-in)
     # the whole system
     'test_fused_e2e.py': 'e2e',
     'test_cells.py': 'e2e',  # --launcher=local: 2 cells (trainer ranks, gloo) through the entry point
@@ -119,6 +120,8 @@ DEFAULT_TIER = 'e2e'  # an unknown file is assumed expensive, so it stays out of
 # Tests whose tier differs from their file's: (file basename, test function name) -> tier.
 TEST_TIERS = {
     ('test_cells.py', 'test_cell_keys_and_flag_errors'):
+        'contract',
+    ('test_cells.py', 'test_the_topology_describes_the_cell_and_one_gpu_is_the_cell_of_one'):
         'contract',
     ('test_registry.py', 'test_task_matches_brax_mjx_env'):
         'contract',  # builds Brax's MJX env of every task
@@ -226,6 +229,8 @@ SLOW = frozenset({
     ('test_warp_pixels.py', 'test_warp_frames_stack_through_reset_chunks_and_episode_ends'),
     ('test_cells.py', 'test_two_cells_hold_one_state_count_the_global_batch_and_resume_on_one_cell'),
     ('test_cells.py', 'test_a_killed_cell_stops_the_run_naming_it_and_leaves_nothing_behind'),
+    ('test_cells.py', 'test_two_async_cells_train_one_state_with_their_own_rollout_workers_and_resume_on_one'),
+    ('test_cells.py', 'test_a_killed_async_cell_stops_the_run_naming_it_and_leaves_nothing_behind'),
     ('test_faults.py', 'test_the_short_suite_survives_every_trial'),
     ('test_data_parallel.py', 'test_two_ranks_match_one_rank_and_resume_on_one'),
     ('test_data_parallel.py', 'test_a_killed_rank_stops_the_other_naming_it'),
@@ -332,6 +337,13 @@ OPT_IN = frozenset({
     # 60 s: env slices over a generation worker; the slicing, batching and dead-slice tests stay, and the fault
     # suite's kill_generation kind (80 kills) runs such groups
     ('test_env_slices.py', 'test_async_with_env_slices_learns_without_losing_or_duplicating_segments'),
+    # 55 s: six JAX processes (two cells of controller, trainer rank, rollout worker); the fused killed cell (the
+    # launcher's side) and the two async cells run to the end (the trainer ranks' side) stay in CI
+    ('test_cells.py', 'test_a_killed_async_cell_stops_the_run_naming_it_and_leaves_nothing_behind'),
+    # ~90 s: a 2-node Ray cluster (~10 s to start) and two async cells over it (the ray extra, not in CI's install);
+    # the placement, the host agent and the driver's watch through it stay in CI (test_ray_launch), and the two
+    # async cells run to the end through --launcher=local (test_cells)
+    ('test_ray_launch.py', 'test_a_two_node_ray_cluster_runs_async_cells_one_per_node'),
 })
 FULL = os.environ.get('EBRL_FULL_TESTS') == '1'
 

@@ -1,5 +1,9 @@
-"""Cells: one process per cell, each a trainer rank of the fused schedule with its own envs (on a GPU host, one
-cell per GPU), joined by `jax.distributed` (`runtime.distributed`).
+"""Cells: one controller process per cell (on a GPU host, one cell per GPU), each cell one trainer rank with its
+own envs, the trainer ranks joined by `jax.distributed` (`runtime.distributed`). Under `fused` the cell is that one
+process; under `sync`/`async` it is that controller's run as on one GPU (`controller.pipeline`: the topology, the
+planner, its own MPS daemon with its pipe directory under the cell's run directory, its own shared memory), whose
+trainer worker is the rank (it joins; its rollout, generation and evaluator workers never do) and publishes the
+all-reduced parameters to its own cell's workers only. One GPU is the cell of one (`Cell()`), not another path.
 
 Every rank starts from the same train state (the run's init key, or rank 0's checkpoint: --run_dir is on a
 filesystem every rank sees), simulates its own envs (`rollout.keys.cell_key`: cell 0 draws a one-cell run's
@@ -18,6 +22,8 @@ from typing import Optional
 
 from ebrl_jax import config as config_lib
 from ebrl_jax.runtime import distributed
+from ebrl_jax.trainer import checkpoint
+from ebrl_jax.trainer import driver
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,14 +47,63 @@ def resolve(cfg: config_lib.Config) -> distributed.DistributedSpec:
   return spec
 
 
+def trainer_here(cfg: config_lib.Config) -> bool:
+  """Whether this process trains (fused, or --transport=thread: the trainer is a thread), so it is the rank."""
+  return cfg.schedule.name == 'fused' or cfg.schedule.transport != 'shm'
+
+
 def join(cfg: config_lib.Config, spec: Optional[distributed.DistributedSpec] = None) -> Cell:
-  """Joins the other cells' ranks (nothing to join for one cell). Call before JAX starts a backend."""
+  """This process's cell. Where it trains itself (`trainer_here`) it joins the other ranks now, before JAX starts
+  a backend; else its trainer worker joins them (`trainer.worker`), and the cell's rank is the launch's."""
   spec = spec or resolve(cfg)
   if not spec.multi:
     return Cell(run_dir=cfg.schedule.run_dir)
+  if not trainer_here(cfg):
+    return Cell(spec.process_id, spec.num_processes, spec, cfg.schedule.run_dir)
   distributed.initialize(spec)
   import jax  # lazy: after initialize (the process's JAX backend starts with the ranks joined)
   return Cell(jax.process_index(), jax.process_count(), spec, cfg.schedule.run_dir)
+
+
+def trainer_of_cell(trainer: driver.TrainerConfig, cell: Cell, resume: bool) -> driver.TrainerConfig:
+  """The trainer's part for this cell: an iteration is every cell's batch, --resume reads rank 0's checkpoints,
+  the ranks to join (`ranks`); with --resume, rebased on the checkpoint's iteration size (`rebased`)."""
+  if cell.multi:
+    trainer = dataclasses.replace(trainer,
+                                  env_steps_per_iteration=cell.count * trainer.env_steps_per_iteration,
+                                  checkpoint_run_dir=cell.run_dir,
+                                  ranks=cell.spec)
+  if resume:
+    trainer = rebased(trainer, cell.run_dir or trainer.process.run_dir)
+  return trainer
+
+
+def rebased(trainer: driver.TrainerConfig, run_dir: str) -> driver.TrainerConfig:
+  """--resume from a run whose iterations held another number of env steps (another number of cells): the
+  driver plans iterations from 0 at this run's size, so --num_timesteps moves by the difference and still counts
+  env steps (the checkpoint's, then this run's)."""
+  directory = os.path.join(run_dir, 'checkpoints')
+  intact = [s for s in checkpoint.committed_steps(directory) if checkpoint.damage(directory, s) is None]
+  if not intact:
+    return trainer
+  extra = checkpoint.read_extra(directory, intact[0])
+  shift = int(extra.get('iterations', 0)) * trainer.env_steps_per_iteration - int(extra.get('env_steps', 0))
+  if not shift:
+    return trainer
+  schedule = dataclasses.replace(trainer.schedule, num_timesteps=max(1, trainer.schedule.num_timesteps + shift))
+  return dataclasses.replace(trainer, schedule=schedule)
+
+
+def summary_cells(cell: Cell, envs_per_cell: int, env_steps_per_iteration: int, extra: dict) -> dict:
+  """summary.extra['cells'] of a cell of several: its rank, the count, the global batch, and the chain of its
+  parameters after every step (`runtime.distributed.chain_digest`: equal on every rank), taken out of `extra`."""
+  return {
+      'count': cell.count,
+      'rank': cell.rank,
+      'envs_per_cell': envs_per_cell,
+      'env_steps_per_iteration': env_steps_per_iteration,
+      'params_chain': extra.pop('params_chain', None)
+  }
 
 
 def rank_run_dir(run_dir: str, rank: int) -> str:
@@ -67,6 +122,7 @@ def rank_config(cfg: config_lib.Config, cell: Cell) -> config_lib.Config:
 
 
 def finish(cell: Cell) -> None:
-  """All ranks at one barrier before any leaves, so that rank 0 (the coordination service) ends last."""
-  if cell.multi:
+  """All ranks at one barrier before any leaves, so that rank 0 (the coordination service) ends last (where this
+  process joined them; a trainer worker that joined waits there itself)."""
+  if cell.multi and distributed.joined():
     distributed.barrier('ebrl_jax/end', cell.spec.heartbeat_timeout_s * 3)

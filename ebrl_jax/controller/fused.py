@@ -7,15 +7,12 @@ several cells (`controller.cells`) each process runs this schedule as one traine
 """
 from __future__ import annotations
 
-import dataclasses
-import os
 from typing import Optional
 
 from ebrl_jax import config as config_lib
 from ebrl_jax.controller import cells as cells_lib
 from ebrl_jax.controller import fused_cpu
 from ebrl_jax.controller import topology
-from ebrl_jax.trainer import checkpoint
 from ebrl_jax.trainer import driver
 
 
@@ -43,38 +40,12 @@ def run(cfg: config_lib.Config,
                                   topology.process_config(cfg),
                                   start=start,
                                   fixed_chunks=cfg.sim.backend != 'mujoco_cpu')
-  if cell is not None and cell.multi:
-    trainer = dataclasses.replace(trainer,
-                                  env_steps_per_iteration=cell.count * trainer.env_steps_per_iteration,
-                                  checkpoint_run_dir=cell.run_dir)
-  if cfg.schedule.resume:
-    trainer = _rebased(trainer, cell.run_dir if cell is not None else cfg.schedule.run_dir)
+  trainer = cells_lib.trainer_of_cell(trainer, cell or cells_lib.Cell(run_dir=cfg.schedule.run_dir),
+                                      cfg.schedule.resume)
   summary = driver.run_training(trainer,
                                 lambda _, spec, network, optimizer: make_source(cfg, spec, network, optimizer, cell))
   summary.extra['topology'] = {'roles': ['controller'], 'num_groups': 1}  # one process collects and trains
   if cell is not None and cell.multi:
-    summary.extra['cells'] = {
-        'count': cell.count,
-        'rank': cell.rank,
-        'envs_per_cell': cfg.sim.num_envs,
-        'env_steps_per_iteration': trainer.env_steps_per_iteration,
-        'params_chain':
-            summary.extra.pop('params_chain', None)  # equal on every rank: the same parameters
-    }
+    summary.extra['cells'] = cells_lib.summary_cells(cell, cfg.sim.num_envs, trainer.env_steps_per_iteration,
+                                                     summary.extra)
   return summary
-
-
-def _rebased(trainer: driver.TrainerConfig, run_dir: str) -> driver.TrainerConfig:
-  """--resume from a run whose iterations held another number of env steps (another number of cells): the
-  driver plans iterations from 0 at this run's size, so --num_timesteps moves by the difference and still counts
-  env steps (the checkpoint's, then this run's)."""
-  directory = os.path.join(run_dir, 'checkpoints')
-  intact = [s for s in checkpoint.committed_steps(directory) if checkpoint.damage(directory, s) is None]
-  if not intact:
-    return trainer
-  extra = checkpoint.read_extra(directory, intact[0])
-  shift = int(extra.get('iterations', 0)) * trainer.env_steps_per_iteration - int(extra.get('env_steps', 0))
-  if not shift:
-    return trainer
-  schedule = dataclasses.replace(trainer.schedule, num_timesteps=max(1, trainer.schedule.num_timesteps + shift))
-  return dataclasses.replace(trainer, schedule=schedule)

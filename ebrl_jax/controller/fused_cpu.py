@@ -7,7 +7,6 @@ index (`rollout.keys`), so a process schedule with one env group replays exactly
 """
 from __future__ import annotations
 
-import hashlib
 import time
 from typing import Dict, Tuple
 
@@ -20,18 +19,10 @@ from ebrl_jax.generation import stages as gen_stages
 from ebrl_jax.rollout import cpu as cpu_rollout
 from ebrl_jax.rollout import evaluation
 from ebrl_jax.rollout import keys
+from ebrl_jax.runtime import distributed
 from ebrl_jax.runtime import metrics as metrics_lib
 from ebrl_jax.trainer import parallel
 from ebrl_jax.trainer import stages as trainer_stages
-
-
-def _chain_digest(previous: str, tree) -> str:
-  """sha256 of `previous` and `tree`'s leaves' bytes: chained over the steps, one string that two ranks share only
-  if they held the same parameters after every step."""
-  h = hashlib.sha256(previous.encode())
-  for leaf in jax.tree_util.tree_leaves(tree):
-    h.update(np.asarray(leaf).tobytes())
-  return h.hexdigest()
 
 
 class CpuFusedLoop:
@@ -78,7 +69,7 @@ class CpuFusedLoop:
                                              keys.rollout_key(self._rollout_root, iteration, 0))
       train_state, metrics = self._train(train_state, batch, keys.train_key(self._root_key, iteration))
       if self._chain is not None:
-        self._chain = _chain_digest(self._chain, train_state.params)
+        self._chain = distributed.chain_digest(self._chain, jax.tree_util.tree_leaves(train_state.params))
       acc.add(jax.device_get(metrics), stats.return_sum, stats.count)
     return train_state, acc.result()
 

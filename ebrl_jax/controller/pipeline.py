@@ -26,6 +26,7 @@ from absl import logging
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import transport
+from ebrl_jax.controller import cells as cells_lib
 from ebrl_jax.controller import relayout
 from ebrl_jax.controller import replan
 from ebrl_jax.controller import slack_quotas
@@ -139,7 +140,7 @@ def _plan(cfg: config_lib.Config, topology, memory_plan, mps_daemon):
   if not cfg.resources.plan:
     return cfg, topology, None, memory_plan
   cfg, plan_record = autoplan.plan_run(cfg, mps_daemon is not None, functools.partial(calibration_env, mps_daemon))
-  topology = topology_lib.make_topology(cfg)  # the chosen number of groups: budgets again, before any worker
+  topology = topology_lib.make_topology(cfg, topology.cell)  # the chosen groups: budgets again, before any worker
   memory_plan = memory.plan_for_run(cfg, topology.env_spec, list(topology.planned_roles))
   memory_plan.log()
   return cfg, topology, plan_record, memory_plan
@@ -192,16 +193,18 @@ def _start_and_watch(cfg: config_lib.Config, workers: supervisor_lib.Supervisor)
 
 def run(cfg: config_lib.Config,
         pids: Optional[Dict[str, int]] = None,
-        start: Optional[driver.StartClock] = None) -> driver.RunSummary:
+        start: Optional[driver.StartClock] = None,
+        cell: Optional[cells_lib.Cell] = None) -> driver.RunSummary:
   """Runs `sync` or `async` and returns the trainer's summary (plus what the controller saw), also of a run
   stopped by SIGTERM or Ctrl-C (its `stopped` names the signal). `pids` (role -> pid) is kept up to date for
-  telemetry while the run goes on; `start` is the run's clock, which the trainer's figures count from."""
+  telemetry while the run goes on; `start` is the run's clock, which the trainer's figures count from. `cell`:
+  this run is that cell of several (its trainer worker a rank; None: the one cell)."""
   start = start or driver.StartClock(time.time())
   os.makedirs(cfg.schedule.run_dir, exist_ok=True)
   for path in _generation_stats_files(cfg):  # a reused run directory: count this run's batches only
     os.remove(path)
   shutil.rmtree(os.path.join(cfg.schedule.run_dir, lifecycle.PHASES_DIR), ignore_errors=True)  # and its phases
-  topology = topology_lib.make_topology(cfg)
+  topology = topology_lib.make_topology(cfg, cell)
   memory_plan = memory.plan_for_run(cfg, topology.env_spec, list(topology.planned_roles))  # no fit: stops here
   memory_plan.log()
   use_processes = cfg.schedule.transport == 'shm'
@@ -255,6 +258,9 @@ def run(cfg: config_lib.Config,
     summary.stopped = stopped  # the trainer saw a stop request: the controller knows which signal
   _add_extra(cfg, summary, workers, topology, plan_record, memory_plan, changer)
   summary.extra.update(recovered)
+  if topology.cell.multi:
+    summary.extra['cells'] = cells_lib.summary_cells(topology.cell, cfg.sim.num_envs,
+                                                     topology.trainer.env_steps_per_iteration, summary.extra)
   return summary
 
 

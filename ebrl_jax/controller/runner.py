@@ -245,8 +245,9 @@ def run(cfg: config_lib.Config, start_unix: Optional[float] = None) -> driver.Ru
 
 def _run_schedule(cfg: config_lib.Config, start: driver.StartClock, cell: cells_lib.Cell):
   """(summary, telemetry means) of the schedule; a run stopped before its schedule had a summary (SIGTERM or
-  Ctrl-C during start-up) gets the controller's own. A cell of several runs `fused` as one rank; a failed
-  all-reduce there is a `distributed.RankFailed` naming the rank that died."""
+  Ctrl-C during start-up) gets the controller's own. A cell of several runs `fused` as one rank, or `sync` /
+  `async` with its trainer worker as the rank; a failed all-reduce in this process is a `distributed.RankFailed`
+  naming the rank that died (a trainer worker's comes as its error report)."""
   pids: Dict[str, int] = {}
   telemetry = None
   if cfg.resources.telemetry_period_s > 0:
@@ -255,9 +256,14 @@ def _run_schedule(cfg: config_lib.Config, start: driver.StartClock, cell: cells_
         **pids
     }, cfg.resources.telemetry_period_s, cfg.schedule.trace_dir).start()
   try:
-    summary = fused.run(cfg, start, cell) if cell.multi else SCHEDULES[cfg.schedule.name](cfg, pids, start)
-  except jax.errors.JaxRuntimeError as e:
     if not cell.multi:
+      summary = SCHEDULES[cfg.schedule.name](cfg, pids, start)
+    elif cfg.schedule.name == 'fused':
+      summary = fused.run(cfg, start, cell)
+    else:  # sync / async: the cell's trainer worker is the rank (with --transport=thread, in this process)
+      summary = pipeline.run(cfg, pids, start, cell)
+  except jax.errors.JaxRuntimeError as e:
+    if not distributed.joined():  # only a rank's own all-reduce fails here
       raise
     raise distributed.failed_rank(cell.spec, e) from e
   except KeyboardInterrupt as interrupt:

@@ -1,5 +1,6 @@
 """The topology of a run, as a value: which worker processes there are, what crosses between them (record specs,
-the parameter template, channel capacities), and which of them hold a GPU. Built from a `Config` by
+the parameter template, channel capacities), which of them hold a GPU, and the cell they make (one per GPU: its
+trainer rank of how many, `controller.cells`; one GPU is the cell of one). Built from a `Config` (and the cell) by
 `make_topology` before any worker starts; printed at start and kept in the summary."""
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from ebrl_jax import config_generation
 from ebrl_jax import sim
 from ebrl_jax import types
 from ebrl_jax import transport
+from ebrl_jax.controller import cells as cells_lib
 from ebrl_jax.controller import iteration_graph as graph_lib
 from ebrl_jax.generation import policies
 from ebrl_jax.generation import worker as generation_worker
@@ -33,7 +35,8 @@ class Topology:
   path, even when it steps native MuJoCo). gpu_roles hold a GPU context (an SM quota and a memory budget);
   planned_roles are the processes the memory plan budgets (the GPU roles, plus a warm standby per group when the
   rollout quota changes during the run). trainer, rollout, generation and evaluator are the parts of the config
-  each worker receives (never the whole `Config`).
+  each worker receives (never the whole `Config`). `cell`: the cell these processes are (its trainer worker is
+  the rank that joins the others; every other worker serves this cell only).
   """
   env_spec: types.EnvSpec
   num_groups: int
@@ -56,6 +59,7 @@ class Topology:
   # Versions the parameter store holds: 2 (double buffering), or with --deterministic every version a group may
   # still be due (the bound's + 1) and one being written.
   param_history: int = 2
+  cell: cells_lib.Cell = cells_lib.Cell()
 
   @property
   def roles(self) -> Tuple[str, ...]:
@@ -78,7 +82,11 @@ class Topology:
         'segment_bytes': self.segment_spec.nbytes,
         'segment_capacity': self.segment_capacity,
         'param_bytes': param_bytes,
-        'param_history': self.param_history
+        'param_history': self.param_history,
+        'cell': {
+            'rank': self.cell.rank,
+            'count': self.cell.count
+        }
     }
     if self.request_spec is not None:
       out['request_bytes'], out['reply_bytes'] = self.request_spec.nbytes, self.reply_spec.nbytes
@@ -187,9 +195,9 @@ def process_config(cfg: config_lib.Config) -> startup.ProcessConfig:
                                compilation_cache_dir=cfg.schedule.compilation_cache_dir)
 
 
-def _worker_configs(cfg: config_lib.Config, switches: Tuple[str, ...]):
-  """The trainer's, the rollout workers' and the generation worker's parts; `switches` are the overlap windows
-  the iteration graph realises (each worker runs the ones it owns)."""
+def _worker_configs(cfg: config_lib.Config, switches: Tuple[str, ...], cell: cells_lib.Cell):
+  """The trainer's, the rollout workers' and the generation worker's parts of `cell`; `switches` are the overlap
+  windows the iteration graph realises (each worker runs the ones it owns)."""
   process = process_config(cfg)
   rollout = groups.RolloutConfig(process=process,
                                  sim=cfg.sim,
@@ -202,7 +210,8 @@ def _worker_configs(cfg: config_lib.Config, switches: Tuple[str, ...]):
                                  windows=switches,
                                  deterministic=cfg.schedule.deterministic,
                                  block_envs=block_envs(cfg),
-                                 generation_transport=generation_transport(cfg))
+                                 generation_transport=generation_transport(cfg),
+                                 cell=cell.rank)
   generation = None
   if not cfg.schedule.colocate_generation:
     generation = generation_worker.GenerationConfig(process=process,
@@ -213,11 +222,15 @@ def _worker_configs(cfg: config_lib.Config, switches: Tuple[str, ...]):
                                                     slice_envs=cfg.slice_envs,
                                                     total_envs=cfg.sim.num_envs,
                                                     transport=rollout.generation_transport,
-                                                    action_chunk=cfg.policy.action_chunk)
-  return dataclasses.replace(driver.trainer_config(cfg, process), windows=switches), rollout, generation
+                                                    action_chunk=cfg.policy.action_chunk,
+                                                    cell=cell.rank)
+  trainer = dataclasses.replace(driver.trainer_config(cfg, process), windows=switches)
+  return cells_lib.trainer_of_cell(trainer, cell, cfg.schedule.resume), rollout, generation
 
 
-def make_topology(cfg: config_lib.Config) -> Topology:
+def make_topology(cfg: config_lib.Config, cell: Optional[cells_lib.Cell] = None) -> Topology:
+  """The topology of `cfg`'s run as `cell` (None: the one cell of a one-GPU run)."""
+  cell = cell or cells_lib.Cell(run_dir=cfg.schedule.run_dir)
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat, config_lib.pixel_shape(cfg.sim))
   cpu_roles, feeders = _roles(cfg)
   # Native-MuJoCo rollout workers served by a generation worker hold no GPU context.
@@ -233,7 +246,7 @@ def make_topology(cfg: config_lib.Config) -> Topology:
   if not cfg.schedule.colocate_generation:
     request, reply = mailbox_specs(cfg, spec, ipc=generation_transport(cfg) == 'cuda_ipc')
   graph = graph_lib.make_graph(cfg)
-  trainer, rollout, generation = _worker_configs(cfg, graph.switches())
+  trainer, rollout, generation = _worker_configs(cfg, graph.switches(), cell)
   evaluator, report = evaluator_parts(cfg, trainer.process)
   return Topology(env_spec=spec,
                   num_groups=cfg.schedule.num_groups,
@@ -252,4 +265,5 @@ def make_topology(cfg: config_lib.Config) -> Topology:
                   iteration_graph=graph,
                   evaluator=evaluator,
                   report_spec=report,
-                  param_history=cfg.schedule.staleness_bound + 2 if cfg.schedule.deterministic else 2)
+                  param_history=cfg.schedule.staleness_bound + 2 if cfg.schedule.deterministic else 2,
+                  cell=cell)

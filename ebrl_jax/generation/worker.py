@@ -53,6 +53,7 @@ class GenerationConfig:
   # 'host' (the shared-memory mailbox) or 'cuda_ipc' (MJX groups' device buffers, transport/cuda_ipc.py).
   transport: str = 'host'
   action_chunk: int = 1
+  cell: int = 0  # the cell whose groups it serves (its sampling keys: `keys.cell_key`)
 
   @property
   def per_request_keys(self) -> bool:
@@ -223,7 +224,7 @@ def generation_main(cfg: GenerationConfig, mailbox: Any, store: Any, stop: Any, 
   num_requesters = cfg.num_requesters
   logging.info('generation worker: %d requesters of %d envs; act batches padded to buckets %s (%d programs).',
                num_requesters, cfg.slice_envs, server.buckets, len(server.buckets))
-  key = keys.generation_key(keys.root(cfg.seed))
+  key = keys.generation_key(keys.cell_key(keys.root(cfg.seed), cfg.cell))
   version, params, calls = -1, None, 0
   stats_path = os.path.join(cfg.process.run_dir, f'{STATS_PREFIX}{os.getpid()}_{time.time_ns()}.json')
   phase(f'waiting for the first act requests of {num_requesters} env slices')

@@ -47,6 +47,7 @@ class RolloutConfig:
   # With a separate generation worker: 'host' (the shared-memory mailbox) or, for MJX groups, 'cuda_ipc' (device
   # buffers, transport/cuda_ipc.py); '' with co-located generation.
   generation_transport: str = ''
+  cell: int = 0  # the cell (trainer rank) whose envs these are: its own keys (`keys.cell_key`; cell 0: one GPU's)
 
 
 class Group(Protocol):
@@ -75,7 +76,7 @@ class MjxGroup:
     from ebrl_jax.sim import stages as sim_stages  # lazy: as above
     num_envs, sim = cfg.group_envs, cfg.sim
     env = mjx_rollout.make_env(sim, auto_reset=not cfg.collect.episodic)
-    key = keys.env_reset_key(keys.root(cfg.seed), group)
+    key = keys.env_reset_key(keys.cell_key(keys.root(cfg.seed), cfg.cell), group)
     self._env_state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(env, key, num_envs, sim.group_size)
     self._program = jax.jit(functools.partial(mjx_rollout.collect_iteration, env, network, cfg.collect, num_envs),
                             donate_argnums=(2,))
@@ -157,7 +158,7 @@ class CpuGroup:
     env_spec = registry.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat,
                                  config_lib.pixel_shape(cfg.sim))
     # Group 0's envs are the fused schedule's envs, so one group replays it exactly.
-    seed = keys.env_seed(cfg.seed, keys.ENV_RESET, group)
+    seed = keys.env_seed(cfg.seed, keys.ENV_RESET, group, cell=cfg.cell)
     self._pool = cpu_rollout.make_pool(cfg.sim, cfg.group_envs, seed, auto_reset=not spec.episodic)
     self.remote_acts: List[RemoteAct] = []
     if mailbox is None:

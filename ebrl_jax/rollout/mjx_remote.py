@@ -65,7 +65,7 @@ class MjxServedGroup:
                                   randomization=s.randomization)
     env_spec = sim.env_spec(s.task, s.episode_length, s.action_repeat)
     o, k, a = env_spec.obs_dim, spec.action_chunk, env_spec.action_dim
-    key = keys.env_reset_key(keys.root(cfg.seed), group)
+    key = keys.env_reset_key(keys.cell_key(keys.root(cfg.seed), cfg.cell), group)
     self._reset = jax.jit(functools.partial(sim_stages.reset, env, num_envs=self._n, group_size=s.group_size))
     self._env_state = self._reset(key)
     self._step = jax.jit(functools.partial(_step, env, spec.episodic), donate_argnums=(0, 2, 3))

@@ -127,7 +127,7 @@ def rollout_main(cfg: groups.RolloutConfig,
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat, config_lib.pixel_shape(cfg.sim))
   network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim, spec.pixel_shape)
   worker = groups.make_group(cfg, group, network, tracer, channels.mailbox, stop)
-  root_key = keys.root(cfg.seed)
+  root_key = keys.cell_key(keys.root(cfg.seed), cfg.cell)  # the rollout keys of this worker's cell
   bound = cfg.staleness_bound
   store = channels.params
   params_version, params = -1, None

@@ -14,11 +14,14 @@ sees the failure, so the caller reports and exits (`exit_now`) instead of unwind
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import socket
 import sys
 import time
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
+
+import numpy as np
 
 from ebrl_jax.runtime import errors
 
@@ -148,6 +151,15 @@ def _jax_state():
 
 def _first_line(e: BaseException) -> str:
   return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+def chain_digest(previous: str, leaves: Sequence) -> str:
+  """sha256 of `previous` and the arrays' bytes (a train state's parameter leaves): chained over the steps, one
+  string that two ranks share only if they held the same parameters after every step."""
+  h = hashlib.sha256(previous.encode())
+  for leaf in leaves:
+    h.update(np.asarray(leaf).tobytes())
+  return h.hexdigest()
 
 
 def exit_now(code: int) -> None:

@@ -1,8 +1,9 @@
 """--launcher=local: N cells of this command on one host, watched.
 
 The launcher starts `python -m ebrl_jax.main <the same flags> --process_id=k` for k in 0..N-1 with rank 0's
-coordinator on localhost at a free port (on a GPU host, cell k sees GPU k only: CUDA_VISIBLE_DEVICES), and watches
-them; it never imports JAX. A cell that dies stops the others: they notice at their next all-reduce and exit
+coordinator on localhost at a free port (on a GPU host, cell k sees GPU k only: CUDA_VISIBLE_DEVICES, by UUID; with
+--pin_cpus each cell gets its own share of the host's cores, which its planner splits between its workers), and
+watches them (`watch`, which --launcher=ray shares: runtime/ray_launch.py); it never imports JAX. A cell that dies stops the others: they notice at their next all-reduce and exit
 naming it (`runtime.distributed.failed_rank`); the launcher measures how long that took, ends what is left (SIGTERM,
 then SIGKILL), and returns one `FATAL:` line naming the rank, its host and pid. Rank 0 writes the checkpoints, so
 what it committed stays loadable for `--resume`, with any number of cells. A stop of the launcher (SIGTERM,
@@ -11,6 +12,7 @@ Ctrl-C) is passed on to every cell. No cell outlives the launcher (`PR_SET_PDEAT
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -24,14 +26,17 @@ from ebrl_jax.runtime import lifecycle
 GRACE_S = 10.0  # after SIGTERM, before SIGKILL
 
 
-def free_port() -> int:
+def free_port(interface: str = '127.0.0.1') -> int:
+  """A TCP port free on `interface` ('': every interface, for a coordinator other hosts reach)."""
   with socket.socket() as s:
-    s.bind(('127.0.0.1', 0))
+    s.bind((interface, 0))
     return s.getsockname()[1]
 
 
 def gpu_ids(platform: str) -> List[str]:
-  """The GPUs this host gives its cells (CUDA_VISIBLE_DEVICES' order, else nvidia-smi's); none with --platform=cpu."""
+  """The GPUs this host gives its cells (CUDA_VISIBLE_DEVICES' entries, else nvidia-smi's GPUs by UUID); none with
+  --platform=cpu. A UUID names the same GPU under the cell's own MPS daemon, which renumbers its visible GPUs
+  from 0 (an index would not)."""
   if platform == 'cpu':
     return []
   visible = os.environ.get('CUDA_VISIBLE_DEVICES')
@@ -43,7 +48,30 @@ def gpu_ids(platform: str) -> List[str]:
     out = subprocess.run(['nvidia-smi', '-L'], capture_output=True, text=True, timeout=30, check=False).stdout
   except (OSError, subprocess.SubprocessError):
     return []
-  return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith('GPU ')]
+  gpus = [line for line in out.splitlines() if line.startswith('GPU ')]
+  return [m.group(1) if (m := re.search(r'UUID: (GPU-[0-9a-fA-F-]+)', g)) else str(i) for i, g in enumerate(gpus)]
+
+
+def cell_cores(cores: Sequence[int], num: int, index: int) -> List[int]:
+  """Cell `index`'s share of this host's `cores` among `num` cells (contiguous, near-equal blocks), so that each
+  cell's planner pins its workers inside its own share; all of them where there are fewer cores than cells."""
+  if len(cores) < num:
+    return list(cores)
+  size, extra = divmod(len(cores), num)
+  start = index * size + min(index, extra)
+  return list(cores[start:start + size + (index < extra)])
+
+
+def start_cell(command: Sequence[str], env: Dict[str, str], cores: Sequence[int] = (), cwd: Optional[str] = None):
+  """One cell as a subprocess: its own process group (a terminal's Ctrl-C reaches the launcher alone, which passes
+  it on once), on `cores` (none given: wherever it may run), ended with its launcher (`PR_SET_PDEATHSIG`)."""
+
+  def prepare():
+    lifecycle.arm_parent_death_signal()
+    if cores:
+      os.sched_setaffinity(0, set(cores))
+
+  return subprocess.Popen(list(command), env=env, cwd=cwd, process_group=0, preexec_fn=prepare)  # pylint: disable=subprocess-popen-preexec-fn
 
 
 def cell_command(argv: Sequence[str], rank: int, num: int, address: str) -> List[str]:
@@ -89,7 +117,8 @@ def run_local(argv: Sequence[str],
               run_dir: str,
               heartbeat_timeout_s: int,
               stop_requested: Callable[[], Optional[str]],
-              poll_s: float = 0.1) -> int:
+              poll_s: float = 0.1,
+              pin_cpus: bool = True) -> int:
   """Starts `num` cells of `argv` and watches them; returns the exit code of the run (0, 3, or a signal's)."""
   gpus = gpu_ids(platform)
   if gpus and num > len(gpus):
@@ -99,20 +128,27 @@ def run_local(argv: Sequence[str],
         file=sys.stderr)
     return 2
   address, host = f'127.0.0.1:{free_port()}', socket.gethostname()
+  cores = sorted(os.sched_getaffinity(0))
   procs = []
   for rank in range(num):
     env = dict(os.environ, **({'CUDA_VISIBLE_DEVICES': gpus[rank]} if gpus else {}))
-    # its own process group: a terminal's Ctrl-C reaches the launcher alone, which passes it on once
     procs.append(
-        subprocess.Popen(cell_command(argv, rank, num, address),
-                         env=env,
-                         process_group=0,
-                         preexec_fn=lifecycle.arm_parent_death_signal))  # pylint: disable=subprocess-popen-preexec-fn
+        start_cell(cell_command(argv, rank, num, address), env,
+                   cell_cores(cores, num, rank) if pin_cpus else ()))
   print(
       f'--launcher=local: {num} cells on {host} (coordinator {address}), pids '
       f'{", ".join(f"rank {r}: {p.pid}" for r, p in enumerate(procs))}.',
       file=sys.stderr,
       flush=True)
+  return watch(procs, [host] * num, run_dir, heartbeat_timeout_s, stop_requested, poll_s)
+
+
+def watch(procs: Sequence, hosts: Sequence[str], run_dir: str, heartbeat_timeout_s: int,
+          stop_requested: Callable[[], Optional[str]], poll_s: float) -> int:
+  """Watches the cells `procs` (rank order; `subprocess.Popen`s, or anything with their pid, poll, returncode,
+  send_signal, wait and kill) on `hosts` until every one has ended; returns the run's exit code (0, 3, or a
+  signal's). A stop asked for is passed on to every cell; a cell that fails stops the run (`_after_failure`)."""
+  num = len(procs)
   exited: Dict[int, float] = {}
   try:
     while len(exited) < num:
@@ -125,7 +161,7 @@ def run_local(argv: Sequence[str],
       exited.update({r: now for r in new})
       failed = sorted((r for r in new if procs[r].returncode != 0), key=lambda r: procs[r].returncode >= 0)
       if failed:
-        return _after_failure(procs, failed[0], exited, host, run_dir, heartbeat_timeout_s, poll_s)
+        return _after_failure(procs, failed[0], exited, hosts[failed[0]], run_dir, heartbeat_timeout_s, poll_s)
       time.sleep(poll_s)
   finally:
     _end(procs, signal.SIGTERM, GRACE_S)

@@ -57,6 +57,7 @@ class TrainerConfig:
   fixed_chunks: bool = False
   windows: Tuple[str, ...] = ()  # overlap windows it runs: 'h2d', 'evaluate', 'checkpoint' (iteration_graph.py)
   checkpoint_run_dir: str = ''  # whose checkpoints --resume reads ('': process.run_dir; a cell: rank 0's)
+  ranks: Any = None  # a cell of several: the runtime.distributed.DistributedSpec its trainer rank joins
 
 
 def trainer_config(cfg: config_lib.Config,
@@ -131,8 +132,7 @@ FINISHED = ('num_timesteps', 'target_return')
 
 
 def run_training(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
-  """`train` (below), with a full disk turned into `errors.DiskFull`: which file found it full, and which
-  checkpoint stays loadable for --resume (orbax commits a step only once it is whole)."""
+  """`train` (below), a full disk turned into `errors.DiskFull` (the file, the checkpoint --resume can load)."""
   try:
     return train(cfg, make_source, remote)
   except Exception as e:  # pylint: disable=broad-except  (orbax and tensorstore wrap the OS error)

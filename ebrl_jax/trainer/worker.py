@@ -23,12 +23,14 @@ import numpy as np
 from ebrl_jax import types
 from ebrl_jax.rollout import evaluation
 from ebrl_jax.rollout import keys
+from ebrl_jax.runtime import distributed
 from ebrl_jax.runtime import errors
 from ebrl_jax.runtime import lifecycle
 from ebrl_jax.runtime import metrics as metrics_lib
 from ebrl_jax.runtime import startup
 from ebrl_jax.runtime import tracing
 from ebrl_jax.trainer import driver
+from ebrl_jax.trainer import parallel
 from ebrl_jax.trainer import remote_eval
 from ebrl_jax.trainer import stages as trainer_stages
 
@@ -65,12 +67,11 @@ class ChannelSource:
     self._deterministic = cfg.schedule.deterministic
     self._ahead: Dict[tuple, Any] = {}  # --deterministic: (group, iteration) -> a record that came early
     self._on_device: Dict[int, Any] = {}
-    self._train = trainer_stages.make_train_fn(network,
-                                               optimizer,
-                                               cfg.algo,
-                                               cfg.policy.min_std,
-                                               cfg.sim.group_size,
-                                               recompute_proximal=self._bound > 0)
+    train_args = (network, optimizer, cfg.algo, cfg.policy.min_std, cfg.sim.group_size, self._bound > 0)
+    multi = cfg.ranks is not None and cfg.ranks.multi  # a cell's trainer rank: the step over every rank
+    self._train = (parallel.make_data_parallel_train_fn(*train_args, parallel.rank_mesh())
+                   if multi else trainer_stages.make_train_fn(*train_args))
+    self._chain = '' if multi else None  # every step's parameters, hashed in a chain (equal on every rank)
     self._root_key = keys.root(cfg.schedule.seed)
     self._evaluator = None  # the evaluator process evaluates: the trainer builds and compiles no evaluation
     if channels.evaluation is None:
@@ -202,6 +203,8 @@ class ChannelSource:
       train_state, metrics = self._train(train_state, batch, train_key)
       metrics = jax.device_get(metrics)
     t2 = time.monotonic()
+    if self._chain is not None:
+      self._chain = distributed.chain_digest(self._chain, jax.tree_util.tree_leaves(train_state.params))
     if not all(np.isfinite(float(v)) for v in metrics.values()):
       self._dump_nonfinite(batch, records, metrics, version)
     with self.tracer.span('train/publish_params', version=version):
@@ -242,7 +245,7 @@ class ChannelSource:
       return self._evaluator.evaluate(params, key)
 
   def summary_extra(self) -> Dict[str, Any]:
-    return dict(self.counts)
+    return {**self.counts, **({} if self._chain is None else {'params_chain': self._chain})}
 
   def close(self) -> None:
     if self._evaluator is not None:
@@ -279,14 +282,26 @@ def _remote(cfg: driver.TrainerConfig, channels: TrainerChannels) -> Optional[re
 def trainer_main(cfg: driver.TrainerConfig, channels: TrainerChannels, env: Optional[dict] = None) -> None:
   """Process entry point: trains until done or stopped and sends its summary (a dict of `driver.RunSummary`,
   `stopped` saying why it ended) on the control pipe, or the `RunError` it stopped on as an `errors.ErrorReport`;
-  then sets the stop event."""
+  then sets the stop event. A cell's trainer rank (`cfg.ranks`) joins the other ranks first, names a rank that
+  died as a `distributed.RankFailed`, and leaves without JAX's shutdown (`distributed.exit_now`)."""
   interrupt = _interrupt_on_sigint()
   startup.start_process(cfg.process, env)
-  lifecycle.Phase(cfg.process.run_dir, 'trainer')('initialising the network and the train state')
+  joins = cfg.ranks is not None and cfg.ranks.multi and not distributed.joined()  # a thread: the controller joined
+  lifecycle.Phase(cfg.process.run_dir,
+                  'trainer')('joining the trainer ranks' if joins else 'initialising the network and the train state')
+  if joins:
+    distributed.initialize(cfg.ranks)
   channels = channels._replace(stop=lifecycle.ParentWatch(channels.stop), interrupt=interrupt)
+  finished, code = False, 0
   try:
-    summary = driver.run_training(cfg, lambda c, s, n, o: ChannelSource(c, s, n, o, channels), _remote(cfg, channels))
+    try:
+      summary = driver.run_training(cfg, lambda c, s, n, o: ChannelSource(c, s, n, o, channels), _remote(cfg, channels))
+    except jax.errors.JaxRuntimeError as e:  # an all-reduce failed: a peer rank died
+      if not distributed.joined():
+        raise
+      raise distributed.failed_rank(cfg.ranks, e) from e
     channels.outbox.send('result', dataclasses.asdict(summary))
+    finished = summary.stopped in driver.FINISHED
   except KeyboardInterrupt:  # interrupted twice, or before the driver's loop: no summary to send
     logging.warning('trainer: interrupted before it had a summary; the last checkpoint stays loadable.')
   except errors.RunError as e:  # the controller raises it again with these words
@@ -294,5 +309,14 @@ def trainer_main(cfg: driver.TrainerConfig, channels: TrainerChannels, env: Opti
     channels.outbox.send('error', errors.report(e))
   except OSError as e:  # the controller has gone (a broken control pipe): nobody to tell
     logging.warning('trainer: could not reach the controller: %s', e)
+  except Exception:  # pylint: disable=broad-except  (a rank leaves through exit_now below: say why first)
+    if not joins:
+      raise
+    logging.exception('trainer rank %d failed', cfg.ranks.process_id)
+    code = 1
   finally:
     channels.stop.set()
+    if joins:  # every rank at one barrier after a finished run, so rank 0 (the coordination service) ends last
+      if finished:
+        distributed.barrier('ebrl_jax/end', cfg.ranks.heartbeat_timeout_s * 3)
+      distributed.exit_now(code)

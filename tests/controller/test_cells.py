@@ -1,7 +1,9 @@
 """Cells (issue 16): `fused` runs as one trainer rank per process through the real entry point, on CPU with gloo
 collectives. Two cells started by `--launcher=local` hold the same parameters after every step (a sha256 chained
 over each step's parameters, in each rank's summary), count the global batch in the summary, and rank 0's
-checkpoint continues on one cell; a killed cell stops the run with a message naming it and leaves no process."""
+checkpoint continues on one cell; a killed cell stops the run with a message naming it and leaves no process. The
+same for `async` cells (each a controller, its trainer worker the rank, its own rollout worker process): one
+parameter chain on both ranks, a resume on one cell, a killed cell naming rank 1 (opt-in)."""
 import json
 import os
 import re
@@ -9,12 +11,16 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from ebrl_jax import config as config_lib
+from ebrl_jax.controller import cells as cells_lib
+from ebrl_jax.controller import topology as topology_lib
 from ebrl_jax.rollout import keys
+from ebrl_jax.runtime import distributed
 from ebrl_jax.runtime import lifecycle
 from ebrl_jax.trainer import checkpoint
 
@@ -107,7 +113,108 @@ def test_cell_keys_and_flag_errors():
   assert keys.env_seed(0, keys.ENV_RESET, 0, cell=1) != keys.env_seed(0, keys.ENV_RESET, 0)
   with pytest.raises(ValueError, match='--launcher=local needs --num_processes'):
     config_lib.CellConfig(launcher='local')
-  with pytest.raises(ValueError, match='run --schedule=fused for now'):
-    config_lib.Config(schedule=config_lib.ScheduleConfig(name='sync'), cells=config_lib.CellConfig(num_processes=2))
+  two = config_lib.CellConfig(num_processes=2)
+  config_lib.Config(schedule=config_lib.ScheduleConfig(name='sync'), cells=two)  # a trainer rank per cell
+  with pytest.raises(ValueError, match='run --schedule=fused, sync or async'):
+    config_lib.Config(schedule=config_lib.ScheduleConfig(name='overlap'), cells=two)
+  with pytest.raises(ValueError, match='need --evaluator=trainer'):
+    config_lib.Config(schedule=config_lib.ScheduleConfig(name='async', target_return=100.0), cells=two)
+  with pytest.raises(ValueError, match='--group_schedule'):
+    config_lib.Config(schedule=config_lib.ScheduleConfig(name='async', group_schedule='2:groups=1'), cells=two)
   with pytest.raises(ValueError, match='cannot stop on --max_wall_s'):
     config_lib.Config(schedule=config_lib.ScheduleConfig(max_wall_s=5), cells=config_lib.CellConfig(num_processes=2))
+
+
+# async cells: each cell a controller with its own trainer worker (the rank) and one rollout worker process.
+ASYNC = ('--schedule=async', '--num_groups=1', '--evaluator=trainer', '--max_staleness=1')
+
+
+def _pids(run_dir):
+  """Every process of a cell's run: its controller and its workers (workers.json)."""
+  with open(os.path.join(run_dir, 'workers.json')) as f:
+    record = json.load(f)
+  return [record['controller'], *record['workers'].values()]
+
+
+def test_two_async_cells_train_one_state_with_their_own_rollout_workers_and_resume_on_one(tmp_path):
+  run_dir = tmp_path / 'run'
+  t0 = time.monotonic()
+  two = _run(run_dir, '--launcher=local', '--num_processes=2', '--num_timesteps=1600', *ASYNC)
+  print(f'2 async cells: {time.monotonic() - t0:.1f} s')
+  assert two.returncode == 0, two.stderr[-4000:]
+  rank0, rank1 = _summary(run_dir / 'summary.json'), _summary(run_dir / 'rank1' / 'summary.json')
+  assert rank0['env_steps'] == rank1['env_steps'] == 1600 and rank0['iterations'] == 10  # 10 x 2 cells x 80
+  cells0, cells1 = rank0['extra']['cells'], rank1['extra']['cells']
+  assert (cells0['count'], cells0['rank'], cells1['rank'], cells0['env_steps_per_iteration']) == (2, 0, 1, 160)
+  assert cells0['params_chain'] and cells0['params_chain'] == cells1['params_chain'], 'the ranks diverged'
+  assert rank0['extra']['topology']['cell'] == {'rank': 0, 'count': 2}
+  assert rank1['extra']['topology']['roles'] == ['trainer', 'rollout/0']  # a cell's own workers, as on one GPU
+  assert rank0['extra']['segments_consumed'] == rank1['extra']['segments_consumed'] == 10
+  assert not os.path.exists(run_dir / 'rank1' / 'checkpoints')  # rank 0 alone checkpoints
+  assert checkpoint.committed_steps(str(run_dir / 'checkpoints'))[0] == 10
+  assert not any(lifecycle.pid_alive(p) for r in (run_dir, run_dir / 'rank1') for p in _pids(r))
+  # One cell (its workers as threads: one process) continues the global state: 8 iterations of 80 env steps.
+  one = _run(run_dir, '--resume', '--num_timesteps=2240', *ASYNC, '--transport=thread')
+  assert one.returncode == 0, one.stderr[-4000:]
+  resumed = _summary(run_dir / 'summary.json')
+  assert resumed['extra']['resumed_from']['env_steps'] == 1600 and resumed['env_steps'] == 2240
+  assert resumed['iterations'] == 18 and 'cells' not in resumed['extra']
+
+
+def test_a_killed_async_cell_stops_the_run_naming_it_and_leaves_nothing_behind(tmp_path):
+  run_dir = tmp_path / 'run'
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  launcher = subprocess.Popen(_main(run_dir, '--launcher=local', '--num_processes=2', '--num_timesteps=80000',
+                                    '--num_evals=250', *ASYNC),
+                              cwd=ROOT,
+                              env=env,
+                              stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT,
+                              text=True)
+  lines = []
+  reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
+  reader.start()
+  deadline = time.monotonic() + 240
+  while not checkpoint.committed_steps(str(run_dir / 'checkpoints')):  # rank 0 trained past iteration 1
+    assert launcher.poll() is None and time.monotonic() < deadline, ''.join(lines)[-3000:]
+    time.sleep(0.2)
+  pids = re.search(r'pids rank 0: (\d+), rank 1: (\d+)', ''.join(lines))
+  assert pids, ''.join(lines)[-3000:]
+  time.sleep(1.0)
+  workers = _pids(run_dir) + _pids(run_dir / 'rank1')
+  os.kill(int(pids.group(2)), signal.SIGKILL)  # cell 1's controller: its workers go with it (parent-death signal)
+  launcher.wait(timeout=120)
+  reader.join(timeout=10)
+  out = ''.join(lines)
+  assert launcher.returncode == 3, out[-4000:]
+  fatal = re.search(
+      r'FATAL: cell rank 1 \(pid \d+ on \S+\) died \(killed by SIGKILL\); the other cells stopped: '
+      r'rank 0 after ([\d.]+) s', out)
+  assert fatal, out[-4000:]
+  print(f'async: rank 0 stopped {fatal.group(1)} s after cell 1 was killed')
+  assert re.search(r'the trainer worker \(pid \d+\) stopped: trainer rank 1 \(\S+ pid \d+\) died', out), out[-4000:]
+  deadline = time.monotonic() + 10  # the orphaned workers of cell 1 end on their parent-death signal
+  while any(lifecycle.pid_alive(p) for p in workers) and time.monotonic() < deadline:
+    time.sleep(0.2)
+  assert not any(lifecycle.pid_alive(p) for p in workers), workers
+  directory = str(run_dir / 'checkpoints')
+  steps = checkpoint.committed_steps(directory)
+  assert steps and checkpoint.damage(directory, steps[0]) is None, steps
+
+
+def test_the_topology_describes_the_cell_and_one_gpu_is_the_cell_of_one(tmp_path):
+  cfg = config_lib.Config(sim=config_lib.SimConfig(task='inverted_pendulum', num_envs=8),
+                          algo=config_lib.AlgoConfig(batch_size=8, num_minibatches=2),
+                          schedule=config_lib.ScheduleConfig(name='async',
+                                                             run_dir=str(tmp_path / 'rank1'),
+                                                             num_groups=2,
+                                                             colocate_generation=False))
+  one = topology_lib.make_topology(cfg)
+  spec = distributed.DistributedSpec('host0:1234', 2, 1)
+  cell = topology_lib.make_topology(cfg, cells_lib.Cell(1, 2, spec, str(tmp_path)))
+  assert one.cell == cells_lib.Cell(run_dir=cfg.schedule.run_dir) and one.trainer.ranks is None
+  assert one.describe()['cell'] == {'rank': 0, 'count': 1} and cell.describe()['cell'] == {'rank': 1, 'count': 2}
+  assert cell.roles == one.roles  # a cell's own workers, as on one GPU
+  assert cell.trainer.env_steps_per_iteration == 2 * one.trainer.env_steps_per_iteration  # the global batch
+  assert cell.trainer.ranks == spec and cell.trainer.checkpoint_run_dir == str(tmp_path)  # rank 0's checkpoints
+  assert (one.rollout.cell, cell.rollout.cell, cell.generation.cell) == (0, 1, 1)  # the cell's own keys
