@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ebrl_jax import transport
-from ebrl_jax import types
+from ebrl_jax.controller import topology
 from ebrl_jax.generation import worker as generation_worker
 from ebrl_jax.rollout import groups
 from ebrl_jax.transport import cuda_ipc
@@ -41,44 +41,8 @@ class Shape(NamedTuple):
 
 
 def specs(shape: Shape, ipc: bool):
-  """The act request / reply specs of one slice (controller/topology.mailbox_specs's layout)."""
-  rows = 0 if ipc else shape.envs
-  k, a = shape.chunk, shape.action_dim
-  request = transport.record_spec(types.ActRequest, {
-      'group': (),
-      'env_slice': (),
-      'seq': (),
-      'min_version': (),
-      'obs': (rows, shape.obs_dim),
-      'key': (2,),
-      'owner': (),
-      'handle': (cuda_ipc.HANDLE_BYTES,)
-  },
-                                  dtypes={
-                                      'group': 'int32',
-                                      'env_slice': 'int32',
-                                      'seq': 'int32',
-                                      'min_version': 'int32',
-                                      'key': 'uint32',
-                                      'owner': 'int32',
-                                      'handle': 'uint8'
-                                  })
-  reply = transport.record_spec(types.ActReply, {
-      'group': (),
-      'env_slice': (),
-      'seq': (),
-      'version': (),
-      'actions': (rows, k, a),
-      'raw_actions': (rows, k, a),
-      'log_probs': (rows,)
-  },
-                                dtypes={
-                                    'group': 'int32',
-                                    'env_slice': 'int32',
-                                    'seq': 'int32',
-                                    'version': 'int32'
-                                })
-  return request, reply
+  """The act request / reply specs of one slice, as a run lays them out (controller/topology)."""
+  return topology.act_record_specs(shape.envs, shape.obs_dim, shape.chunk, shape.action_dim, ipc)
 
 
 class _Out(NamedTuple):

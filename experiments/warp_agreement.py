@@ -228,8 +228,8 @@ def section_agreement(args, result, refs):
       if num_envs == args.sizes_envs and 'jax' in outs:
         refs[task] = outs['jax']
         np.savez(f'{args.refs_prefix}_{task}.npz', *outs['jax'])
-      _write(args, result)
-      if _over_budget(args, result, f'agreement after {name}'):
+      write_result(args, result)
+      if over_budget(args, result, f'agreement after {name}'):
         return
 
 
@@ -264,7 +264,7 @@ def section_buffers(args, result):
       m['graph_captures_in_timed_loop'] = _CAPTURES['count'] - c0
       del keep
       _log(f'buffers {impl} {mode}: {m}')
-    _write(args, result)
+    write_result(args, result)
 
 
 def section_sizes(args, result, refs):
@@ -306,7 +306,7 @@ def section_sizes(args, result, refs):
       except Exception as e:  # pylint: disable=broad-except
         sink['error'] = f'{type(e).__name__}: {e}'[:2000]
       _log(f'sizes {task} {case}: {_brief(sink)}')
-      _write(args, result)
+      write_result(args, result)
 
 
 def section_converged(args, result):
@@ -328,7 +328,7 @@ def section_converged(args, result):
       _log(f'converged {task} {impl}: {_brief(sink)}')
     if len(outs) == 2:
       entry['diff'] = compare(outs['jax'], outs['warp'])
-    _write(args, result)
+    write_result(args, result)
 
 
 def section_precision(args, result):
@@ -353,7 +353,7 @@ def section_precision(args, result):
         d = compare(outs[ref], outs['warp_default'])
         entry[f'diff_{ref}_vs_warp'] = {k: v for k, v in d.items() if k.startswith('at_')}
         _log(f'precision {task} {ref} vs warp: {entry[f"diff_{ref}_vs_warp"]}')
-    _write(args, result)
+    write_result(args, result)
 
 
 def section_variants(args, result):
@@ -375,8 +375,8 @@ def section_variants(args, result):
     except Exception as e:  # pylint: disable=broad-except
       sink['error'] = f'{type(e).__name__}: {e}'[:2000]
     _log(f'variants {case}: {_brief(sink)}')
-    _write(args, result)
-    if _over_budget(args, result, f'variants after {case}'):
+    write_result(args, result)
+    if over_budget(args, result, f'variants after {case}'):
       return
   # MuJoCo Warp's own per-step prints left on (warn_overflow unmasked): how much lands on stdout.
   sink = result['variants'].setdefault('iteration_limit_print_on', {'task': task, 'num_envs': 1024, 'steps': 10})
@@ -386,7 +386,7 @@ def section_variants(args, result):
   except Exception as e:  # pylint: disable=broad-except
     sink['error'] = f'{type(e).__name__}: {e}'[:2000]
   _log(f'variants print_on: {_brief(sink)}')
-  _write(args, result)
+  write_result(args, result)
 
 
 _T0 = time.perf_counter()
@@ -402,15 +402,15 @@ def _brief(sink):
   return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in sink.items() if k in keys}
 
 
-def _over_budget(args, result, where):
+def over_budget(args, result, where):
   if time.perf_counter() - _T0 > args.budget_s:
     result['skipped'].append(f'time budget {args.budget_s}s reached at {where}')
-    _write(args, result)
+    write_result(args, result)
     return True
   return False
 
 
-def _write(args, result):
+def write_result(args, result):
   result['wall_s'] = time.perf_counter() - _T0
   os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
   with open(args.out + '.tmp', 'w') as f:
@@ -492,7 +492,7 @@ def main(argv=None):
   for name in ('agreement', 'buffers', 'sizes', 'converged', 'variants', 'precision'):
     if name not in sections:
       continue
-    if name != 'agreement' and _over_budget(args, result, f'before {name}'):
+    if name != 'agreement' and over_budget(args, result, f'before {name}'):
       break
     _log(f'--- {name}')
     try:
@@ -511,8 +511,8 @@ def main(argv=None):
     except Exception as e:  # pylint: disable=broad-except
       result['skipped'].append(f'{name} failed: {type(e).__name__}: {e}'[:2000])
       _log(f'{name} failed: {type(e).__name__}: {e}')
-    _write(args, result)
-  _write(args, result)
+    write_result(args, result)
+  write_result(args, result)
   _log(f'wrote {args.out}')
 
 

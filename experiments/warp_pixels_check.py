@@ -45,6 +45,7 @@ from ebrl_jax.sim import manipulation  # pylint: disable=g-import-not-at-top,wro
 from ebrl_jax.sim import mjx_env  # pylint: disable=g-import-not-at-top,wrong-import-position
 from ebrl_jax.sim import render  # pylint: disable=g-import-not-at-top,wrong-import-position
 from ebrl_jax.sim import stages  # pylint: disable=g-import-not-at-top,wrong-import-position
+from experiments import warp_agreement  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGFILE = os.path.join(ROOT, 'experiments', 'w5_pixels_warp.flags')
@@ -188,12 +189,12 @@ def section_throughput(args, result):
   out = result.setdefault('throughput', {})
   for n in args.num_envs:
     for name, cam in (('step', None), ('step_render', camera)):
-      if _over_budget(args, result, f'throughput {n} {name}'):
+      if warp_agreement.over_budget(args, result, f'throughput {n} {name}'):
         return
       out[f'{n}/{name}'] = _throughput(n, cam, args.steps, args.repeats)
       _log(f'throughput {n} {name}: {out[f"{n}/{name}"]["env_steps_per_s"]:.0f} env steps/s, '
            f'compile {out[f"{n}/{name}"]["compile_s"]:.1f}s')
-      _write(args, result)
+      warp_agreement.write_result(args, result)
     step, both = out[f'{n}/step'], out[f'{n}/step_render']
     out[f'{n}/render_cost'] = {
         'us_per_env_step_step': 1e6 / step['env_steps_per_s'],
@@ -247,22 +248,6 @@ class Training:
     _log(f'training: rc {rc} after {wall:.0f}s, {len(records)} metrics records')
 
 
-def _over_budget(args, result, where):
-  if time.perf_counter() - _T0 > args.budget_s:
-    result['skipped'].append(f'time budget {args.budget_s}s reached at {where}')
-    _write(args, result)
-    return True
-  return False
-
-
-def _write(args, result):
-  result['wall_s'] = time.perf_counter() - _T0
-  os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-  with open(args.out + '.tmp', 'w') as f:
-    json.dump(result, f, indent=1)
-  os.replace(args.out + '.tmp', args.out)
-
-
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--out', default=os.path.join(os.environ.get('OUT', '/tmp'), 'warp_pixels_check_h200.json'))
@@ -306,7 +291,7 @@ def main(argv=None):
                    ('throughput', section_throughput)):
     if name not in sections:
       continue
-    if name != 'training' and _over_budget(args, result, f'before {name}'):
+    if name != 'training' and warp_agreement.over_budget(args, result, f'before {name}'):
       continue
     _log(f'--- {name}')
     try:
@@ -315,7 +300,7 @@ def main(argv=None):
       result['skipped'].append(f'{name} failed: {type(e).__name__}: {e}'[:2000])
       _log(f'{name} failed: {type(e).__name__}: {e}')
     jax.clear_caches()
-    _write(args, result)
+    warp_agreement.write_result(args, result)
   _log(f'wrote {args.out}')
 
 

@@ -118,17 +118,21 @@ def generation_transport(cfg: config_lib.Config) -> str:
 
 
 def mailbox_specs(cfg: config_lib.Config, spec: types.EnvSpec, ipc: bool = False):
-  """Request and reply specs of one env slice (the whole group without `--env_slices`). With `ipc` (CUDA IPC)
-  the arrays have 0 rows: they travel in the slice's device buffer, the records are only the per-step flags."""
-  b, k, o, a = cfg.slice_envs, cfg.policy.action_chunk, spec.obs_dim, spec.action_dim
-  rows = 0 if ipc else b
+  """Request and reply specs of one env slice (the whole group without `--env_slices`)."""
+  return act_record_specs(cfg.slice_envs, spec.obs_dim, cfg.policy.action_chunk, spec.action_dim, ipc)
+
+
+def act_record_specs(envs: int, obs_dim: int, chunk: int, action_dim: int, ipc: bool = False):
+  """Act request / reply specs of a slice of `envs` envs. With `ipc` (CUDA IPC) the arrays have 0 rows: they
+  travel in the slice's device buffer, the records are only the per-step flags."""
+  rows, k, a = (0 if ipc else envs), chunk, action_dim
   ints = {'group': 'int32', 'env_slice': 'int32', 'seq': 'int32'}
   request = transport.record_spec(types.ActRequest, {
       'group': (),
       'env_slice': (),
       'seq': (),
       'min_version': (),
-      'obs': (rows, o),
+      'obs': (rows, obs_dim),
       'key': (2,),
       'owner': (),
       'handle': (cuda_ipc.HANDLE_BYTES,)
