@@ -59,9 +59,9 @@ class SimConfig:
       self._check_playground()
     else:
       _check_choice('task', self.task, TASKS)
-    if self.randomization.enabled and (self.backend == 'mjx_warp' or self.task.startswith(PLAYGROUND_PREFIX)):
-      raise ValueError(f'--randomize={self.randomize} runs on --backend=mujoco_cpu or mjx with the project\'s own '
-                       f'tasks (got --backend={self.backend}, --task={self.task}).')
+    if self.randomization.enabled and self.task.startswith(PLAYGROUND_PREFIX):
+      raise ValueError(f'--randomize={self.randomize} runs on the project\'s own tasks, not --task={self.task} '
+                       '(Playground ships its own randomisers).')
     _check_positive('num_envs', self.num_envs)
     _check_positive('episode_length', self.episode_length)
     _check_positive('action_repeat', self.action_repeat)

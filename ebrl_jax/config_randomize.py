@@ -3,6 +3,9 @@
 Each entry `name=lo:hi` draws, for every env and every element the parameter touches, one value uniformly in
 [lo, hi] when the env is reset (`ebrl_jax.sim.randomize` applies them; an auto-reset keeps the env's draw).
 '' (the default) randomises nothing, and the simulation is exactly that of a run without the flag.
+Every backend (mujoco_cpu, mjx, mjx_warp) takes every parameter, for the project's own tasks; camera,
+camera_tilt and color change only what `--obs=pixels` sees (on mujoco_cpu and mjx_warp, which render), and
+camera / camera_tilt move cameras of MuJoCo's default mode, fixed to their body (as push_cube's).
 """
 from __future__ import annotations
 

@@ -68,7 +68,8 @@ _HELP = {
     'task': (f'Task to train on: {", ".join(config_lib.TASKS)}, or {config_lib.PLAYGROUND_PREFIX}NAME for a MuJoCo '
              'Playground env (the playground extra; --backend=mjx or mjx_warp).'),
     'randomize': ('Domain randomisation drawn per env at reset, name=lo:hi,...: '
-                  f'{", ".join(config_lib.RANDOMIZE_PARAMS)} (e.g. friction=0.8:1.2,mass=0.9:1.1); empty: off.'),
+                  f'{", ".join(config_lib.RANDOMIZE_PARAMS)} (e.g. friction=0.8:1.2,mass=0.9:1.1,color=0.5:1); every '
+                  'backend, the project\'s own tasks; empty: off.'),
     'backend':
         f'Simulator: {", ".join(config_lib.BACKENDS)} (mjx runs on the accelerator).',
     'obs': (f'Observations: {", ".join(config_lib.OBS_MODES)}. pixels: stacked uint8 RGB frames of the task\'s '

@@ -46,7 +46,7 @@ FILE_TIERS = {
     'test_agreement.py': 'contract',  # both backends agree to 5e-4; compiles MJX
     'test_agreement_push_cube.py': 'contract',  # the same for push_cube
     'test_push_cube.py': 'unit',
-    'test_randomize.py': 'contract',  # --randomize: spec, draws, both backends read back; compiles MJX
+    'test_randomize.py': 'contract',  # --randomize: spec, draws, every backend reads them back; compiles MJX
     'test_playground.py': 'contract',  # a bundled Playground task through our MJX stages; compiles MJX
     'test_render.py': 'unit',
     'test_warp_pixels.py': 'unit',  # --obs=pixels on mjx_warp: frame stacks, checks; rendering needs Warp's device
@@ -227,6 +227,7 @@ HEAVY = frozenset({
 SLOW = frozenset({
     # ~40-50 s each on Warp's CPU kernels (EBRL_WARP_ALLOW_CPU=1); skipped without a CUDA GPU or that variable
     ('test_warp_pixels.py', 'test_warp_frames_stack_through_reset_chunks_and_episode_ends'),
+    ('test_randomize.py', 'test_warp_draws_reach_the_physics_the_camera_and_the_renderer'),
     ('test_cells.py', 'test_two_cells_hold_one_state_count_the_global_batch_and_resume_on_one_cell'),
     ('test_cells.py', 'test_a_killed_cell_stops_the_run_naming_it_and_leaves_nothing_behind'),
     ('test_cells.py', 'test_two_async_cells_train_one_state_with_their_own_rollout_workers_and_resume_on_one'),

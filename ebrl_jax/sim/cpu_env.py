@@ -130,6 +130,16 @@ class CpuEnvPool:
     """The MjModel env `env_id` steps with (the shared `model` unless randomised)."""
     return self._models[int(self._ids([env_id])[0])]
 
+  def model_fields(self, env_ids: Optional[Sequence[int]] = None) -> Dict[str, np.ndarray]:
+    """The randomised model fields of envs `env_ids` (all by default), [n, ...] each, as the envs step and render
+    with them (`mjx_env.model_fields` is the MJX twin); {} without randomisation."""
+    if self.randomization is None:
+      return {}
+    ids = self._ids(env_ids)
+    return {
+        f: np.stack([getattr(self._models[i], f).copy() for i in ids]) for f in randomize.fields_of(self.randomization)
+    }
+
   # ------------------------------------------------------------------------------------------------ state
   def _ids(self, env_ids) -> np.ndarray:
     if env_ids is None:

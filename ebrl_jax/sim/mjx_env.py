@@ -18,8 +18,10 @@ same object, which makes it usable as a `jax.jit` static argument without recomp
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import threading
 from typing import Optional
 
 import jax
@@ -114,8 +116,8 @@ def make_mjx_env(task: str,
   """The wrapped batch env: `reset(keys [B, 2])`, `step(state, actions [B, A])` (Brax's API).
 
   impl: MJX's implementation of the physics, 'jax' (--backend=mjx) or 'warp' (--backend=mjx_warp; CUDA GPU and
-  warp-lang needed). randomization (enabled, impl='jax' only): each env steps with its own model fields, drawn
-  at reset (`RandomizedVmapWrapper`). camera (impl='warp' only): the env carries a `warp_render.WarpRenderer`
+  warp-lang needed). randomization (enabled): each env resets, steps and renders with its own model fields, drawn
+  at reset (`PerEnvModel`). camera (impl='warp' only): the env carries a `warp_render.WarpRenderer`
   (`pixel_renderer(env)`) that `sim.stages` renders stacked frames with. Memoised: equal arguments (defaults
   filled in) give the same env object.
   """
@@ -134,18 +136,27 @@ def pixel_renderer(env):
   return None
 
 
-class RandomizedVmapWrapper(brax_training.VmapWrapper):
-  """Brax's VmapWrapper with a model per env: `reset` draws each env's randomised `mjx.Model` fields from its
-  reset key folded with `randomize.KEY_PURPOSE` into `state.info[randomize.INFO_KEY]` ([B, ...] each), and
-  `step` vmaps the env's step over them (the model's fields with in_axes 0, the rest shared). An auto-reset
-  keeps them (Brax's AutoResetWrapper restores the physics state only), a `reset` redraws them."""
+class PerEnvModel:
+  """Each env's own model fields (domain randomisation) for the unbatched Brax env `env`: `reset(rng [B, 2])`
+  draws them per env from its reset key folded with `randomize.KEY_PURPOSE`, resets each env with its own model
+  (so its initial kinematics, e.g. the camera pose MJX-Warp's renderer reads from the data, are the drawn ones)
+  and keeps them in `state.info[randomize.INFO_KEY]` ([B, ...] each); `step` vmaps the env's step over them (the
+  model's fields with in_axes 0, the rest shared). An auto-reset keeps them (Brax's AutoResetWrapper restores the
+  physics state only), a `reset` redraws them. Both MJX implementations take per-env model fields this way: MJX-JAX
+  as any vmapped array, MJX-Warp by giving each world its row of a field with a leading env axis.
+
+  NOTE: the fields reach Brax's env by swapping `env.unwrapped.sys` while one env's reset or step traces (Brax's
+  pipeline reads `self.sys`); a lock keeps two threads tracing the same env from seeing each other's swap. Read
+  the model through `model(state)`, never `env.unwrapped.sys`, beside a trace."""
 
   def __init__(self, env, randomization: config_lib.RandomizationConfig):
-    super().__init__(env)
-    self.randomization = randomization
-    self._base = randomize.base_fields(randomization, env.unwrapped.sys)
+    self.env, self.randomization = env, randomization
+    self.sys = env.unwrapped.sys  # the model's own values
+    self._base = randomize.base_fields(randomization, self.sys)
+    self._lock = threading.RLock()
 
-  def _draw(self, rng: jax.Array) -> dict:
+  def draw(self, rng: jax.Array) -> dict:
+    """One env's randomised fields from its reset key [2]."""
     key = jax.random.fold_in(rng, randomize.KEY_PURPOSE)
     shapes = randomize.draw_shapes(self.randomization, self._base)
     uniforms = {
@@ -153,30 +164,71 @@ class RandomizedVmapWrapper(brax_training.VmapWrapper):
     }
     return randomize.apply(self.randomization, self._base, uniforms, xp=jnp)
 
-  def reset(self, rng: jax.Array) -> brax_base.State:
-    state = jax.vmap(self.env.reset)(rng)
-    state.info[randomize.INFO_KEY] = jax.vmap(self._draw)(rng)
+  @contextlib.contextmanager
+  def _swapped(self, fields: dict):
+    with self._lock:
+      unwrapped = self.env.unwrapped
+      unwrapped.sys = self.sys.replace(**fields)  # read by pipeline_init / pipeline_step while this traces
+      try:
+        yield
+      finally:
+        unwrapped.sys = self.sys
+
+  def _reset_one(self, rng: jax.Array) -> brax_base.State:
+    fields = self.draw(rng)
+    with self._swapped(fields):
+      state = self.env.reset(rng)
+    state.info[randomize.INFO_KEY] = fields
     return state
 
   def _step_one(self, state: brax_base.State, action: jax.Array) -> brax_base.State:
-    unwrapped = self.env.unwrapped
-    sys = unwrapped.sys
-    unwrapped.sys = sys.replace(**state.info[randomize.INFO_KEY])  # read by pipeline_step while this traces
-    try:
+    with self._swapped(state.info[randomize.INFO_KEY]):
       return self.env.step(state, action)
-    finally:
-      unwrapped.sys = sys
+
+  def reset(self, rng: jax.Array) -> brax_base.State:
+    return jax.vmap(self._reset_one)(rng)
 
   def step(self, state: brax_base.State, action: jax.Array) -> brax_base.State:
     return jax.vmap(self._step_one)(state, action)
 
+  def model(self, state: brax_base.State):
+    """The batched env's System with the randomised fields of `state`'s envs ([B, ...] each, the rest shared):
+    what MJX-Warp's renderer reads (it indexes a field with a leading env axis by env)."""
+    return self.sys.replace(**state.info[randomize.INFO_KEY])
+
+
+class RandomizedVmapWrapper(brax_training.VmapWrapper):
+  """Brax's VmapWrapper with a model per env (`PerEnvModel`), for MJX's JAX implementation. (MJX-Warp's
+  `warp.WarpVmapWrapper` takes a `PerEnvModel` likewise.)"""
+
+  def __init__(self, env, randomization: config_lib.RandomizationConfig):
+    super().__init__(env)
+    self.per_env_model = PerEnvModel(env, randomization)
+
+  def reset(self, rng: jax.Array) -> brax_base.State:
+    return self.per_env_model.reset(rng)
+
+  def step(self, state: brax_base.State, action: jax.Array) -> brax_base.State:
+    return self.per_env_model.step(state, action)
+
+
+def per_env_model(env) -> Optional[PerEnvModel]:
+  """The `PerEnvModel` of a randomised batched env, else None."""
+  return vars(_vmap_wrapper(env)).get('per_env_model')
+
 
 def model_fields(env, state: brax_base.State) -> dict:
-  """The randomised model fields ([B, ...] each) the envs of `state` step with; {} for an env without
-  randomisation."""
-  if not isinstance(_vmap_wrapper(env), RandomizedVmapWrapper):
+  """The randomised model fields ([B, ...] each) the envs of `state` step (and render) with; {} for an env
+  without randomisation."""
+  if per_env_model(env) is None:
     return {}
   return dict(state.info[randomize.INFO_KEY])
+
+
+def render_model(env, state: brax_base.State):
+  """The System a renderer reads for the envs of `state`: the env's own, with the randomised fields per env."""
+  per_env = per_env_model(env)
+  return env.unwrapped.sys if per_env is None else per_env.model(state)
 
 
 def _vmap_wrapper(env):
@@ -210,8 +262,6 @@ def _make_mjx_env(task: str, episode_length: int, action_repeat: int, auto_reset
   if impl not in IMPLS:
     raise ValueError(f"impl={impl!r} is not an MJX implementation; allowed: {', '.join(IMPLS)} "
                      "(--backend=mjx is 'jax', --backend=mjx_warp is 'warp').")
-  if randomization is not None and impl != 'jax':
-    raise ValueError(f'--randomize runs on --backend=mjx (impl=\'jax\'), not impl={impl!r}.')
   if camera is not None and impl != 'warp':
     raise ValueError(f'--obs=pixels on --backend=mjx: {config_vision.NO_JAX_RENDERING}; use --backend=mjx_warp '
                      "(CUDA GPU) or --backend=mujoco_cpu (native MuJoCo's renderer).")
@@ -230,7 +280,8 @@ def _make_mjx_env(task: str, episode_length: int, action_repeat: int, auto_reset
     from ebrl_jax.sim import warp_render  # lazy: as above
     env = warp_lib.make_brax_env(task_def.brax_name)
     renderer = None if camera is None else warp_render.WarpRenderer(warp_lib.pipeline_of(env).mj_model, camera)
-    env = warp_lib.WarpVmapWrapper(env, renderer=renderer)
+    per_env = None if randomization is None else PerEnvModel(env, randomization)
+    env = warp_lib.WarpVmapWrapper(env, renderer=renderer, per_env_model=per_env)
   else:
     env = brax_envs.get_environment(task_def.brax_name, backend='mjx')
     env = brax_training.VmapWrapper(env) if randomization is None else RandomizedVmapWrapper(env, randomization)

@@ -6,9 +6,18 @@
 Both backends draw uniforms in [0, 1) of `draw_shapes` (numpy's Generator on native MuJoCo, `jax.random` on
 MJX) and map them with the same `apply` (`xp` is numpy or jax.numpy). What each parameter does is in
 `config.RANDOMIZE_PARAMS`. Draws happen when an env is reset: the native-MuJoCo pool writes them into the
-env's own `MjModel` copy (`CpuEnvPool.env_model`), the MJX env keeps them in `state.info[INFO_KEY]` and steps
-each env with its model (`mjx_env.RandomizedVmapWrapper`); an auto-reset keeps the env's draw. Envs of one
-GRPO group share their draw, as they share their initial state.
+env's own `MjModel` copy (`CpuEnvPool.env_model`, `CpuEnvPool.model_fields`), which its step and its
+`mujoco.Renderer` frame read; the MJX env (both implementations, `--backend=mjx` and `mjx_warp`) keeps them in
+`state.info[INFO_KEY]` and resets, steps and renders each env with its model (`mjx_env.PerEnvModel`,
+`mjx_env.model_fields`); an auto-reset keeps the env's draw. Envs of one GRPO group share their draw, as they
+share their initial state.
+
+What a renderer sees: geom colours are the env's geom_rgba (native MuJoCo's `mjv_updateScene` with the env's
+model; MJX-Warp's renderer reads geom_rgba per world); the camera pose is the env's cam_pos / cam_quat, which
+the kinematics turn into the data's cam_xpos / cam_xmat that both renderers read. `color` scales geom_rgba,
+which is what a geom without a material shows (all of push_cube's); a geom with a material shows its material's
+colour only while its rgba is MuJoCo's default (0.5, 0.5, 0.5, 1), so on both renderers a scaled default grey
+replaces it.
 
 Keys: an MJX env's draw comes from its reset key folded with `KEY_PURPOSE` (`rollout.keys.ENV_RANDOMIZE`); a
 native-MuJoCo pool draws from `np.random.SeedSequence((seed, KEY_PURPOSE))`, apart from its reset draws, so the

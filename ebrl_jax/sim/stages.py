@@ -17,7 +17,9 @@ Camera observations (an env made with `camera=`, `--obs=pixels` on `--backend=mj
 so a chunk of K actions adds one frame, as on native MuJoCo) and keep the stacks in `EnvGroupState.pixels`
 [B, H, W, C * S] uint8, updated as `render.PixelRenderer` updates native MuJoCo's (`render.next_stacks`): a reset
 fills a stack with the reset frame, an env an auto-reset restarted gets its reset frame likewise, an env that
-was already frozen keeps its stack, every other env appends its new frame (oldest first). The observation to act
+was already frozen keeps its stack, every other env appends its new frame (oldest first). With `--randomize`
+each env renders with its own model (`mjx_env.render_model`): its drawn colours (geom_rgba, read per env by the
+renderer) and camera pose (cam_pos / cam_quat, through the kinematics into the data's cam_xpos / cam_xmat). The observation to act
 on is then `observation(state)`, a `types.PixelObs`, and so is `StepResult.obs`.
 """
 from __future__ import annotations
@@ -31,8 +33,8 @@ from jax import numpy as jnp
 
 from ebrl_jax import types
 from ebrl_jax.sim import render
-from ebrl_jax.sim.mjx_env import (impl_for_backend, is_auto_reset, make_mjx_env, pixel_renderer, strong_types,
-                                  where_envs)
+from ebrl_jax.sim.mjx_env import (impl_for_backend, is_auto_reset, make_mjx_env, pixel_renderer, render_model,
+                                  strong_types, where_envs)
 
 __all__ = ['EnvGroupState', 'make_mjx_env', 'observation', 'reset', 'step', 'step_chunk']
 
@@ -56,7 +58,7 @@ def observation(state: EnvGroupState):
 
 def _render(env, brax_state):
   """(brax_state with the render's token in its data, frames [B, H, W, C] uint8) of every env."""
-  data, frames = pixel_renderer(env).frames(env.unwrapped.sys, brax_state.pipeline_state)
+  data, frames = pixel_renderer(env).frames(render_model(env, brax_state), brax_state.pipeline_state)
   return brax_state.replace(pipeline_state=data), frames
 
 

@@ -339,11 +339,13 @@ def _report_mode(value=None) -> str:
 class WarpVmapWrapper(brax_training.VmapWrapper):
   """Brax's VmapWrapper that tells the pipeline the batch size at reset (to size the shared contact buffer) and
   reports overflow bits once per kind (`jax.debug.callback` of one int32; see `_report_mode`). `renderer`: the
-  `warp_render.WarpRenderer` that the simulation stage renders camera frames with (`--obs=pixels`), or None."""
+  `warp_render.WarpRenderer` that the simulation stage renders camera frames with (`--obs=pixels`), or None.
+  `per_env_model`: an `mjx_env.PerEnvModel` (`--randomize`) that resets and steps each env with its own model
+  fields (MuJoCo Warp reads a model field with a leading env axis per world), or None."""
 
-  def __init__(self, env, report_overflow=None, renderer=None):
+  def __init__(self, env, report_overflow=None, renderer=None, per_env_model=None):
     super().__init__(env)
-    self.renderer = renderer
+    self.renderer, self.per_env_model = renderer, per_env_model
     mode = _report_mode(report_overflow)
     if mode != 'off' and _host_device() is None:  # jax.debug.callback needs JAX's CPU platform
       _LOG.warning("JAX_PLATFORMS leaves out 'cpu', so MJX-Warp overflows are not reported (call "
@@ -356,13 +358,16 @@ class WarpVmapWrapper(brax_training.VmapWrapper):
 
   def reset(self, rng):
     with pipeline_of(self.env).batch(rng.shape[0]):
-      state = jax.vmap(self.env.reset)(rng)
+      state = jax.vmap(self.env.reset)(rng) if self.per_env_model is None else self.per_env_model.reset(rng)
     if self.report_overflow != 'off':
       self._report(state)
     return state
 
   def step(self, state, action):
-    state = jax.vmap(self.env.step)(state, action)
+    if self.per_env_model is None:
+      state = jax.vmap(self.env.step)(state, action)
+    else:
+      state = self.per_env_model.step(state, action)
     if self.report_overflow == 'step':
       self._report(state)
     return state

@@ -1,9 +1,14 @@
 """Domain randomisation (`--randomize`): the spec, the draws, and that they reach the model each env steps with.
 
-Native MuJoCo on hopper and push_cube (pixels); MJX on inverted_pendulum, the cheapest model to compile.
+Native MuJoCo on hopper and push_cube (pixels); MJX on inverted_pendulum, the cheapest model to compile; MJX-Warp
+on push_cube with pixels (a CUDA GPU, or EBRL_WARP_ALLOW_CPU=1 for Warp's slow CPU kernels; skipped otherwise).
 """
+import importlib.util
+import os
+
 import jax
 from jax import numpy as jnp
+import mujoco
 import numpy as np
 import pytest
 
@@ -36,9 +41,13 @@ def test_bad_spec_is_one_line_naming_the_flag(spec):
   assert '--randomize' in str(err.value) and '\n' not in str(err.value)
 
 
-def test_refused_where_not_supported():
-  with pytest.raises(ValueError, match='--randomize=mass=0.9:1.1 runs on --backend=mujoco_cpu or mjx'):
-    config.SimConfig(backend='mjx_warp', randomize='mass=0.9:1.1')
+def test_every_backend_takes_it_and_playground_tasks_are_refused():
+  for backend in config.BACKENDS:
+    assert config.SimConfig(backend=backend, randomize='mass=0.9:1.1,color=0.5:1').randomization.color == (0.5, 1.0)
+  with pytest.raises(ValueError,
+                     match=r"--randomize=mass=0.9:1.1 runs on the project's own tasks, not "
+                     r'--task=playground:CartpoleBalance'):
+    config.SimConfig(backend='mjx', task='playground:CartpoleBalance', randomize='mass=0.9:1.1')
 
 
 def _pool(randomization=None, num_envs=4, **kw):
@@ -121,6 +130,33 @@ def test_cpu_pixels_see_camera_and_colour(gl):  # pylint: disable=redefined-oute
   assert np.abs(moved - plain).mean() > 5
 
 
+def test_cpu_each_env_renders_with_its_own_draw(gl):  # pylint: disable=redefined-outer-name,unused-argument
+  """Two envs in one state render their own colours and camera: each frame is, bit for bit, that of the plain pool
+  whose model has that env's drawn fields set by hand; identity ranges give the plain frames."""
+  camera = render.CameraObs(height=24, width=24)
+
+  def pool(spec=''):
+    cfg = config.parse_randomize(spec) if spec else None
+    return cpu_env.CpuEnvPool('push_cube', 2, 250, num_threads=1, seed=5, camera=camera, randomization=cfg)
+
+  with pool() as plain, pool('color=1:1,camera=0:0,camera_tilt=0:0') as ident, pool(
+      'color=0.2:1,camera=-0.05:0.05,camera_tilt=-0.1:0.1') as rand:
+    np.testing.assert_array_equal(ident.pixels(), plain.pixels())
+    assert plain.model_fields() == {}
+    drawn = rand.model_fields()
+    assert set(drawn) == {'geom_rgba', 'cam_pos', 'cam_quat'} and drawn['geom_rgba'].shape == (2, plain.model.ngeom, 4)
+    np.testing.assert_array_equal(drawn['cam_pos'][1], rand.env_model(1).cam_pos)
+    qpos, qvel = plain.get_state([0])
+    rand.set_state([0, 1], np.repeat(qpos, 2, 0), np.repeat(qvel, 2, 0))
+    frames = rand.pixels()
+    assert np.abs(frames[0].astype(int) - frames[1]).mean() > 1  # one state, two draws
+    for i in range(2):
+      for field, value in drawn.items():
+        getattr(plain.model, field)[:] = value[i]
+      plain.set_state([0], qpos, qvel)
+      np.testing.assert_array_equal(plain.pixels([0])[0], frames[i])
+
+
 def test_mjx_draws_reach_the_step():
   """On MJX: the drawn fields are in range and shared per group; with mass=1:1,gain=2:2 the randomised env steps
   as the plain env does with doubled actions (a motor's force is gain * ctrl)."""
@@ -149,3 +185,51 @@ def test_mjx_draws_reach_the_step():
     state, _ = step(env, state, actions)
     state_p, _ = step(plain, state_p, 2 * actions)
   np.testing.assert_allclose(state.brax_state.pipeline_state.q, state_p.brax_state.pipeline_state.q, atol=1e-5)
+
+
+def _warp_can_run():
+  if importlib.util.find_spec('warp') is None:
+    return False
+  if os.environ.get('EBRL_WARP_ALLOW_CPU') == '1':
+    return True
+  try:
+    return bool(jax.devices('cuda'))
+  except RuntimeError:
+    return False
+
+
+@pytest.mark.skipif(not _warp_can_run(),
+                    reason='MJX-Warp needs warp-lang and a CUDA GPU (or EBRL_WARP_ALLOW_CPU=1 for its CPU kernels)')
+def test_warp_draws_reach_the_physics_the_camera_and_the_renderer():
+  """On MJX-Warp (push_cube with a camera): the draws are in range and shared per group; gain=2:2 steps as the
+  plain env with doubled actions; the data's camera pose (what the renderer reads) is the drawn one; the frames
+  are those MJX's renderer gives for that data with the drawn colours, and not those without them."""
+  camera = render.CameraObs(height=16, width=16)
+  cfg = config.parse_randomize('gain=2:2,color=0.2:1,camera=-0.05:0.05,camera_tilt=-0.1:0.1')
+  env = mjx_env.make_mjx_env('push_cube', 100, 1, True, impl='warp', randomization=cfg, camera=camera)
+  plain = mjx_env.make_mjx_env('push_cube', 100, 1, True, impl='warp', camera=camera)
+  reset, step = jax.jit(stages.reset, static_argnums=(0, 2, 3)), jax.jit(stages.step, static_argnums=0)
+  state, state_p = reset(env, jax.random.PRNGKey(2), 4, 2), reset(plain, jax.random.PRNGKey(2), 4, 2)
+  fields = {k: np.asarray(v) for k, v in mjx_env.model_fields(env, state.brax_state).items()}
+  base = plain.unwrapped.sys
+  assert set(fields) == set(randomize.fields_of(cfg)) and mjx_env.model_fields(plain, state_p.brax_state) == {}
+  scale = fields['geom_rgba'][..., :3] / np.asarray(base.geom_rgba)[None, :, :3]
+  assert np.all((scale >= 0.2 - 1e-6) & (scale <= 1 + 1e-6))
+  np.testing.assert_array_equal(scale[0], scale[1])  # a GRPO group shares its draw
+  assert not np.array_equal(scale[0], scale[2])
+  actions = jnp.tile(jnp.array([0.3, -0.2, 0.1]), (4, 1))
+  for _ in range(3):
+    state, _ = step(env, state, actions)
+    state_p, _ = step(plain, state_p, 2 * actions)
+  data = state.brax_state.pipeline_state
+  np.testing.assert_allclose(data.qpos, state_p.brax_state.pipeline_state.qpos, atol=1e-5)
+  cam = mjx_env.pixel_renderer(env).camera_id  # a worldbody camera: its pose is cam_pos, cam_quat
+  np.testing.assert_allclose(data.cam_xpos[:, cam], fields['cam_pos'][:, cam], atol=1e-5)
+  for i in range(4):
+    mat = np.zeros(9)
+    mujoco.mju_quat2Mat(mat, fields['cam_quat'][i, cam].astype(np.float64))
+    np.testing.assert_allclose(np.asarray(data.cam_xmat[i, cam]).reshape(9), mat, atol=1e-5)
+  frames = np.asarray(state.pixels)
+  render_with = jax.jit(lambda rgba, d: mjx_env.pixel_renderer(plain).frames(base.replace(geom_rgba=rgba), d)[1])
+  np.testing.assert_array_equal(render_with(fields['geom_rgba'], data), frames)
+  assert np.abs(np.asarray(render_with(base.geom_rgba, data)).astype(int) - frames).mean() > 1
