@@ -11,15 +11,17 @@ profiles' conservative default, `fit_note` says so and goes into every decision)
 Each candidate group count G (the --replan_groups and the run's own) is predicted as
   measured  the mean rate of G's windows, if the run has measured G (what was seen beats what is modelled; the
             mean, since one window on a busy machine can be off by tens of per cent);
-  model     else the current layout's measured rate times planner.evaluate(current).iteration_s / evaluate(G).iteration_s
-            (the planner's iteration model on the profiles; offsets the model does not know, such as hand-off
-            time, cancel in the ratio). Under MPS the rollout quota follows the changer's rule q' = q G / G'.
+  model     else the current layout's measured rate times planner.evaluate(current).iteration_s /
+            evaluate(G).iteration_s (the planner's iteration model on the profiles; offsets the model does not
+            know, such as hand-off time, cancel in the ratio). Under MPS the rollout quota follows the changer's rule q' = q G / G'.
 The best candidate (ties: the current layout, then fewer groups) replaces the layout when
   (1) its predicted gain over the current layout's measured rate, r' / r - 1, exceeds `margin`, and
-  (2) it pays back its cost within the horizon H = min(horizon_s, the run's remaining seconds): during the pause p
-      (the last measured change's pause between the old layout's last segment and the new one's first;
-      `assumed_pause_s` before any) nothing is produced, so the change has caught up with staying at
-      t = p r' / (r' - r); it needs t <= H.
+  (2) it pays back its cost within the horizon H = min(horizon_s, the run's remaining seconds): its standbys take
+      s seconds to build beside the running layout (the last measured change's; before any, unknown and counted
+      as 0: a change the run's end cuts short costs only the standbys' work), then during the pause p (the last
+      measured change's pause between the old layout's last segment and the new one's first; `assumed_pause_s`
+      before any) nothing is produced, so the change has caught up with staying t = p r' / (r' - r) after the
+      standbys are ready; it needs s + t <= H.
 Every decision, kept or changed, is recorded with each candidate's prediction and its source and the reason;
 a change's record gets its cost (standby seconds, pause, env steps lost) when the change finishes and its
 measured gain (the new layout's first window over the rate before) when that window ends. A layout whose
@@ -28,6 +30,7 @@ standbys failed is not proposed again.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from absl import logging
@@ -75,6 +78,7 @@ class GroupReplanner:
     self.store = store if store is not None else profiles.ProfileStore('in-run', 'in-run')
     self.margin, self.horizon_s, self.assumed_pause_s = margin, horizon_s, assumed_pause_s
     self.pause_s: Optional[float] = None  # the last measured change's pause
+    self.standby_s: Optional[float] = None  # the last measured change's standby build time (None: 0 is counted)
     self.measured: Dict[int, List[float]] = {}  # groups -> env steps/s of each of its windows
     self.failed: Dict[int, str] = {}  # groups -> why its change failed
     self.decisions: List[dict] = []
@@ -168,6 +172,7 @@ class GroupReplanner:
     pause = self.pause_s if self.pause_s is not None else self.assumed_pause_s
     horizon = min(self.horizon_s, remaining_s) if remaining_s is not None else self.horizon_s
     gain = pred / rate - 1
+    standby = self.standby_s or 0.0
     payback = pause * pred / (pred - rate) if pred > rate else None  # None: never
     record = {
         'iteration': iteration,
@@ -181,6 +186,7 @@ class GroupReplanner:
         'predicted_gain': gain,
         'expected_pause_s': pause,
         'pause_source': 'measured' if self.pause_s is not None else 'assumed (--replan_change_cost_s)',
+        'expected_standby_s': self.standby_s,  # None: no change measured one yet, 0 counted
         'payback_s': payback,
         'horizon_s': horizon,
         'fits': {
@@ -190,13 +196,13 @@ class GroupReplanner:
     }
     back = 'never' if payback is None else f'in {payback:.1f} s'
     text = (f'{groups} groups measured {rate:,.0f} env steps/s; best {best} groups predicted {pred:,.0f} '
-            f'({options[best]["source"]}, {gain:+.1%}); a {pause:.2f} s pause pays back {back}, horizon '
-            f'{horizon:.1f} s')
+            f'({options[best]["source"]}, {gain:+.1%}); standbys ready in {standby:.1f} s, then a {pause:.2f} s '
+            f'pause pays back {back}; horizon {horizon:.1f} s')
     if best == groups:
       record['reason'] = f'keep: the current layout is the best predicted; {text}'
     elif gain <= self.margin:
       record['reason'] = f'keep: gain within the {self.margin:.0%} margin; {text}'
-    elif payback is None or payback > horizon:
+    elif payback is None or standby + payback > horizon:
       record['reason'] = f'keep: the change would not pay back its pause within the horizon; {text}'
     else:
       record.update(changed=True, new_groups=best, reason=f'change to {best} groups: {text}')
@@ -214,5 +220,12 @@ class GroupReplanner:
     if change.get('failed'):
       self.failed[change['new_groups']] = 'its warm standbys failed'
       self._awaiting = None
-    elif change.get('pause_s') is not None and change['pause_s'] == change['pause_s']:  # not NaN
+      return
+    if _finite(change.get('pause_s')):
       self.pause_s = max(0.0, change['pause_s'])
+    if _finite(change.get('standbys_ready_s')):
+      self.standby_s = max(0.0, change['standbys_ready_s'])
+
+
+def _finite(x) -> bool:
+  return isinstance(x, (int, float)) and math.isfinite(x)

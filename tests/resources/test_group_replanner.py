@@ -93,6 +93,19 @@ def test_keeps_the_layout_when_the_pause_does_not_pay_back_within_the_horizon(pa
   assert d['reason'].startswith('keep: the change would not pay back its pause within the horizon')
 
 
+def test_the_standbys_build_time_counts_against_the_horizon():
+  """Paid back 3.3 s after the standbys are ready: before any change their build time is unknown (0 counted), so
+  it pays within 10 s; once a change measured 8 s of building, it misses the 10 s horizon."""
+  r = _replanner(horizon_s=10.0)
+  r.observe(_window(1, 1.0, 0.25))
+  d = r.decide(iteration=6)
+  assert d['changed'] and d['expected_standby_s'] is None
+  r.changed({'new_groups': 4, 'standbys_ready_s': 8.0, 'pause_s': 2.0, 'env_steps_lost': 0.0, 'failed': False})
+  r.observe(_window(1, 1.0, 0.25))  # (a window of the old layout: this change's outcome stays unmeasured)
+  d = r.decide(iteration=12)
+  assert not d['changed'] and 'would not pay back' in d['reason'] and d['expected_standby_s'] == 8.0
+
+
 def test_a_layout_whose_change_failed_is_not_proposed_again():
   r = _replanner()
   r.observe(_window(1, 1.0, 0.25))
