@@ -184,7 +184,9 @@ class GroupChanger:
         'envs_per_group': change.rollout_cfg.group_envs,
         'quota': change.quota,
         'boundary_iteration': change.boundary,
-        'standbys_ready_s': (min(c.feedback.snapshot().ready_t for _, c in change.standbys) -
+        # Until every standby was ready (the layout can change only then; the run's first such figures, e.g.
+        # experiments/results/relayout_cpu.json, took the first standby's).
+        'standbys_ready_s': (max(c.feedback.snapshot().ready_t for _, c in change.standbys) -
                              change.started_t if not failed else float('nan')),
         'pause_s': pause,
         'env_steps_lost': lost,
@@ -218,6 +220,7 @@ class GroupChanger:
     out = {'mode': self._trigger.mode, 'changes': self.changes, 'pending': pending}
     if self._trigger.mode != 'group_schedule':
       out['decisions'] = self._trigger.decisions
+      out['keep_decisions_left_out'] = self._trigger.replanner.left_out
       out['generation_buckets'] = group_replan.BUCKETS_NOTE
     return out
 

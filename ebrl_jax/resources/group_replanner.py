@@ -22,7 +22,7 @@ The best candidate (ties: the current layout, then fewer groups) replaces the la
       measured change's pause between the old layout's last segment and the new one's first; `assumed_pause_s`
       before any) nothing is produced, so the change has caught up with staying t = p r' / (r' - r) after the
       standbys are ready; it needs s + t <= H.
-Every decision, kept or changed, is recorded with each candidate's prediction and its source and the reason;
+Every decision, kept or changed (the latest KEEP_DECISIONS 'keep' ones), is recorded with each candidate's prediction and its source and the reason;
 a change's record gets its cost (standby seconds, pause, env steps lost) when the change finishes and its
 measured gain (the new layout's first window over the rate before) when that window ends. A layout whose
 standbys failed is not proposed again.
@@ -37,6 +37,8 @@ from absl import logging
 
 from ebrl_jax.resources import planner
 from ebrl_jax.resources import profiles
+
+KEEP_DECISIONS = 20  # 'keep' decisions kept in the record, the latest (every change's is kept)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +84,7 @@ class GroupReplanner:
     self.measured: Dict[int, List[float]] = {}  # groups -> env steps/s of each of its windows
     self.failed: Dict[int, str] = {}  # groups -> why its change failed
     self.decisions: List[dict] = []
+    self.left_out = 0  # older 'keep' decisions left out of `decisions`
     self.window: Optional[Window] = None
     self._awaiting: Optional[dict] = None  # the decision of a change whose outcome window has not ended
 
@@ -164,7 +167,7 @@ class GroupReplanner:
           'changed': False,
           'reason': f'keep: no {" or ".join(missing)} time measured yet, so no layout can be predicted'
       }
-      self.decisions.append(record)
+      self._append(record)
       return record
     options = self.predictions()
     best = max(options, key=lambda g: (options[g]['env_steps_per_s'], g == groups, -g))
@@ -207,9 +210,16 @@ class GroupReplanner:
     else:
       record.update(changed=True, new_groups=best, reason=f'change to {best} groups: {text}')
       self._awaiting = record
-    self.decisions.append(record)
+    self._append(record)
     logging.info('group re-planner at iteration %d: %s', iteration, record['reason'])
     return record
+
+  def _append(self, record: dict) -> None:
+    self.decisions.append(record)
+    keeps = [i for i, d in enumerate(self.decisions) if not d['changed']]
+    if len(keeps) > KEEP_DECISIONS:
+      del self.decisions[keeps[0]]  # in place: the trigger's record holds this list
+      self.left_out += 1
 
   def changed(self, change: dict) -> None:
     """A change finished (controller/relayout.py's record): its cost joins its decision; a measured pause

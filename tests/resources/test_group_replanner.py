@@ -117,6 +117,18 @@ def test_a_layout_whose_change_failed_is_not_proposed_again():
   assert '4' not in d['candidates'] and d['new_groups'] == 2
 
 
+def test_only_the_latest_keep_decisions_are_kept_and_every_change():
+  r = _replanner()
+  r.observe(_window(1, 1.0, 0.25))
+  change = r.decide(iteration=1)
+  r.changed({'new_groups': 4, 'standbys_ready_s': 1.0, 'pause_s': 0.1, 'env_steps_lost': 0.0, 'failed': False})
+  for i in range(group_replanner.KEEP_DECISIONS + 5):
+    r.observe(_window(4, 0.25, 0.25))
+    assert not r.decide(iteration=10 + i)['changed']
+  assert r.decisions[0] is change and len(r.decisions) == 1 + group_replanner.KEEP_DECISIONS and r.left_out == 5
+  assert r.decisions[-1]['iteration'] == 10 + group_replanner.KEEP_DECISIONS + 4
+
+
 def test_no_decision_before_stage_times_are_measured():
   r = _replanner()
   r.observe(
