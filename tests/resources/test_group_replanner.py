@@ -6,6 +6,7 @@ import pytest
 
 from ebrl_jax.resources import group_replanner
 from ebrl_jax.resources import planner
+from ebrl_jax.resources import profiles
 
 # 32 envs, 80 env steps each per iteration: an iteration is 2560 env steps. Native MuJoCo without MPS: the groups
 # simulate on CPU cores (no GPU work of theirs to add up) and every process may use every SM.
@@ -127,6 +128,22 @@ def test_only_the_latest_keep_decisions_are_kept_and_every_change():
     assert not r.decide(iteration=10 + i)['changed']
   assert r.decisions[0] is change and len(r.decisions) == 1 + group_replanner.KEEP_DECISIONS and r.left_out == 5
   assert r.decisions[-1]['iteration'] == 10 + group_replanner.KEEP_DECISIONS + 4
+
+
+def test_a_calibrated_store_is_corrected_not_refitted():
+  """With --plan's profiles the windows move each profile's correction (EMA 0.2) and leave its samples: a collect
+  measured at twice the calibrated time takes the sim correction to 1.2, and every layout's prediction with it."""
+  store = profiles.ProfileStore('m', 'w')
+  for e, per_step in ((32, 1 / 80), (16, 0.6 / 80), (8, 0.4 / 80)):
+    store.profile('sim').add_sample(e, 100, per_step)
+  store.profile('train').add_sample(_STEPS, 100, 0.25)
+  r = _replanner(store=store)
+  r.observe(_window(1, 2.0, 0.25))
+  assert store['sim'].correction == pytest.approx(1.2) and len(store['sim'].samples) == 3
+  assert store['train'].correction == pytest.approx(1.0)
+  d = r.decide(iteration=6)
+  now_s, four_s = 1.2 * 1.0 + 0.25, 1.2 * 0.4 + 0.25  # sync: collect + train; 8 envs calibrated at 0.4 s
+  assert d['candidates']['4']['gain'] == pytest.approx(now_s / four_s - 1)
 
 
 def test_no_decision_before_stage_times_are_measured():
