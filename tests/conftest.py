@@ -171,6 +171,8 @@ TEST_TIERS = {
         'contract',
     ('test_replan_groups.py', 'test_replan_groups_errors_name_the_flag'):
         'contract',
+    ('test_replan_groups.py', 'test_the_trigger_reads_the_plan_store_where_the_run_was_planned_else_measures_in_the_run'):
+        'contract',
     ('test_bench.py', 'test_overlap_bounds_by_hand'):
         'unit',
     ('test_bench.py', 'test_steady_pace_is_taken_between_the_second_and_the_last_evaluation'):

@@ -4,6 +4,9 @@ import pytest
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import controller
+from ebrl_jax.controller import group_replan
+from ebrl_jax.resources import autoplan
+from ebrl_jax.resources import profiles
 
 
 def _config(run_dir, **schedule):
@@ -83,3 +86,20 @@ def test_replan_groups_errors_name_the_flag(tmp_path, schedule, resources, words
                       }))
   with pytest.raises(ValueError, match=r'\-\-replan_window'):
     config_lib.ResourceConfig(replan_window=0)
+
+
+def test_the_trigger_reads_the_plan_store_where_the_run_was_planned_else_measures_in_the_run(tmp_path):
+  cfg = _config(tmp_path)
+  path = str(tmp_path / 'store.json')
+  store = profiles.ProfileStore(autoplan.machine_key(), autoplan.workload_key(cfg))
+  for name in ('sim', 'train'):
+    store.profile(name).add_sample(8, 100, 0.01)
+  store.save(path)
+  planned = group_replan.make_trigger(cfg, None, {'profile_store': path}, mps_active=False).replanner
+  assert planned.calibrated and sorted(planned.store) == ['sim', 'train'] and planned.candidates == (1, 2, 4)
+  assert planned.space.steps_per_iteration == 40 and not planned.space.sim_on_gpu
+  unplanned = group_replan.make_trigger(cfg, None, None, mps_active=False).replanner
+  assert not unplanned.calibrated and not list(unplanned.store)
+  # A store without the stages (another machine's file reads as empty): measured in the run, with a warning.
+  other = group_replan.make_trigger(cfg, None, {'profile_store': str(tmp_path / 'none.json')}, False).replanner
+  assert not other.calibrated
