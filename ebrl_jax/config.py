@@ -233,6 +233,7 @@ class ScheduleConfig:
   env_slices: int = 1
   deterministic: bool = False  # sync/async: a repeatable run (config_checks, docs/architecture.md: Schedules)
   group_schedule: str = ''  # sync/async: live env-group changes, 'iteration:groups=G,...' (controller/relayout.py)
+  replan_groups: Tuple[int, ...] = ()  # sync/async: group counts the re-planner may switch to (group_replan.py)
   resume: bool = False
   progress_bar: bool = True
 
@@ -262,9 +263,9 @@ class ScheduleConfig:
 
   @property
   def block_count(self) -> int:
-    """Records per iteration: one per group, or with --group_schedule one per env block (num_envs / lcm of every
-    layout's group count envs: every layout's groups hold whole blocks)."""
-    return math.lcm(self.num_groups, *(g for _, g in self.group_changes))
+    """Records per iteration: one per group, or with --group_schedule / --replan_groups one per env block
+    (num_envs / lcm of every layout's group count envs: every layout's groups hold whole blocks)."""
+    return math.lcm(self.num_groups, *(g for _, g in self.group_changes), *self.replan_groups)
 
   @property
   def staleness_bound(self) -> int:

@@ -57,8 +57,9 @@ def check_run_cells(cfg, num_cells: int) -> None:
                      'stop it at its own iteration and leave the others in an all-reduce; use --num_timesteps.')
   if name == 'fused':
     return
-  if cfg.schedule.group_changes:
-    raise ValueError(f'{what} cannot change their env groups during the run (--group_schedule) yet; drop it.')
+  if cfg.schedule.group_changes or cfg.schedule.replan_groups:
+    raise ValueError(f'{what} cannot change their env groups during the run (--group_schedule, --replan_groups) yet; '
+                     'drop it.')
   if cfg.schedule.evaluator == 'process' and cfg.schedule.target_return is not None:
     raise ValueError(f'{what} with --target_return need --evaluator=trainer: an evaluator process answers each '
                      'cell at its own time, so the ranks would stop at different iterations and leave one in an '

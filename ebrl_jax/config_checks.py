@@ -44,10 +44,10 @@ def _live_quota_changes(resources) -> list:
 
 
 def check_schedule_options(cfg) -> None:
-  """`--schedule=auto`, `--deterministic` and `--group_schedule` of a `Config` against what they cannot be
-  combined with."""
+  """`--schedule=auto`, `--deterministic`, `--group_schedule` and `--replan_groups` of a `Config` against what they
+  cannot be combined with."""
   schedule, resources = cfg.schedule, cfg.resources
-  if schedule.group_changes:
+  if schedule.group_changes or schedule.replan_groups:
     _check_group_schedule(cfg)
   if schedule.name == 'auto':
     live = _live_quota_changes(resources) + (['--group_schedule'] if schedule.group_schedule else [])
@@ -60,7 +60,15 @@ def check_schedule_options(cfg) -> None:
 
 
 def _check_group_schedule(cfg) -> None:
+  """--group_schedule and --replan_groups (live env-group changes, controller/relayout.py)."""
   schedule, text = cfg.schedule, f'--group_schedule={cfg.schedule.group_schedule}'
+  if schedule.replan_groups:
+    text = f'--replan_groups={",".join(map(str, schedule.replan_groups))}'
+    if schedule.group_changes:
+      raise ValueError(f'{text} and --group_schedule={schedule.group_schedule} both change the env groups during '
+                       'the run; give one.')
+    if any(g < 1 for g in schedule.replan_groups):
+      raise ValueError(f'{text}: every group count must be >= 1.')
   if schedule.name not in ('sync', 'async'):
     raise ValueError(f'{text} changes the env groups of a process schedule; it needs --schedule=sync or async (got '
                      f'--schedule={schedule.name}).')
@@ -76,6 +84,10 @@ def _check_group_schedule(cfg) -> None:
     raise ValueError(f'{text} with --num_groups={schedule.num_groups}: every layout\'s groups must hold whole blocks '
                      f'of --num_envs={n} / {blocks} (the lcm of the group counts) envs, each whole GRPO groups of '
                      f'--group_size={cfg.sim.group_size}.')
+  sizes = sorted({n // g for g in (*schedule.replan_groups, schedule.num_groups)})
+  if schedule.replan_groups and any(e & (e - 1) for e in sizes):
+    raise ValueError(f'{text} with --num_groups={schedule.num_groups}: the planner\'s model (like --plan\'s) '
+                     f'predicts power-of-two group sizes; --num_envs={n} gives sizes {sizes}.')
 
 
 def _check_deterministic(schedule, resources) -> None:

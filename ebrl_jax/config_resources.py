@@ -84,6 +84,12 @@ class ResourceConfig:
   replan_hysteresis: float = 0.10
   replan_min_interval: int = 20
   replan_change_cost_s: float = 30.0
+  # --replan_groups: trainer iterations of one measured window (the layout's rate, collect and train seconds; one
+  # more iteration is skipped after the start and after each change), and the horizon a change must pay back its
+  # pause in (the run's remaining time if shorter). --replan_hysteresis is its margin, --replan_change_cost_s its
+  # pause before one was measured.
+  replan_window: int = 5
+  replan_horizon_s: float = 60.0
   # Manual rollout quota changes through the same warm-standby swaps, 'iteration:rollout=percent[,...]', e.g.
   # '10:rollout=40' switches every rollout worker to 40 % at trainer iteration 10 (measures a change's cost).
   quota_schedule: str = ''
@@ -113,6 +119,8 @@ class ResourceConfig:
     _check_positive('replan_hysteresis', self.replan_hysteresis, allow_zero=True)
     _check_positive('replan_min_interval', self.replan_min_interval, allow_zero=True)
     _check_positive('replan_change_cost_s', self.replan_change_cost_s, allow_zero=True)
+    _check_positive('replan_window', self.replan_window)
+    _check_positive('replan_horizon_s', self.replan_horizon_s)
     changes = self.quota_changes  # parses and checks
     if changes and not self.use_mps:
       raise ValueError(f'--quota_schedule={self.quota_schedule} needs --use_mps (quotas are an MPS setting).')

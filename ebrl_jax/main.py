@@ -115,6 +115,13 @@ _HELP = {
                       'iteration in group order.'),
     'group_schedule': ('sync/async: live changes of the number of env groups, iteration:groups=G,... (e.g. '
                        '10:groups=4): warm standbys in the new layout, swapped in at an iteration boundary.'),
+    'replan_groups': ('sync/async: group counts the re-planner may switch the env groups to while the run goes on '
+                      '(e.g. 1,2,4), from measured step times; changes as --group_schedule\'s, decisions in '
+                      'summary.extra.relayout.'),
+    'replan_window': ('--replan_groups: trainer iterations of one measured window (one decision after each; one '
+                      'iteration skipped after the start and each change).'),
+    'replan_horizon_s': ('--replan_groups: a change must pay back its pause (env steps lost) within this many seconds '
+                         '(or the run\'s remaining time); --replan_hysteresis is its margin.'),
     'first_checkpoint_iteration':
         'A first checkpoint after this many iterations (0: only --checkpoint_every).',
     'evaluator':

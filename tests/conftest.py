@@ -65,6 +65,7 @@ FILE_TIERS = {
     'test_memory.py': 'unit',
     'test_autoplan.py': 'unit',
     'test_schedule_choice.py': 'unit',
+    'test_group_replanner.py': 'unit',  # --replan_groups' decisions on synthetic windows
     'test_generation_choice.py':
         'unit',  # --plan_generation: co-located or separate generation by hand  # --schedule=auto by hand (its CPU runs are e2e, below)
     'test_mps_and_cpus.py': 'contract',
@@ -88,6 +89,7 @@ FILE_TIERS = {
     'test_mjx_generation.py': 'e2e',  # MJX groups served by a generation worker: one short async run (compiles MJX)
     'test_deterministic.py': 'e2e',  # --deterministic: two async runs (processes, threads) give one curve
     'test_relayout.py': 'e2e',  # --group_schedule: runs whose env groups change twice
+    'test_replan_groups.py': 'e2e',  # --replan_groups: a run whose re-planner changes the env groups
     'test_bench.py': 'e2e',
     'test_disk_full.py': 'e2e',
     'test_mps_kill_probe.py': 'e2e',
@@ -166,6 +168,10 @@ TEST_TIERS = {
     ('test_schedule_choice.py', 'test_auto_runs_the_schedule_its_profiles_choose'):
         'e2e',
     ('test_relayout.py', 'test_blocks_and_segment_spec_follow_the_lcm_of_the_layouts'):
+        'contract',
+    ('test_replan_groups.py', 'test_replan_groups_errors_name_the_flag'):
+        'contract',
+    ('test_replan_groups.py', 'test_the_trigger_reads_the_plan_store_where_the_run_was_planned_else_measures_in_the_run'):
         'contract',
     ('test_bench.py', 'test_overlap_bounds_by_hand'):
         'unit',
@@ -267,6 +273,7 @@ SLOW = frozenset({
     ('test_deterministic.py', 'test_deterministic_async_repeats_its_curve_and_parameters_under_different_timing'),
     ('test_schedule_choice.py', 'test_auto_runs_the_schedule_its_profiles_choose'),
     ('test_relayout.py', 'test_groups_change_twice_without_losing_or_duplicating_a_segment'),
+    ('test_replan_groups.py', 'test_replanner_changes_the_groups_without_losing_or_duplicating_a_segment'),
     ('test_pipeline.py', 'test_killed_worker_is_restarted_without_losing_or_duplicating_segments'),
     ('test_pipeline.py', 'test_ctrl_c_leaves_no_process_and_no_shared_memory'),
     ('test_pipeline.py', 'test_trace_dir_writes_a_timeline_of_every_process'),

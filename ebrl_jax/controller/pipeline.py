@@ -8,7 +8,8 @@ unlinks every shared-memory segment. `sync` is the staleness bound 0 (a barrier 
 group run up to `--max_staleness` versions ahead of the trainer, with the decoupled PPO correction; `overlap` is
 `sync` plus the windows of its iteration graph (controller/iteration_graph.py). With `--quota_schedule`,
 `--replan` or `--slack_quotas`, the watch loop also changes the rollout workers' SM quota during the run by
-warm-standby swaps (controller/replan.py).
+warm-standby swaps (controller/replan.py); with `--group_schedule` or `--replan_groups`, the number of env groups
+(controller/relayout.py).
 """
 from __future__ import annotations
 
@@ -230,8 +231,8 @@ def run(cfg: config_lib.Config,
                                         evaluation)
     if cfg.resources.slack_quotas:
       changer = slack_quotas.make_changer(cfg, workers, mps_daemon is not None)
-    elif cfg.schedule.group_changes:
-      changer = relayout.make_changer(cfg, workers)
+    elif cfg.schedule.group_changes or cfg.schedule.replan_groups:
+      changer = relayout.make_changer(cfg, workers, plan_record, mps_daemon is not None)
     else:
       changer = replan.make_changer(cfg, workers, plan_record, mps_daemon is not None)
     workers.tick = changer.poll if changer is not None else None

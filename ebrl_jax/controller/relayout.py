@@ -1,5 +1,5 @@
-"""Live changes of the env-group layout (`--group_schedule`): the number of env groups, and with it the envs per
-group and the shape every rollout worker collects, changed while the run goes on.
+"""Live changes of the env-group layout (`--group_schedule`, `--replan_groups`): the number of env groups, and with
+it the envs per group and the shape every rollout worker collects, changed while the run goes on.
 
 The segments travel in fixed env blocks (`ScheduleConfig.block_count`: num_envs / lcm of every layout's group
 count envs each; a group of E envs puts E / block records per iteration, numbered by block), so the trainer takes
@@ -15,10 +15,13 @@ the same records, in the same env order, whatever the layout. A change from G to
 Every block of every iteration is delivered once: the old layout's below M, the new one's from M. The cost is the
 pause between the old layout's last segment and the new one's first (`pause_s`), times the rate before the change
 (`env_steps_lost`); the trainer's iteration period before and after the change is the measured gain (a manual
-change has no predicted one). NOTE: every env of the run starts new episodes at the change (env state is not
-handed across processes), as in a quota swap. An old worker that dies before delivering its iterations below M
-stops the run (those blocks cannot be made again in the old layout): the run ends cleanly with its checkpoint.
+change has no predicted one; a re-planned one, controller/group_replan.py, has its decision's). NOTE: every env
+of the run starts new episodes at the change (env state is not handed across processes), as in a quota swap. An
+old worker that dies before delivering its iterations below M stops the run (those blocks cannot be made again in
+the old layout): the run ends cleanly with its checkpoint.
 Under MPS the new layout's rollout quota keeps the rollout's total share: q' = q G / G' (at least 1 %).
+Who asks for a change is the changer's trigger: `GroupScheduleTrigger` (--group_schedule: at trainer iteration N,
+G groups) or `group_replan.GroupReplanTrigger` (--replan_groups: from measured windows).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ from typing import List, Optional
 from absl import logging
 
 from ebrl_jax import config as config_lib
+from ebrl_jax.controller import group_replan
 from ebrl_jax.controller import replan
 from ebrl_jax.runtime import errors
 from ebrl_jax.runtime import feedback as fb
@@ -42,6 +46,7 @@ class _Change:
   old_groups: int
   new_groups: int
   reason: str
+  predicted_gain: Optional[float]
   rollout_cfg: object
   quota: Optional[int]
   standbys: list  # [(worker, control)] in group order
@@ -54,12 +59,29 @@ class _Change:
   old_last_t: float = 0.0
 
 
-class GroupChanger:
-  """Applies `--group_schedule`'s changes on the watch loop (`poll`) and records them (`record`)."""
+class GroupScheduleTrigger:
+  """`--group_schedule`: at trainer iteration N, switch to G groups."""
+  mode = 'group_schedule'
 
-  def __init__(self, cfg: config_lib.Config, workers):
-    self._cfg, self._workers = cfg, workers
-    self._pending = list(cfg.schedule.group_changes)
+  def __init__(self, changes, workers):
+    self._pending, self._workers = list(changes), workers
+    self.decisions: List[dict] = []
+
+  def poll(self, changer: 'GroupChanger') -> None:
+    if self._pending and replan.trainer_iteration(self._workers) >= self._pending[0][0]:
+      at, groups = self._pending.pop(0)
+      if groups != self._workers.num_groups:
+        changer.start(groups, f'--group_schedule: groups={groups} at iteration {at}')
+
+  def changed(self, change: dict) -> None:
+    del change
+
+
+class GroupChanger:
+  """Applies the trigger's changes on the watch loop (`poll`) and records them (`record`)."""
+
+  def __init__(self, cfg: config_lib.Config, workers, trigger):
+    self._cfg, self._workers, self._trigger = cfg, workers, trigger
     self._bound = cfg.schedule.staleness_bound
     self.active: Optional[_Change] = None
     self.changes: List[dict] = []
@@ -68,10 +90,8 @@ class GroupChanger:
   def poll(self) -> None:
     if self.active is not None:
       self._advance(self.active)
-    elif self._pending and replan.trainer_iteration(self._workers) >= self._pending[0][0]:
-      at, groups = self._pending.pop(0)
-      if groups != self._workers.num_groups:
-        self._start(groups, f'--group_schedule: groups={groups} at iteration {at}')
+    else:
+      self._trigger.poll(self)
     self._workers.poll_s = _CHANGE_POLL_S if self.active is not None else _POLL_S
 
   def _rates(self):
@@ -84,7 +104,8 @@ class GroupChanger:
     total = sum(rates) if all(r is not None for r in rates) else None
     return total, self._workers.trainer_feedback.snapshot().period_s
 
-  def _start(self, groups: int, reason: str) -> None:
+  def start(self, groups: int, reason: str, predicted_gain: Optional[float] = None) -> None:
+    """Step 1 of the module's docstring: the new layout's warm standbys start beside the running workers."""
     workers, old_groups = self._workers, self._workers.num_groups
     rollout_cfg = dataclasses.replace(workers.rollout_cfg, group_envs=self._cfg.sim.num_envs // groups)
     quota = workers.rollout_quota.get('rollout/0', self._cfg.resources.quotas.get('rollout'))
@@ -93,7 +114,8 @@ class GroupChanger:
                  groups, rollout_cfg.group_envs, f' at quota {new_quota} %' if new_quota else '')
     rate, period = self._rates()
     standbys = [workers.start_rollout(g, quota=new_quota, standby=True, rollout_cfg=rollout_cfg) for g in range(groups)]
-    self.active = _Change(old_groups, groups, reason, rollout_cfg, new_quota, standbys, time.time(), rate, period)
+    self.active = _Change(old_groups, groups, reason, predicted_gain, rollout_cfg, new_quota, standbys, time.time(),
+                          rate, period)
 
   def _advance(self, change: _Change) -> None:
     workers = self._workers
@@ -162,15 +184,18 @@ class GroupChanger:
         'envs_per_group': change.rollout_cfg.group_envs,
         'quota': change.quota,
         'boundary_iteration': change.boundary,
-        'standbys_ready_s': (min(c.feedback.snapshot().ready_t for _, c in change.standbys) -
+        # Until every standby was ready (the layout can change only then; the run's first such figures, e.g.
+        # experiments/results/relayout_cpu.json, took the first standby's).
+        'standbys_ready_s': (max(c.feedback.snapshot().ready_t for _, c in change.standbys) -
                              change.started_t if not failed else float('nan')),
         'pause_s': pause,
         'env_steps_lost': lost,
         'env_steps_per_s_before': change.rate_before,
         'trainer_period_before_s': change.period_before_s,
-        'predicted_gain': None,  # a manual change (--group_schedule)
+        'predicted_gain': change.predicted_gain,  # None: a manual change (--group_schedule)
         'failed': failed
     })
+    self._trigger.changed(self.changes[-1])
     if not failed:
       logging.info('env groups %d -> %d done: pause %.2f s, %.0f env steps lost.', change.old_groups, change.new_groups,
                    pause, lost)
@@ -192,8 +217,21 @@ class GroupChanger:
       before = c['trainer_period_before_s']
       c['measured_gain'] = before / after - 1 if before and after else None
     pending = None if self.active is None else {'new_groups': self.active.new_groups, 'phase': self.active.phase}
-    return {'mode': 'group_schedule', 'changes': self.changes, 'pending': pending}
+    out = {'mode': self._trigger.mode, 'changes': self.changes, 'pending': pending}
+    if self._trigger.mode != 'group_schedule':
+      out['decisions'] = self._trigger.decisions
+      out['keep_decisions_left_out'] = self._trigger.replanner.left_out
+      out['generation_buckets'] = group_replan.BUCKETS_NOTE
+    return out
 
 
-def make_changer(cfg: config_lib.Config, workers) -> Optional[GroupChanger]:
-  return GroupChanger(cfg, workers) if cfg.schedule.group_changes else None
+def make_changer(cfg: config_lib.Config,
+                 workers,
+                 plan_record: Optional[dict] = None,
+                 mps_active: bool = False) -> Optional[GroupChanger]:
+  """The live group changer the flags ask for (--group_schedule, --replan_groups), or None."""
+  if cfg.schedule.group_changes:
+    return GroupChanger(cfg, workers, GroupScheduleTrigger(cfg.schedule.group_changes, workers))
+  if cfg.schedule.replan_groups:
+    return GroupChanger(cfg, workers, group_replan.make_trigger(cfg, workers, plan_record, mps_active))
+  return None
