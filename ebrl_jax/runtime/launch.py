@@ -175,7 +175,7 @@ def watch(procs: Sequence, hosts: Sequence[str], run_dir: str, heartbeat_timeout
       stopped = [r for r in new if procs[r].returncode in _STOPPED]
       if stopped:  # the others stop after the same step (their exit codes are checked in the line)
         _end(procs, None, STOP_GRACE_S)
-        what = f'cell rank {stopped[0]} was stopped by {_STOPPED[procs[stopped[0]].returncode]}, with every rank'
+        what = f'the cells stopped together on {_STOPPED[procs[stopped[0]].returncode]} (sent to a cell, not here)'
         print(_stopped_line(what, procs, run_dir), file=sys.stderr, flush=True)
         return procs[stopped[0]].returncode
       failed = sorted((r for r in new if procs[r].returncode != 0), key=lambda r: procs[r].returncode >= 0)

@@ -3,7 +3,7 @@ carries (`trainer.ranks`), so every rank stops after the same step, rank 0 saves
 rank writes its summary with `stopped`, and no process is left. Two fused cells through `--launcher=local` stop on
 --max_wall_s (each rank's own clock) at one iteration, with the all-reduce timed beside the step; a SIGTERM to the
 launcher of two async cells (each with its own rollout worker process) stops them together and `--resume`
-continues on one cell (opt-in). In-process: the vote, the signals that become it, and the launcher waiting for
+continues on one cell; a SIGTERM to one fused cell alone stops both after the same step (both opt-in). In-process: the vote, the signals that become it, and the launcher waiting for
 cells that stopped together."""
 import json
 import os
@@ -151,6 +151,35 @@ def test_a_sigterm_to_the_launcher_stops_async_cells_together_and_resume_continu
   assert resumed['iterations'] == stopped_at + 2 and resumed['env_steps'] == 160 * stopped_at + 160
 
 
+def test_a_sigterm_to_one_fused_cell_stops_both_after_the_same_step(tmp_path):
+  run_dir = tmp_path / 'run'
+  launcher = subprocess.Popen(_main(run_dir),
+                              cwd=ROOT,
+                              env=dict(os.environ, JAX_PLATFORMS='cpu'),
+                              stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT,
+                              text=True)
+  lines = []
+  reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
+  reader.start()
+  deadline = time.monotonic() + 240
+  while not checkpoint.committed_steps(str(run_dir / 'checkpoints')):  # rank 0 trained past iteration 1
+    assert launcher.poll() is None and time.monotonic() < deadline, ''.join(lines)[-3000:]
+    time.sleep(0.2)
+  pids = _cell_pids(''.join(lines))
+  t0 = time.monotonic()
+  os.kill(pids[1], signal.SIGTERM)  # as SLURM's scancel or a node's shutdown would: not through the launcher
+  launcher.wait(timeout=180)
+  reader.join(timeout=10)
+  out = ''.join(lines)
+  print(f'SIGTERM to fused cell 1: both stopped {time.monotonic() - t0:.1f} s later')
+  assert launcher.returncode == 128 + signal.SIGTERM, out[-4000:]
+  assert 'STOPPED: the cells stopped together on SIGTERM (sent to a cell, not here) (rank 0: exit code 143; rank 1: ' \
+      'exit code 143)' in out, out[-4000:]
+  _, cells = _stopped_together(run_dir, 'SIGTERM')  # rank 0 learned it from the step rank 1 voted at
+  assert cells['stop']['reason'] == 'SIGTERM' and not any(lifecycle.pid_alive(p) for p in pids)
+
+
 def _workers(run_dir):
   with open(os.path.join(run_dir, 'workers.json')) as f:
     record = json.load(f)
@@ -212,8 +241,8 @@ def test_the_launcher_waits_for_cells_that_stopped_together_and_signals_none(tmp
   code = launch.watch(cells, ['h', 'h'], str(tmp_path), 3, lambda: None, 0.02)
   assert code == 143 and [c.signals for c in cells] == [[], []]  # rank 0 stopped on the vote, unsignalled
   err = capsys.readouterr().err
-  assert ('STOPPED: cell rank 1 was stopped by SIGTERM, with every rank (rank 0: exit code 143; rank 1: exit code '
-          '143); rank 0 wrote no summary.json.') in err, err
+  assert ('STOPPED: the cells stopped together on SIGTERM (sent to a cell, not here) (rank 0: exit code 143; rank 1: '
+          'exit code 143); rank 0 wrote no summary.json.') in err, err
   cells = [_Cell(11, 143, now + 0.5), _Cell(12, 143, now + 0.5)]
   code = launch.watch(cells, ['h', 'h'], str(tmp_path), 3, lambda: 'SIGTERM', 0.02)
   assert code == 143 and [c.signals for c in cells] == [[signal.SIGTERM], [signal.SIGTERM]]  # passed on once
