@@ -220,8 +220,8 @@ class Supervisor:
       if self._use_processes:
         waitables = [w.sentinel for w in self.workers.values()] + [self._inbox.waitable]
         multiprocessing.connection.wait(waitables, timeout=self.poll_s)
-      else:
-        trainer.join(timeout=self.poll_s)
+      else:  # not trainer.join: a KeyboardInterrupt (SIGTERM, Ctrl-C) inside Thread.join marks the running thread
+        time.sleep(self.poll_s)  # stopped (CPython's bpo-45274 handling), and its summary would go unread
       self._read_inbox(trainer)
       # A worker that died may have died with the daemon: ask it then too, so the error names the cause.
       self._check_mps(force=not all(w.is_alive() for w in self.workers.values()))
