@@ -52,9 +52,6 @@ def check_run_cells(cfg, num_cells: int) -> None:
     raise ValueError(f'{what} of --schedule=fused need --backend=mujoco_cpu for now (the MJX fused program trains '
                      f'inside its jitted chunk, not yet over the ranks; --schedule=sync or async trains MJX '
                      f'rollouts over the ranks); got --backend={cfg.sim.backend}.')
-  if cfg.schedule.max_wall_s:
-    raise ValueError(f'{what} cannot stop on --max_wall_s={cfg.schedule.max_wall_s:g}: each rank\'s clock would '
-                     'stop it at its own iteration and leave the others in an all-reduce; use --num_timesteps.')
   if name == 'fused':
     return
   if cfg.schedule.group_changes or cfg.schedule.replan_groups:

@@ -224,17 +224,22 @@ def parse_flags(argv):
 
 
 def _stop_line(cfg: config_lib.Config, summary) -> str:
-  """What a stopped run leaves: where it stopped, its summary, and the checkpoint --resume continues from."""
+  """What a stopped run leaves: where it stopped, its summary, and the checkpoint --resume continues from (rank k
+  > 0 of several cells: its summary under --run_dir/rank<k>/, the checkpoints are rank 0's)."""
   step = summary.extra.get('last_checkpoint')
   directory = os.path.join(cfg.schedule.run_dir, 'checkpoints')
-  if step is not None:
+  rank = (summary.extra.get('cells') or {}).get('rank', 0)
+  run_dir = os.path.join(cfg.schedule.run_dir, f'rank{rank}') if rank else cfg.schedule.run_dir
+  if rank:
+    resume = f'rank 0 writes the checkpoints ({directory}; its line says which one --resume continues from)'
+  elif step is not None:
     resume = f'checkpoint {step} in {directory} is loadable: continue with --resume'
   elif not cfg.schedule.checkpoint_every:
     resume = 'checkpoints are off (--checkpoint_every=0), so there is nothing to resume'
   else:
     resume = 'no checkpoint had been written yet (see --first_checkpoint_iteration), so there is nothing to resume'
   return (f'STOPPED: {summary.stopped} at env step {summary.env_steps:,} (iteration {summary.iterations}); '
-          f'{os.path.join(cfg.schedule.run_dir, "summary.json")} holds the run so far; {resume}.')
+          f'{os.path.join(run_dir, "summary.json")} holds the run so far; {resume}.')
 
 
 def main(argv):

@@ -7,8 +7,10 @@
 
 Without --flagfile each run is the quickstart's pendulum PPO at a small size (fused, CPU). The result keeps each
 run's global env steps, its end-to-end env steps/s (rank 0's summary: start-up and evaluation excluded), its wall
-time, rank 0's trainer seconds in its train steps (the all-reduce inside) and whether the ranks' parameter chains agree. On a CPU
-machine the cells share its cores, so this measures the cells' overhead, not a speed-up.
+time, rank 0's trainer seconds in its train steps (the all-reduce inside), for N > 1 cells rank 0's mean train step
+and one all-reduce of the gradients' size timed alone beside it (`summary.extra.cells`: `train_step_s`,
+`allreduce_s`, `allreduce_bytes`; NCCL on GPUs, gloo on CPU), and whether the ranks' parameter chains agree. On a
+CPU machine the cells share its cores, so this measures the cells' overhead, not a speed-up.
 """
 import argparse
 import json
@@ -36,7 +38,8 @@ def run(cells: int, num_timesteps: int, run_dir: str, flags=FLAGS) -> dict:
     raise RuntimeError(out.stderr[-3000:])
   with open(os.path.join(run_dir, 'summary.json')) as f:
     s = json.load(f)
-  chains = [s['extra'].get('cells', {}).get('params_chain')]
+  cells_extra = s['extra'].get('cells', {})
+  chains = [cells_extra.get('params_chain')]
   for r in range(1, cells):
     with open(os.path.join(run_dir, f'rank{r}', 'summary.json')) as f:
       chains.append(json.load(f)['extra']['cells']['params_chain'])
@@ -50,6 +53,10 @@ def run(cells: int, num_timesteps: int, run_dir: str, flags=FLAGS) -> dict:
       'train_wall_s': round(s['train_wall_s'], 2),
       'compile_s': round(s['compile_s'], 2),
       'trainer_train_s': _train_s(s),
+      'train_step_s': cells_extra.get('train_step_s'),  # rank 0's mean train step, its all-reduce inside
+      'allreduce_s': cells_extra.get('allreduce_s'),  # one all-reduce of the gradients' size, timed alone
+      'allreduce_bytes': cells_extra.get('allreduce_bytes'),
+      'allreduce_fraction': cells_extra.get('allreduce_fraction'),
       'command_wall_s': round(time.time() - t0, 2),
       'ranks_hold_the_same_parameters': len(set(chains)) == 1
   }

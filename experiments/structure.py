@@ -45,6 +45,7 @@ LAYERS = (
     ('ebrl_jax.rollout.mjx_remote', 3),
     ('ebrl_jax.rollout.worker', 3),
     ('ebrl_jax.trainer.driver', 3),
+    ('ebrl_jax.trainer.ranks', 3),
     ('ebrl_jax.trainer.remote_eval', 3),
     ('ebrl_jax.trainer.worker', 3),
     ('ebrl_jax.sim.*', 1),

@@ -13,17 +13,28 @@ the same keys and envs, so each takes the same decisions (evaluation cadence, ta
 the run's files in --run_dir (checkpoints of the global state, metrics, summary.json, whose env steps count every
 cell's); rank k > 0 writes its own metrics, config.json and summary.json under --run_dir/rank<k>/ and no
 checkpoint.
+
+A stop (SIGTERM, Ctrl-C, --max_wall_s) is agreed by the ranks (`trainer.ranks`): each rank's wish rides on its
+train step as a vote, and every rank stops after the step where one voted, so the run ends as a finished one does
+(rank 0's checkpoint at that iteration, each rank's summary with `stopped`, the end barrier). In a `fused` cell
+the signals become the vote here (`signals_vote`); a cell's trainer worker votes on its SIGINT (the controller's
+request to stop).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
+import threading
 from typing import Optional
 
 from ebrl_jax import config as config_lib
 from ebrl_jax.runtime import distributed
+from ebrl_jax.runtime import errors
 from ebrl_jax.trainer import checkpoint
 from ebrl_jax.trainer import driver
+from ebrl_jax.trainer import ranks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,15 +105,39 @@ def rebased(trainer: driver.TrainerConfig, run_dir: str) -> driver.TrainerConfig
   return dataclasses.replace(trainer, schedule=schedule)
 
 
+@contextlib.contextmanager
+def signals_vote(vote: Optional[ranks.StopVote]):
+  """While training a cell of several in this process (`vote`; None: nothing changes): SIGTERM and SIGINT are this
+  rank's vote to stop (`ranks.StopVote.ask`); a second one interrupts at once (`errors.interrupt`: this rank alone
+  stops, and the others find it gone). Main thread only."""
+  if vote is None or threading.current_thread() is not threading.main_thread():
+    yield
+    return
+
+  def handler(signum, frame):
+    if vote.asked:
+      errors.interrupt(signum, frame)
+    vote.ask(signal.Signals(signum).name)
+
+  previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    yield
+  finally:
+    for s, h in previous.items():
+      signal.signal(s, h)
+
+
 def summary_cells(cell: Cell, envs_per_cell: int, env_steps_per_iteration: int, extra: dict) -> dict:
-  """summary.extra['cells'] of a cell of several: its rank, the count, the global batch, and the chain of its
-  parameters after every step (`runtime.distributed.chain_digest`: equal on every rank), taken out of `extra`."""
+  """summary.extra['cells'] of a cell of several: its rank, the count, the global batch, the chain of its
+  parameters after every step (`runtime.distributed.chain_digest`: equal on every rank), the all-reduce's and the
+  train step's seconds and the agreed stop (`trainer.ranks.RankStep`), taken out of `extra`."""
   return {
       'count': cell.count,
       'rank': cell.rank,
       'envs_per_cell': envs_per_cell,
       'env_steps_per_iteration': env_steps_per_iteration,
-      'params_chain': extra.pop('params_chain', None)
+      'params_chain': extra.pop('params_chain', None),
+      **extra.pop('cell_step', {})
   }
 
 
@@ -121,8 +156,12 @@ def rank_config(cfg: config_lib.Config, cell: Cell) -> config_lib.Config:
   return dataclasses.replace(cfg, schedule=schedule)
 
 
-def finish(cell: Cell) -> None:
-  """All ranks at one barrier before any leaves, so that rank 0 (the coordination service) ends last (where this
-  process joined them; a trainer worker that joined waits there itself)."""
+def finish(cell: Cell, summary: driver.RunSummary) -> None:
+  """After a run that finished, or whose ranks stopped together (`ranks.stopped_together`): all ranks at one
+  barrier before any leaves, so that rank 0 (the coordination service) ends last (where this process joined them;
+  a trainer worker that joined waits there itself). A cell that stopped alone leaves at once (the others may be
+  in an all-reduce)."""
+  if summary.stopped not in driver.FINISHED and not ranks.stopped_together(summary.extra.get('cells', {})):
+    return
   if cell.multi and distributed.joined():
     distributed.barrier('ebrl_jax/end', cell.spec.heartbeat_timeout_s * 3)

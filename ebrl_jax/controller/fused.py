@@ -3,7 +3,8 @@
 The correctness reference and the baseline for light workloads: the training driver (`trainer.driver`) around
 one batch source per backend, `fused_mjx.MjxFusedLoop` (one jitted program per chunk of iterations, as Brax's PPO)
 or `fused_cpu.CpuFusedLoop` (native MuJoCo stepped from a Python loop around jitted `act` and `train_step`). With
-several cells (`controller.cells`) each process runs this schedule as one trainer rank on its own envs.
+several cells (`controller.cells`) each process runs this schedule as one trainer rank on its own envs, and a
+stop (SIGTERM, Ctrl-C, --max_wall_s) is that rank's vote, which every rank obeys at the same step (`trainer.ranks`).
 """
 from __future__ import annotations
 
@@ -14,17 +15,19 @@ from ebrl_jax.controller import cells as cells_lib
 from ebrl_jax.controller import fused_cpu
 from ebrl_jax.controller import topology
 from ebrl_jax.trainer import driver
+from ebrl_jax.trainer import ranks
 
 
 def make_source(cfg: config_lib.Config,
                 spec,
                 network,
                 optimizer,
-                cell: Optional[cells_lib.Cell] = None) -> driver.BatchSource:
+                cell: Optional[cells_lib.Cell] = None,
+                vote: Optional[ranks.StopVote] = None) -> driver.BatchSource:
   """The fused loop of `cfg`'s backend (it runs in the controller's process, so it sees the whole config); with
   `cell`, that cell's rank of the data-parallel loop (native MuJoCo only: config_cells.check_run_cells)."""
   if cfg.sim.backend == 'mujoco_cpu':
-    return fused_cpu.CpuFusedLoop(cfg, spec, network, optimizer, cell)
+    return fused_cpu.CpuFusedLoop(cfg, spec, network, optimizer, cell, vote)
   from ebrl_jax.controller import fused_mjx  # lazy: brax and MJX (~2 s of imports) load only for an MJX run
   return fused_mjx.MjxFusedLoop(cfg, spec, network, optimizer)
 
@@ -42,10 +45,13 @@ def run(cfg: config_lib.Config,
                                   fixed_chunks=cfg.sim.backend != 'mujoco_cpu')
   trainer = cells_lib.trainer_of_cell(trainer, cell or cells_lib.Cell(run_dir=cfg.schedule.run_dir),
                                       cfg.schedule.resume)
-  summary = driver.run_training(trainer,
-                                lambda _, spec, network, optimizer: make_source(cfg, spec, network, optimizer, cell))
+  multi = cell is not None and cell.multi
+  vote = ranks.StopVote(cfg.schedule.max_wall_s, trainer.start.unix if trainer.start else None) if multi else None
+  with cells_lib.signals_vote(vote):  # a cell of several: SIGTERM and Ctrl-C are this rank's vote to stop
+    summary = driver.run_training(
+        trainer, lambda _, spec, network, optimizer: make_source(cfg, spec, network, optimizer, cell, vote))
   summary.extra['topology'] = {'roles': ['controller'], 'num_groups': 1}  # one process collects and trains
-  if cell is not None and cell.multi:
+  if multi:
     summary.extra['cells'] = cells_lib.summary_cells(cell, cfg.sim.num_envs, trainer.env_steps_per_iteration,
                                                      summary.extra)
   return summary

@@ -3,7 +3,8 @@
 NOTE: one policy step costs one `act` dispatch plus one env-pool step; the trajectory is written into
 preallocated numpy buffers and handed to `train_step` once per iteration. Keys depend only on the iteration
 index (`rollout.keys`), so a process schedule with one env group replays exactly this run. A cell of several
-(`controller.cells`) steps its own envs (`keys.cell_key`) and trains through `trainer.parallel` over the ranks.
+(`controller.cells`) steps its own envs (`keys.cell_key`) and trains through `trainer.ranks.RankStep` over the ranks
+(the step carries its stop vote: `vote`).
 """
 from __future__ import annotations
 
@@ -19,16 +20,16 @@ from ebrl_jax.generation import stages as gen_stages
 from ebrl_jax.rollout import cpu as cpu_rollout
 from ebrl_jax.rollout import evaluation
 from ebrl_jax.rollout import keys
-from ebrl_jax.runtime import distributed
 from ebrl_jax.runtime import metrics as metrics_lib
 from ebrl_jax.trainer import parallel
+from ebrl_jax.trainer import ranks
 from ebrl_jax.trainer import stages as trainer_stages
 
 
 class CpuFusedLoop:
   """Steps `num_envs` native MuJoCo envs; PPO collects U unrolls per env, GRPO one whole episode per env."""
 
-  def __init__(self, cfg: config_lib.Config, spec: types.EnvSpec, network, optimizer, cell=None):
+  def __init__(self, cfg: config_lib.Config, spec: types.EnvSpec, network, optimizer, cell=None, vote=None):
     self._cfg, self._spec = cfg, spec
     collect = cfg.collect_spec
     seed, rank = cfg.schedule.seed, cell.rank if cell is not None else 0
@@ -41,13 +42,16 @@ class CpuFusedLoop:
     self._collector = cpu_rollout.CpuCollector(self._pool, spec, self._act, collect.unrolls, collect.steps,
                                                collect.action_chunk, collect.episodic)
     train_args = (network, optimizer, cfg.algo, cfg.policy.min_std, cfg.sim.group_size, False)  # no proximal
+    self._rank = None  # a cell of several: the step over the ranks, with this rank's stop vote
     if cell is not None and cell.multi:
-      self._train = parallel.make_data_parallel_train_fn(*train_args, parallel.rank_mesh())
+      mesh = parallel.rank_mesh()
+      self._rank = ranks.RankStep(parallel.make_data_parallel_train_fn(*train_args, mesh), mesh, vote or
+                                  ranks.StopVote())
+      self._train = self._rank
     else:
       self._train = trainer_stages.make_train_fn(*train_args)
     self._root_key = keys.root(seed)
     self._rollout_root = keys.cell_key(self._root_key, rank)
-    self._chain = '' if cell is not None and cell.multi else None  # every step's parameters, hashed in a chain
 
   def compile(self, train_state, num_iterations: int) -> float:
     del num_iterations  # the Python loop compiles per-step programs only
@@ -58,26 +62,30 @@ class CpuFusedLoop:
     self._collector.set_act(self._act)
     self._evaluator.lower_and_compile(train_state.params)
     batch = jax.tree.map(np.asarray, self._collector.buffer.transition())
-    self._train = self._train.lower(train_state, batch, key).compile()
+    if self._rank is not None:
+      self._rank.compile(train_state, batch, key)
+      self._rank.probe(train_state.params)  # the all-reduce alone, once at the start (every rank here)
+    else:
+      self._train = self._train.lower(train_state, batch, key).compile()
     return time.monotonic() - t0
 
   def run_iterations(self, train_state, num_iterations: int) -> Tuple[object, Dict[str, float]]:
     acc = metrics_lib.IterationMetrics(self._cfg.algo.name)
-    for _ in range(num_iterations):
+    for done in range(num_iterations):
       iteration = int(train_state.policy_version)  # = iterations trained so far
       batch, stats = self._collector.collect(train_state.params, iteration,
                                              keys.rollout_key(self._rollout_root, iteration, 0))
       train_state, metrics = self._train(train_state, batch, keys.train_key(self._root_key, iteration))
-      if self._chain is not None:
-        self._chain = distributed.chain_digest(self._chain, jax.tree_util.tree_leaves(train_state.params))
       acc.add(jax.device_get(metrics), stats.return_sum, stats.count)
+      if self._rank is not None:  # the ranks agreed to stop after this step: all of them stop here
+        self._rank.check_stop(train_state, done + 1, acc.result())
     return train_state, acc.result()
 
   def evaluate(self, params, key) -> Dict[str, float]:
     return self._evaluator.evaluate(params, key)
 
   def summary_extra(self) -> dict:
-    return {} if self._chain is None else {'params_chain': self._chain}
+    return {} if self._rank is None else self._rank.summary_extra()
 
   def close(self) -> None:
     self._collector.close()

@@ -148,24 +148,29 @@ def _plan(cfg: config_lib.Config, topology, memory_plan, mps_daemon):
 
 
 _STOP_GRACE_S = 10.0  # after SIGTERM or Ctrl-C, how long the trainer has to send its partial summary
+_CELL_STOP_GRACE_S = 60.0  # the same for a cell's trainer rank: it stops when every rank has reached its step
 
 
 def _stop_trainer(cfg: config_lib.Config, workers: supervisor_lib.Supervisor) -> None:
   """After SIGTERM or Ctrl-C: asks the trainer to stop at its next iteration boundary (SIGINT to its process, which
-  its handler turns into a request once it runs; the run's stop for a thread) and goes on watching while it sends
-  its partial summary. A trainer process that has not ended after _STOP_GRACE_S is terminated."""
+  its handler turns into a request once it runs; the run's stop for a thread, its interrupt for a thread that is a
+  cell's rank) and goes on watching while it sends its partial summary. A trainer process that has not ended
+  after _STOP_GRACE_S (a cell's rank: _CELL_STOP_GRACE_S) is terminated."""
   trainer = workers.workers.get('trainer')
   if trainer is None:
     return
   workers.tick, timer = None, None  # no live quota change while the run stops
   if not trainer.is_alive():
     pass  # it has ended (its summary, if it sent one, is read below)
+  elif workers.trainer_interrupt is not None:  # a thread that is a cell's rank: it votes to stop (trainer.ranks)
+    workers.trainer_interrupt.set()
   elif not workers.use_processes:
     workers.stop.set()
   elif lifecycle.read_phases(cfg.schedule.run_dir).get('trainer', {}).get('pid') == trainer.pid:
-    logging.info('stopping: asking the trainer for its summary so far (up to %.0f s).', _STOP_GRACE_S)
+    grace = _CELL_STOP_GRACE_S if workers.cell_rank else _STOP_GRACE_S
+    logging.info('stopping: asking the trainer for its summary so far (up to %.0f s).', grace)
     os.kill(trainer.pid, signal.SIGINT)  # its handler is installed before it reports a phase
-    timer = threading.Timer(_STOP_GRACE_S, trainer.terminate)
+    timer = threading.Timer(grace, trainer.terminate)
     timer.start()
   else:  # still importing: nothing to send yet
     trainer.terminate()

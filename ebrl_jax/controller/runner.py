@@ -233,8 +233,7 @@ def run(cfg: config_lib.Config, start_unix: Optional[float] = None) -> driver.Ru
     summary, means = _run_schedule(cfg, start.mark('controller'), cell)
   _add_telemetry_and_trace(cfg, summary, means)
   write_summary(cfg, summary)
-  if summary.stopped in driver.FINISHED:  # a stopped cell leaves at once: the others may be in an all-reduce
-    cells_lib.finish(cell)
+  cells_lib.finish(cell, summary)  # the end barrier of ranks that finished, or stopped together
   if summary.stopped not in errors.STOP_SIGNALS:  # a signal's stop is main.py's one line
     final = 'none' if summary.final_eval_return is None else f'{summary.final_eval_return:.1f}'
     logging.info('%s: %d env steps, final eval return %s, %.0f env steps/s, start-up %.1f s, wall %.1f s.',

@@ -92,11 +92,15 @@ class Supervisor:
     self.segment_steps: Dict[int, float] = {}
     self._inbox, outbox = lifecycle.make_pipe(use_processes)
     self._outbox = outbox
+    self.cell_rank = topology.trainer.ranks is not None  # the trainer is a rank of several cells
+    # A trainer thread that is a cell's rank: the controller's request to stop, which it votes on (trainer.ranks).
+    self.trainer_interrupt = threading.Event() if not use_processes and self.cell_rank else None
     self._trainer_ch = trainer_worker.TrainerChannels(seg_channel,
                                                       store,
                                                       self.stop,
                                                       outbox,
                                                       self.trainer_feedback,
+                                                      interrupt=self.trainer_interrupt,
                                                       evaluation=evaluation)
     self._eval_args = None  # --evaluator=process: (its config, its channels)
     if evaluation is not None:
@@ -216,8 +220,8 @@ class Supervisor:
       if self._use_processes:
         waitables = [w.sentinel for w in self.workers.values()] + [self._inbox.waitable]
         multiprocessing.connection.wait(waitables, timeout=self.poll_s)
-      else:
-        trainer.join(timeout=self.poll_s)
+      else:  # not trainer.join: a KeyboardInterrupt (SIGTERM, Ctrl-C) inside Thread.join marks the running thread
+        time.sleep(self.poll_s)  # stopped (CPython's bpo-45274 handling), and its summary would go unread
       self._read_inbox(trainer)
       # A worker that died may have died with the daemon: ask it then too, so the error names the cause.
       self._check_mps(force=not all(w.is_alive() for w in self.workers.values()))

@@ -7,10 +7,13 @@ watches them (`watch`, which --launcher=ray shares: runtime/ray_launch.py); it n
 naming it (`runtime.distributed.failed_rank`); the launcher measures how long that took, ends what is left (SIGTERM,
 then SIGKILL), and returns one `FATAL:` line naming the rank, its host and pid. Rank 0 writes the checkpoints, so
 what it committed stays loadable for `--resume`, with any number of cells. A stop of the launcher (SIGTERM,
-Ctrl-C) is passed on to every cell. No cell outlives the launcher (`PR_SET_PDEATHSIG`).
+Ctrl-C) is passed on to every cell, whose ranks agree to stop after one step (`trainer.ranks`: rank 0 saves a
+checkpoint there, each rank writes its summary); the launcher waits up to STOP_GRACE_S for them and returns one
+`STOPPED:` line. No cell outlives the launcher (`PR_SET_PDEATHSIG`).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -24,6 +27,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 from ebrl_jax.runtime import lifecycle
 
 GRACE_S = 10.0  # after SIGTERM, before SIGKILL
+STOP_GRACE_S = 120.0  # after a stop passed on to the cells (they end their step, save, write their summaries)
+_STOPPED = {128 + signal.SIGTERM: 'SIGTERM', 128 + signal.SIGINT: 'SIGINT'}  # a cell's exit code after a stop
 
 
 def free_port(interface: str = '127.0.0.1') -> int:
@@ -82,7 +87,9 @@ def cell_command(argv: Sequence[str], rank: int, num: int, address: str) -> List
   ]
 
 
-def _describe(rc: int) -> str:
+def _describe(rc: Optional[int]) -> str:
+  if rc is None:
+    return 'still running'
   return f'killed by {signal.Signals(-rc).name}' if rc < 0 else f'exit code {rc}'
 
 
@@ -97,10 +104,10 @@ def _newest_checkpoint(run_dir: str) -> str:
   return f'checkpoint {steps[0]} in {directory} is loadable: continue with --resume (with any --num_processes)'
 
 
-def _end(procs: Sequence[subprocess.Popen], sig: int, grace_s: float) -> None:
-  """`sig` to every cell still running, SIGKILL to those left after `grace_s`, every one reaped."""
+def _end(procs: Sequence[subprocess.Popen], sig: Optional[int], grace_s: float) -> None:
+  """`sig` to every cell still running (None: none), SIGKILL to those left after `grace_s`, every one reaped."""
   for p in procs:
-    if p.poll() is None:
+    if sig is not None and p.poll() is None:
       p.send_signal(sig)
   deadline = time.monotonic() + grace_s
   for p in procs:
@@ -147,18 +154,30 @@ def watch(procs: Sequence, hosts: Sequence[str], run_dir: str, heartbeat_timeout
           stop_requested: Callable[[], Optional[str]], poll_s: float) -> int:
   """Watches the cells `procs` (rank order; `subprocess.Popen`s, or anything with their pid, poll, returncode,
   send_signal, wait and kill) on `hosts` until every one has ended; returns the run's exit code (0, 3, or a
-  signal's). A stop asked for is passed on to every cell; a cell that fails stops the run (`_after_failure`)."""
+  signal's). A stop asked for is passed on to every cell once, and the cells are given STOP_GRACE_S to stop
+  together; a cell that stopped on a signal of its own (its exit code 143 or 130: a stop its ranks agreed on) is
+  waited for alike; a cell that fails otherwise stops the run (`_after_failure`)."""
   num = len(procs)
   exited: Dict[int, float] = {}
   try:
     while len(exited) < num:
       stop = stop_requested()
       if stop:
-        _end(procs, signal.Signals[stop], GRACE_S)
+        print(f'{stop}: passed on to the {num} cells; they stop after one step together (up to {STOP_GRACE_S:.0f} s).',
+              file=sys.stderr,
+              flush=True)
+        _end(procs, signal.Signals[stop], STOP_GRACE_S)
+        print(_stopped_line(f'{stop} passed on to {num} cells', procs, run_dir), file=sys.stderr, flush=True)
         return 128 + signal.Signals[stop]
       now = time.monotonic()
       new = [r for r, p in enumerate(procs) if r not in exited and p.poll() is not None]
       exited.update({r: now for r in new})
+      stopped = [r for r in new if procs[r].returncode in _STOPPED]
+      if stopped:  # the others stop after the same step (their exit codes are checked in the line)
+        _end(procs, None, STOP_GRACE_S)
+        what = f'the cells stopped together on {_STOPPED[procs[stopped[0]].returncode]} (sent to a cell, not here)'
+        print(_stopped_line(what, procs, run_dir), file=sys.stderr, flush=True)
+        return procs[stopped[0]].returncode
       failed = sorted((r for r in new if procs[r].returncode != 0), key=lambda r: procs[r].returncode >= 0)
       if failed:
         return _after_failure(procs, failed[0], exited, hosts[failed[0]], run_dir, heartbeat_timeout_s, poll_s)
@@ -166,6 +185,18 @@ def watch(procs: Sequence, hosts: Sequence[str], run_dir: str, heartbeat_timeout
   finally:
     _end(procs, signal.SIGTERM, GRACE_S)
   return 0
+
+
+def _stopped_line(what: str, procs: Sequence, run_dir: str) -> str:
+  """What a stop passed on to the cells left: how each ended, where rank 0's summary says the run stopped."""
+  ends = '; '.join(f'rank {r}: {_describe(p.returncode)}' for r, p in enumerate(procs))
+  try:
+    with open(os.path.join(run_dir, 'summary.json')) as f:
+      summary = json.load(f)
+    where = f'stopped ({summary["stopped"]}) at iteration {summary["iterations"]}'
+  except (OSError, ValueError, KeyError, TypeError):
+    where = 'wrote no summary.json'
+  return f'STOPPED: {what} ({ends}); rank 0 {where}. {_newest_checkpoint(run_dir)}.'
 
 
 def _after_failure(procs, dead: int, exited: Dict[int, float], host: str, run_dir: str, heartbeat_timeout_s: int,

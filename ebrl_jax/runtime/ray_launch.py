@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ebrl_jax.runtime import launch
@@ -153,10 +154,13 @@ class RemoteCell:
     self.send_signal(signal.SIGKILL)
 
   def wait(self, timeout: Optional[float] = None) -> int:
-    if self.poll() is None:
-      code = self._call('wait', self.rank, _RPC_S / 2 if timeout is None else timeout)
-      if self.returncode is None and code is None:
+    """As `Popen.wait`, in waits on the agent of at most _RPC_S / 2 each (an answer within the RPC's limit)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while self.poll() is None:
+      left = _RPC_S / 2 if deadline is None else min(_RPC_S / 2, deadline - time.monotonic())
+      if left <= 0:
         raise subprocess.TimeoutExpired(f'cell {self.rank}', timeout)
+      code = self._call('wait', self.rank, left)
       self.returncode = code if self.returncode is None else self.returncode
     return self.returncode
 

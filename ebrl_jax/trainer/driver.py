@@ -64,14 +64,8 @@ def trainer_config(cfg: config_lib.Config,
                    process: startup.ProcessConfig,
                    start: Optional[StartClock] = None,
                    fixed_chunks: bool = False) -> TrainerConfig:
-  return TrainerConfig(process=process,
-                       sim=cfg.sim,
-                       policy=cfg.policy,
-                       algo=cfg.algo,
-                       schedule=cfg.schedule,
-                       env_steps_per_iteration=cfg.env_steps_per_iteration,
-                       start=start,
-                       fixed_chunks=fixed_chunks)
+  return TrainerConfig(process, cfg.sim, cfg.policy, cfg.algo, cfg.schedule, cfg.env_steps_per_iteration, start,
+                       fixed_chunks)  # the fields in order
 
 
 def network_and_optimizer(sim_cfg: config_lib.SimConfig, policy: config_lib.PolicyConfig, algo: config_lib.AlgoConfig):
@@ -310,7 +304,7 @@ def _loop(cfg, source, train_state, root_key, progress: _Progress, logger, clock
   per_iteration, total, per_eval = _iteration_plan(cfg)
   first, eval_return = True, None
   while True:
-    budget = cfg.schedule.max_wall_s
+    budget = cfg.schedule.max_wall_s if cfg.ranks is None else 0  # a cell's ranks vote on it (trainer.ranks)
     if budget and clock.now() >= budget:
       logging.info('--max_wall_s=%g reached at iteration %d; stopping there.', budget, progress.iterations)
       _save(cfg, checkpointer, train_state, progress, spec)
@@ -384,6 +378,8 @@ def train(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
       off_path.finish(progress, logger, clock.now)
   except errors.StopRequested as stop:
     stopped = stop.reason
+    if cfg.ranks is not None and stop.state is not None:  # the ranks stopped at one step: rank 0 saves it
+      _save(cfg, checkpointer, stop.state, progress, spec)
   except KeyboardInterrupt as interrupt:  # SIGINT, or SIGTERM turned into one (runtime/errors.interrupt)
     stopped = errors.stop_reason(interrupt)
   finally:

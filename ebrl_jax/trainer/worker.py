@@ -3,6 +3,8 @@
 It runs the training driver every schedule shares (`trainer.driver`: evaluation cadence, checkpoints, target,
 metrics) around a `ChannelSource` whose iterations come from the segment channel instead of a local rollout, and
 sends its summary (or the error it stopped on) to the controller on its control pipe.
+A cell's trainer rank (`cfg.ranks`) trains through `trainer.ranks.RankStep`: its SIGINT (the controller's stop
+request) and its --max_wall_s are votes the ranks agree on at a step, never a stop of its own.
 NOTE: versions. The trainer publishes version v = iterations trained so far. A segment collected with version b
 is `v - b` versions stale when trained on; segments staler than the bound are dropped (and counted).
 """
@@ -31,6 +33,7 @@ from ebrl_jax.runtime import startup
 from ebrl_jax.runtime import tracing
 from ebrl_jax.trainer import driver
 from ebrl_jax.trainer import parallel
+from ebrl_jax.trainer import ranks
 from ebrl_jax.trainer import remote_eval
 from ebrl_jax.trainer import stages as trainer_stages
 
@@ -68,10 +71,14 @@ class ChannelSource:
     self._ahead: Dict[tuple, Any] = {}  # --deterministic: (group, iteration) -> a record that came early
     self._on_device: Dict[int, Any] = {}
     train_args = (network, optimizer, cfg.algo, cfg.policy.min_std, cfg.sim.group_size, self._bound > 0)
-    multi = cfg.ranks is not None and cfg.ranks.multi  # a cell's trainer rank: the step over every rank
-    self._train = (parallel.make_data_parallel_train_fn(*train_args, parallel.rank_mesh())
-                   if multi else trainer_stages.make_train_fn(*train_args))
-    self._chain = '' if multi else None  # every step's parameters, hashed in a chain (equal on every rank)
+    self._rank = None  # a cell's trainer rank: the step over every rank, with this rank's stop vote
+    if cfg.ranks is not None and cfg.ranks.multi:
+      interrupt = channels.interrupt
+      vote = ranks.StopVote(cfg.schedule.max_wall_s, cfg.start.unix if cfg.start else None, lambda: 'SIGINT'
+                            if interrupt is not None and interrupt.is_set() else None)
+      mesh = parallel.rank_mesh()
+      self._rank = ranks.RankStep(parallel.make_data_parallel_train_fn(*train_args, mesh), mesh, vote)
+    self._train = self._rank or trainer_stages.make_train_fn(*train_args)
     self._root_key = keys.root(cfg.schedule.seed)
     self._evaluator = None  # the evaluator process evaluates: the trainer builds and compiles no evaluation
     if channels.evaluation is None:
@@ -97,6 +104,8 @@ class ChannelSource:
     self._ch.params.publish(int(train_state.policy_version), _host_params(train_state.params))
     if self._evaluator is not None:
       self._evaluator.lower_and_compile(train_state.params)
+    if self._rank is not None:
+      self._rank.probe(train_state.params)  # the all-reduce alone, once at the start (every rank here)
     return time.monotonic() - t0
 
   def take_startup_s(self) -> Optional[float]:
@@ -110,8 +119,9 @@ class ChannelSource:
     return self._startup_s
 
   def _check_stop(self) -> None:
-    """Raises `errors.StopRequested` once the run's stop or this trainer's interrupt (SIGINT) is set."""
-    if self._ch.interrupt is not None and self._ch.interrupt.is_set():
+    """Raises `errors.StopRequested` once the run's stop or this trainer's interrupt (SIGINT) is set (a rank's
+    interrupt is its vote instead: `RankStep`)."""
+    if self._ch.interrupt is not None and self._ch.interrupt.is_set() and self._rank is None:
       raise errors.StopRequested('SIGINT')
     if self._ch.stop.is_set():
       raise errors.StopRequested('stopped by the controller')
@@ -179,6 +189,8 @@ class ChannelSource:
         train_state = self._iteration(train_state, acc)
       except errors.StopRequested as stop:  # at an iteration boundary: the finished ones are counted
         raise errors.StopRequested(stop.reason, done, train_state, self._metrics(acc) if done else None) from None
+      if self._rank is not None:  # the ranks agreed to stop after this step: all of them stop here
+        self._rank.check_stop(train_state, done + 1, self._metrics(acc))
     return train_state, self._metrics(acc)
 
   def _metrics(self, acc) -> Dict[str, float]:
@@ -203,8 +215,6 @@ class ChannelSource:
       train_state, metrics = self._train(train_state, batch, train_key)
       metrics = jax.device_get(metrics)
     t2 = time.monotonic()
-    if self._chain is not None:
-      self._chain = distributed.chain_digest(self._chain, jax.tree_util.tree_leaves(train_state.params))
     if not all(np.isfinite(float(v)) for v in metrics.values()):
       self._dump_nonfinite(batch, records, metrics, version)
     with self.tracer.span('train/publish_params', version=version):
@@ -245,7 +255,7 @@ class ChannelSource:
       return self._evaluator.evaluate(params, key)
 
   def summary_extra(self) -> Dict[str, Any]:
-    return {**self.counts, **({} if self._chain is None else {'params_chain': self._chain})}
+    return {**self.counts, **({} if self._rank is None else self._rank.summary_extra())}
 
   def close(self) -> None:
     if self._evaluator is not None:
@@ -274,7 +284,8 @@ def _remote(cfg: driver.TrainerConfig, channels: TrainerChannels) -> Optional[re
   """With an evaluator process, the driver's link to it (its waits end on the run's stop and on SIGINT)."""
   if channels.evaluation is None:
     return None
-  stops = ((channels.interrupt, 'SIGINT'), (channels.stop, 'stopped by the controller'))
+  interrupt = None if cfg.ranks is not None and cfg.ranks.multi else channels.interrupt  # a rank's: a vote
+  stops = ((interrupt, 'SIGINT'), (channels.stop, 'stopped by the controller'))
   return remote_eval.RemoteEvaluations(channels.evaluation, cfg.schedule.target_return, stops,
                                        cfg.schedule.evaluator_wait_s)
 
@@ -291,7 +302,7 @@ def trainer_main(cfg: driver.TrainerConfig, channels: TrainerChannels, env: Opti
                   'trainer')('joining the trainer ranks' if joins else 'initialising the network and the train state')
   if joins:
     distributed.initialize(cfg.ranks)
-  channels = channels._replace(stop=lifecycle.ParentWatch(channels.stop), interrupt=interrupt)
+  channels = channels._replace(stop=lifecycle.ParentWatch(channels.stop), interrupt=interrupt or channels.interrupt)
   finished, code = False, 0
   try:
     try:
@@ -301,7 +312,7 @@ def trainer_main(cfg: driver.TrainerConfig, channels: TrainerChannels, env: Opti
         raise
       raise distributed.failed_rank(cfg.ranks, e) from e
     channels.outbox.send('result', dataclasses.asdict(summary))
-    finished = summary.stopped in driver.FINISHED
+    finished = summary.stopped in driver.FINISHED or ranks.stopped_together(summary.extra.get('cell_step', {}))
   except KeyboardInterrupt:  # interrupted twice, or before the driver's loop: no summary to send
     logging.warning('trainer: interrupted before it had a summary; the last checkpoint stays loadable.')
   except errors.RunError as e:  # the controller raises it again with these words
@@ -316,7 +327,7 @@ def trainer_main(cfg: driver.TrainerConfig, channels: TrainerChannels, env: Opti
     code = 1
   finally:
     channels.stop.set()
-    if joins:  # every rank at one barrier after a finished run, so rank 0 (the coordination service) ends last
+    if joins:  # every rank at one barrier after a finished (or agreed) end: rank 0 (the coordinator) ends last
       if finished:
         distributed.barrier('ebrl_jax/end', cfg.ranks.heartbeat_timeout_s * 3)
       distributed.exit_now(code)

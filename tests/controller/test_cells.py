@@ -121,8 +121,6 @@ def test_cell_keys_and_flag_errors():
     config_lib.Config(schedule=config_lib.ScheduleConfig(name='async', target_return=100.0), cells=two)
   with pytest.raises(ValueError, match='--group_schedule'):
     config_lib.Config(schedule=config_lib.ScheduleConfig(name='async', group_schedule='2:groups=1'), cells=two)
-  with pytest.raises(ValueError, match='cannot stop on --max_wall_s'):
-    config_lib.Config(schedule=config_lib.ScheduleConfig(max_wall_s=5), cells=config_lib.CellConfig(num_processes=2))
 
 
 # async cells: each cell a controller with its own trainer worker (the rank) and one rollout worker process.

@@ -5,7 +5,9 @@
 Every rank builds the same global batches, trains on its own contiguous share of the segments (its "cell's"
 batch) and writes its final parameters per case to OUT.npz. With --die_after, rank R kills itself (SIGKILL)
 after that step and the others report what `runtime.distributed.failed_rank` names. With --save_dir, rank 0
-checkpoints the PPO state after step SAVE_STEP.
+checkpoints the PPO state after step SAVE_STEP. The last rank votes to stop (SIGTERM's vote) at step VOTE_STEP;
+each rank records the vote its steps agreed on (`<case>/agreed`) and times one all-reduce of the parameters' size
+(`allreduce_s`, `allreduce_bytes`).
 """
 import argparse
 import os
@@ -20,6 +22,8 @@ from ebrl_jax.trainer import checkpoint
 from ebrl_jax.trainer import parallel
 
 import dp_cases  # pylint: disable=g-bad-import-order
+
+VOTE_STEP = 1
 
 
 def main():
@@ -39,10 +43,13 @@ def main():
   for case in (dp_cases.CASES if a.die_after < 0 else dp_cases.CASES[:1]):
     net, optimizer, algo, state = dp_cases.setup(case)
     train_fn = parallel.make_data_parallel_train_fn(net, optimizer, algo, dp_cases.MIN_STD, case.group_size, True, mesh)
+    agreed = []
     for step, batch in enumerate(dp_cases.batches(case, state)):
       share = dp_cases.share(batch, a.rank, a.ranks)
+      vote = parallel.STOP_REASONS.index('SIGTERM') if (step == VOTE_STEP and a.rank == a.ranks - 1) else 0
       try:
-        state, metrics = train_fn(state, share, jax.random.PRNGKey(100 + step))
+        state, metrics, agreement = train_fn.voting(state, share, jax.random.PRNGKey(100 + step), vote)
+        agreed.append(agreement)
         jax.block_until_ready(state)
       except Exception as e:  # pylint: disable=broad-except
         failed = distributed.failed_rank(spec, e)
@@ -56,6 +63,9 @@ def main():
           ckpt.save(step + 1, state, {'ranks': a.ranks})
     out.update({f'{case.name}/{k}': np.asarray(v) for k, v in dp_cases.flat(state.params).items()})
     out[f'{case.name}/loss'] = np.asarray(metrics['total_loss'])
+    out[f'{case.name}/agreed'] = np.asarray(agreed)
+  if a.die_after < 0:
+    out['allreduce_s'], out['allreduce_bytes'] = parallel.allreduce_seconds(mesh, state.params)
   np.savez(a.out, **out)
   print('DONE', flush=True)
   distributed.exit_now(0)  # JAX's shutdown barrier may find rank 0's coordinator gone already: nothing to wait for

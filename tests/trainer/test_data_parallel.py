@@ -1,6 +1,8 @@
 """Data-parallel trainer ranks on jax.distributed (CPU, gloo): 2 ranks reach the parameters of 1 rank on the same
-global batch (PPO and GRPO) and hold identical parameters; a checkpoint written by rank 0 of 2 resumes on 1 rank;
-killing a rank stops the other with a message naming it. The ranks are subprocesses running tests/trainer/dp_rank.py.
+global batch (PPO and GRPO) and hold identical parameters, learn one rank's stop vote from the step it rode on
+(`voting`) and time an all-reduce of the parameters' size (`allreduce_seconds`); a checkpoint written by rank 0
+of 2 resumes on 1 rank; killing a rank stops the other with a message naming it. The ranks are subprocesses
+running tests/trainer/dp_rank.py.
 """
 import os
 import re
@@ -75,6 +77,14 @@ def test_two_ranks_match_one_rank_and_resume_on_one(tmp_path):
       got = [r[f'{case.name}/{name}'] for r in ranks]
       np.testing.assert_array_equal(got[0], got[1], err_msg=f'{case.name} {name}: the ranks differ')
       np.testing.assert_allclose(got[0], np.asarray(want), rtol=2e-4, atol=2e-5, err_msg=f'{case.name} {name}')
+    # Rank 1 alone voted to stop at step VOTE_STEP: both ranks learned it from that step, and only from it.
+    want = [
+        parallel.STOP_REASONS.index('SIGTERM') if s == 1 else 0 for s in range(len(ranks[0][f'{case.name}/agreed']))
+    ]
+    assert [list(r[f'{case.name}/agreed']) for r in ranks] == [want, want]
+  nbytes = sum(4 * np.size(v) for v in reference['grpo'].values())  # float32, every leaf of the parameters
+  for r in ranks:  # one all-reduce of the gradients' size, timed alone over the 2 ranks (gloo)
+    assert 0 < float(r['allreduce_s']) < 5 and int(r['allreduce_bytes']) == nbytes, (r['allreduce_s'], nbytes)
   # Rank 0 of 2 checkpointed PPO after SAVE_STEP steps; one rank resumes there and finishes the run.
   case = dp_cases.CASES[0]
   net, optimizer, algo, template = dp_cases.setup(case)
