@@ -26,7 +26,7 @@
 # w2auto  W2 fused / sync / async / auto (MPS for the last three), 2 M env steps, 1 seed (issue 14 item 6).
 # bf16w6  W2 fused in float32 and bfloat16, 2 M env steps; W6 fused and async, 1 M env steps, with its stage profile.
 # w3ov    issue 15: W3 (native MuJoCo, separate generation) under sync, overlap, and overlap with slack-aware quotas
-#         (--slack_quotas), MPS, 1.5 M env steps, 1 seed; the stage profile from w3_stage_profile_h200.json.
+#         (--slack_quotas), MPS, 1.5 M env steps, 1 seed; the stage profile from w3_resources_1gpu.json.
 # w2x     W2 fused seed 1 again (cut by its limit at 11.5 M in the w2s_fused call), then the quota-change run
 #         (rollout 20 -> 25 % at iteration 10 of 48, 3 M steps) whose whole output is kept.
 # The device tool brings back a limited number of files: write OUT_DIR outside $OUT and tar it into $OUT
@@ -144,7 +144,7 @@ case $PART in
       --stage_profile --extra=--num_groups=2 --extra=--num_timesteps=1000000 --extra=--num_evals=3 \
       --only=async:--use_mps --timeout_s=130 ;;
   w3ov)  # issue 15: W3 sync / overlap / overlap with slack-aware quotas, one call
-    bench w3_overlap_1gpu 0-15 $W3 --gpus=0 --stage_profile_from=experiments/results/w3_stage_profile_h200.json \
+    bench w3_overlap_1gpu 0-15 $W3 --gpus=0 --stage_profile_from=experiments/results/w3_resources_1gpu.json \
       --schedules=sync,overlap,overlap_slack=overlap --extra=--use_mps --extra=--num_timesteps=1500000 \
       --extra=--num_evals=3 --only=overlap_slack:--slack_quotas --only=overlap:--trace_dir=$ROOT/w3_tr \
       --timeout_s=160 ;;
