@@ -27,6 +27,8 @@
 # bf16w6  W2 fused in float32 and bfloat16, 2 M env steps; W6 fused and async, 1 M env steps, with its stage profile.
 # w3ov    issue 15: W3 (native MuJoCo, separate generation) under sync, overlap, and overlap with slack-aware quotas
 #         (--slack_quotas), MPS, 1.5 M env steps, 1 seed; the stage profile from w3_resources_1gpu.json.
+# w2slack issue 15: W2 sync beside overlap with slack-aware quotas (--slack_quotas, the real MPS daemon), 2 M steps.
+# w6      issues 13/14: W6 (the token policy) fused and async (MPS), 1 M env steps, no stage profile.
 # w2x     W2 fused seed 1 again (cut by its limit at 11.5 M in the w2s_fused call), then the quota-change run
 #         (rollout 20 -> 25 % at iteration 10 of 48, 3 M steps) whose whole output is kept.
 # The device tool brings back a limited number of files: write OUT_DIR outside $OUT and tar it into $OUT
@@ -148,6 +150,14 @@ case $PART in
       --schedules=sync,overlap,overlap_slack=overlap --extra=--use_mps --extra=--num_timesteps=1500000 \
       --extra=--num_evals=3 --only=overlap_slack:--slack_quotas --only=overlap:--trace_dir=$ROOT/w3_tr \
       --timeout_s=160 ;;
+  w2slack)  # issue 15: slack-aware quotas on a workload whose rollout workers hold a GPU context (MJX)
+    bench w2_slack_1gpu 0-15 $W2 --gpus=0 --schedules=sync,overlap_slack=overlap --extra=--num_groups=2 \
+      --extra=--use_mps --extra=--num_timesteps=2000000 --extra=--num_evals=3 --only=overlap_slack:--slack_quotas \
+      --timeout_s=140 ;;
+  w6)  # issues 13/14: W6 fused and async, no stage profile (it took > 130 s on the H200)
+    bench w6_token_1gpu 0-15 --bench_flagfile=experiments/w6_token.flags --gpus=0 --schedules=fused,async \
+      --extra=--num_groups=2 --extra=--num_timesteps=1000000 --extra=--num_evals=3 --only=async:--use_mps \
+      --timeout_s=120 ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
 for c in $(find /tmp $ROOT runs -name control -type p 2>/dev/null); do
