@@ -34,7 +34,7 @@ class SlackTrigger:
     self._next_t = time.monotonic() + self._period
     self._base: Dict[int, fb.FeedbackSnapshot] = {}
     deps = {'train': tuple(f'collect/{g}' for g in range(cfg.schedule.num_groups))}
-    self.tuner = slack.SlackTuner(cfg.resources.quotas, ['rollout'],
+    self.tuner = slack.SlackTuner(start_quotas(cfg), ['rollout'],
                                   deps,
                                   step=cfg.resources.slack_step,
                                   trial_iterations=cfg.resources.slack_trial_iterations,
@@ -86,10 +86,18 @@ class SlackTrigger:
     self._base.clear()  # new workers: new baselines, and the look after a swap only sets them
 
 
+def start_quotas(cfg: config_lib.Config) -> Dict[str, int]:
+  """The quotas the tuner starts from: --sm_quotas, with a rollout quota of 100 % (MPS's own default: no limit)
+  where it gives none, so that `--slack_quotas` alone can take SMs from rollouts with slack. (Before, a run
+  without a rollout quota kept its quotas with a warning: the H200's W2 overlap run of w2_slack_1gpu.json.)"""
+  return dict({'rollout': 100}, **cfg.resources.quotas)
+
+
 def make_changer(cfg: config_lib.Config, workers, mps_active: bool) -> Optional[replan.QuotaChanger]:
-  """The quota changer of `--slack_quotas`, or None (with a warning) where there is no rollout quota to move."""
-  if not mps_active or 'rollout' not in cfg.resources.quotas:
-    logging.warning('--slack_quotas: %s; the quotas stay as they are.',
-                    'MPS is not running' if not mps_active else 'no rollout quota in --sm_quotas to move')
+  """The quota changer of `--slack_quotas`, or None (with a warning) where the run's MPS daemon did not start."""
+  if not mps_active:
+    logging.warning('--slack_quotas: MPS is not running; the quotas stay as they are.')
     return None
-  return replan.QuotaChanger(cfg, workers, SlackTrigger(cfg, workers))
+  changer = replan.QuotaChanger(cfg, workers, SlackTrigger(cfg, workers))
+  changer.quota = start_quotas(cfg)['rollout']
+  return changer
