@@ -11,6 +11,11 @@
     share one compilation cache directory. Each run has a time limit (`--run_timeout_s`); a run that fails or
     times out is recorded with its return code and the tail of its log, and the check goes on.
 Writes one JSON to --out. Budget: --budget_s (340 s) for everything; a run that would pass it is cut or skipped.
+
+The first H200 result (experiments/results/ipc_generation_check_h200.json) ran the three layouts without MPS, so the
+rollout, generation and trainer processes time-sliced the GPU, which costs most where a step has the most GPU
+synchronisation points (the IPC path has a copy and a stream synchronisation on each side per step): next, the same
+with `--extra_flags=--use_mps`, as the W1 benchmarks run.
 """
 from __future__ import annotations
 
@@ -107,7 +112,14 @@ def main() -> None:
   parser.add_argument('--extra_flags', default='', help='more run flags, space-separated (a CPU dry run: smaller)')
   args = parser.parse_args()
   t0 = time.monotonic()
-  result = {'date': time.strftime('%Y-%m-%d %H:%M:%S'), 'contract': contract(args.round_trips), 'runs': {}}
+  result = {
+      'date': time.strftime('%Y-%m-%d %H:%M:%S'),
+      'command': ' '.join(sys.argv),
+      'commit': os.environ.get('EBRL_COMMIT'),
+      'extra_flags': args.extra_flags.split(),
+      'contract': contract(args.round_trips),
+      'runs': {}
+  }
   with tempfile.TemporaryDirectory(prefix='ipc_check_') as work:
     cache = os.path.join(work, 'xla_cache')
     for name in filter(None, args.layouts.split(',')):
