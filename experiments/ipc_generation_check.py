@@ -14,8 +14,8 @@ Writes one JSON to --out. Budget: --budget_s (340 s) for everything; a run that 
 
 The first H200 result (experiments/results/ipc_generation_check_h200.json) ran the three layouts without MPS, so the
 rollout, generation and trainer processes time-sliced the GPU, which may cost most where a step has the most GPU
-synchronisation points, a likely cause not yet measured (the IPC path has a copy and a stream synchronisation on each side per step): next, the same
-with `--extra_flags=--use_mps`, as the W1 benchmarks run.
+synchronisation points (a likely cause, not yet measured: the IPC path has a copy and a stream synchronisation on
+each side per step). Next: the same with `--extra_flags=--use_mps`, as the W1 benchmarks run.
 """
 from __future__ import annotations
 
