@@ -142,6 +142,8 @@ TEST_TIERS = {
         'unit',
     ('test_slack.py', 'test_slack_trigger_rebuilds_a_timeline_and_swaps_only_on_try_and_revert'):
         'contract',  # imports the controller (jax, orbax, brax): seconds of imports
+    ('test_slack.py', 'test_slack_trigger_without_a_rollout_quota_starts_from_100'):
+        'contract',  # the same imports
     ('test_replan.py', 'test_replanner_changes_the_rollout_quota_when_it_pays'):
         'unit',
     ('test_replan.py', 'test_replanner_keeps_the_quota_within_hysteresis'):

@@ -114,8 +114,9 @@ def _snap(iterations, stage_s, last_t):
   return feedback.FeedbackSnapshot(iterations, stage_s, 0.0, last_t, 0.0, 0.0, 0.0, iterations - 1, 0.0)
 
 
-def test_slack_trigger_rebuilds_a_timeline_and_swaps_only_on_try_and_revert():
-  """controller/slack_quotas.py with stand-ins for the workers' feedback and the quota changer."""
+def _run_trigger(sm_quotas: str, start_quota: int, collect_s=(1.0, 1.5)):
+  """controller/slack_quotas.py with stand-ins for the workers' feedback and the quota changer: 3 looks of 2
+  iterations each (group collects `collect_s`, train 0.5 s, 2.0 s per iteration); (cfg, trigger, changes)."""
   import types  # pylint: disable=g-import-not-at-top
   from ebrl_jax import config as config_lib  # pylint: disable=g-import-not-at-top
   from ebrl_jax.controller import slack_quotas  # pylint: disable=g-import-not-at-top
@@ -123,7 +124,7 @@ def test_slack_trigger_rebuilds_a_timeline_and_swaps_only_on_try_and_revert():
                           sim=config_lib.SimConfig(num_envs=32),
                           algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
                           resources=config_lib.ResourceConfig(use_mps=True,
-                                                              sm_quotas='rollout=40,trainer=60',
+                                                              sm_quotas=sm_quotas,
                                                               slack_quotas=True,
                                                               slack_trial_iterations=2,
                                                               replan_period_s=1e-9))
@@ -134,12 +135,18 @@ def test_slack_trigger_rebuilds_a_timeline_and_swaps_only_on_try_and_revert():
                                   trainer_feedback=trainer)
   trigger = slack_quotas.SlackTrigger(cfg, workers)
   changes = []
-  changer = types.SimpleNamespace(quota=40, change=lambda q, why: changes.append((q, why)))
-  for look in range(3):  # 2 iterations per look: collect 1.0 and 1.5 s, train 0.5 s, 2.0 s per iteration
+  changer = types.SimpleNamespace(quota=start_quota, change=lambda q, why: changes.append((q, why)))
+  for look in range(3):
     n = 2 * look
-    rollouts['rollout/0'].snap, rollouts['rollout/1'].snap = _snap(n, 1.0 * n, 0.0), _snap(n, 1.5 * n, 0.0)
+    rollouts['rollout/0'].snap = _snap(n, collect_s[0] * n, 0.0)
+    rollouts['rollout/1'].snap = _snap(n, collect_s[1] * n, 0.0)
     trainer.snap = _snap(n, 0.5 * n, 2.0 * n)
     trigger.poll(changer)
+  return cfg, trigger, changes
+
+
+def test_slack_trigger_rebuilds_a_timeline_and_swaps_only_on_try_and_revert():
+  _, trigger, changes = _run_trigger('rollout=40,trainer=60', 40)
   # The first look sets baselines; two measured looks make the baseline; the collect runs alone: grow it.
   assert [d['action'] for d in trigger.decisions] == ['try'] and changes[0][0] == 50
   assert 'nothing beside it' in changes[0][1]
@@ -147,34 +154,13 @@ def test_slack_trigger_rebuilds_a_timeline_and_swaps_only_on_try_and_revert():
   assert spans.baseline_s == pytest.approx(2.0)
 
 
-def test_slack_trigger_without_a_rollout_quota_starts_from_100_and_takes_from_rollouts_with_slack():
+def test_slack_trigger_without_a_rollout_quota_starts_from_100():
   """--slack_quotas with --sm_quotas giving no rollout quota: the tuner starts at MPS's no-limit 100 % (before,
   such a run kept its quotas with only a warning) and decides from there with its reason: here a group is on the
   critical path (so the rollout role has no slack) and it runs alone at 100 % already, so it holds."""
-  import types  # pylint: disable=g-import-not-at-top
-  from ebrl_jax import config as config_lib  # pylint: disable=g-import-not-at-top
   from ebrl_jax.controller import slack_quotas  # pylint: disable=g-import-not-at-top
-  cfg = config_lib.Config(schedule=config_lib.ScheduleConfig(name='overlap', num_groups=2),
-                          sim=config_lib.SimConfig(num_envs=32),
-                          algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
-                          resources=config_lib.ResourceConfig(use_mps=True,
-                                                              slack_quotas=True,
-                                                              slack_trial_iterations=2,
-                                                              replan_period_s=1e-9))
+  cfg, trigger, changes = _run_trigger('', 100, collect_s=(0.5, 1.5))
   assert slack_quotas.start_quotas(cfg) == {'rollout': 100}
-  rollouts, trainer = {'rollout/0': _Feedback(), 'rollout/1': _Feedback()}, _Feedback()
-  workers = types.SimpleNamespace(controls={
-      r: types.SimpleNamespace(feedback=f) for r, f in rollouts.items()
-  },
-                                  trainer_feedback=trainer)
-  trigger = slack_quotas.SlackTrigger(cfg, workers)
-  changes = []
-  changer = types.SimpleNamespace(quota=100, change=lambda q, why: changes.append((q, why)))
-  for look in range(3):  # group 0 collects 0.5 s beside group 1's 1.5 s, then the train step
-    n = 2 * look
-    rollouts['rollout/0'].snap, rollouts['rollout/1'].snap = _snap(n, 0.5 * n, 0.0), _snap(n, 1.5 * n, 0.0)
-    trainer.snap = _snap(n, 0.5 * n, 2.0 * n)
-    trigger.poll(changer)
   assert [d['action'] for d in trigger.decisions] == ['hold'] and changes == []
   assert trigger.decisions[0]['quotas'] == {'rollout': 100}
   assert 'no critical role below 100 % runs alone' in trigger.decisions[0]['reason']
