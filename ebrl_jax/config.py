@@ -52,6 +52,7 @@ class SimConfig:
   obs: str = 'state'  # or 'pixels': stacked uint8 camera frames beside the state (config_vision)
   image_size: int = 64
   frame_stack: int = 1
+  pixel_depth: bool = False  # --obs=pixels: a uint8 depth channel after each frame's RGB (config_vision)
 
   def __post_init__(self):
     _check_choice('backend', self.backend, BACKENDS)

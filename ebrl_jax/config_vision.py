@@ -5,7 +5,9 @@ that `config.py` stays under 400 lines). Errors are `ValueError`s that name the 
 `--obs=pixels`: each env's observation is `types.PixelObs(pixels [H, W, 3 * frame_stack] uint8, state [O] float32)`,
 the camera frames beside the proprioceptive state, rendered by native MuJoCo's `mujoco.Renderer` on
 `--backend=mujoco_cpu` (sim/render.py) or by MJX's GPU renderer inside the jitted simulation stage on
-`--backend=mjx_warp` (sim/warp_render.py).
+`--backend=mjx_warp` (sim/warp_render.py). `--pixel_depth` adds a uint8 depth channel after each frame's RGB
+(round(255 * metres / 2), clipped: `render.CameraObs.depth_max`), so C = 4 * frame_stack; both renderers give it
+(a ray that hits nothing reads 0 on mjx_warp and 255, the far plane, on mujoco_cpu).
 """
 from __future__ import annotations
 
@@ -27,9 +29,11 @@ _NO_RENDERING = {'mjx': NO_JAX_RENDERING}
 
 
 def pixel_shape(sim) -> Tuple[int, ...]:
-  """[H, W, 3 * frame_stack] of one env's stacked RGB frames with --obs=pixels; () with --obs=state (`sim` a
-  `config.SimConfig`)."""
-  return (sim.image_size, sim.image_size, 3 * sim.frame_stack) if sim.obs == 'pixels' else ()
+  """[H, W, C * frame_stack] of one env's stacked frames with --obs=pixels, C = 3 (RGB) or 4 with --pixel_depth
+  (RGB-D); () with --obs=state (`sim` a `config.SimConfig`)."""
+  if sim.obs != 'pixels':
+    return ()
+  return (sim.image_size, sim.image_size, (4 if sim.pixel_depth else 3) * sim.frame_stack)
 
 
 def check_sim_obs(sim) -> None:
@@ -43,6 +47,8 @@ def check_sim_obs(sim) -> None:
   if obs == 'state':
     if frame_stack != 1:
       raise ValueError(f'--frame_stack={frame_stack} stacks camera frames: it needs --obs=pixels.')
+    if sim.pixel_depth:
+      raise ValueError('--pixel_depth adds a depth channel to camera frames: it needs --obs=pixels.')
     return
   if backend in _NO_RENDERING:
     raise ValueError(f'--obs=pixels on --backend={backend}: {_NO_RENDERING[backend]}; use --backend=mjx_warp (MJX '

@@ -78,6 +78,8 @@ _HELP = {
         'With --obs=pixels: the side of the square camera frames, in pixels.',
     'frame_stack':
         'With --obs=pixels: camera frames per observation, stacked on the channel axis, newest last.',
+    'pixel_depth': ('With --obs=pixels: a uint8 depth channel after each frame\'s RGB (0..2 m), 4 channels a frame; '
+                    'on mujoco_cpu and mjx_warp.'),
     'vision_encoder': ('With --obs=pixels: cnn (IMPALA CNN: its d_model features beside the state for --policy=mlp, '
                        'its feature map as tokens for transformer/token) or patches (ViT patch tokens).'),
     'cnn_channels':

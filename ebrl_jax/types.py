@@ -2,7 +2,7 @@
 
 Axis names used in docstrings: `T` time (policy steps of one segment), `B` batch (envs or segments),
 `K` action chunk length (1 for the MLP), `A` action dimension, `O` observation dimension, `H, W, C` a stacked
-camera observation's height, width and channels (3 * frame_stack).
+camera observation's height, width and channels (3 * frame_stack, 4 * frame_stack with --pixel_depth).
 
 An observation `obs` is the state `[..., O]` float32, or with camera observations (`--obs=pixels`) a `PixelObs`
 of pixels `[..., H, W, C]` uint8 beside that state: every record field that holds an observation (`Transition.obs`

@@ -100,7 +100,7 @@ def _use_egl() -> str:
 
 def section_agreement(args, result):
   camera = render.CameraObs(height=args.image_size, width=args.image_size, frame_stack=1, depth=True)
-  env = mjx_env.make_mjx_env('push_cube', 250, 1, True, impl='warp', camera=camera)
+  env = push_cube_env(camera)
   renderer, sys = mjx_env.pixel_renderer(env), env.unwrapped.sys
   n = args.agree_envs
   state = jax.jit(stages.reset, static_argnums=(0, 2, 3))(env, jax.random.PRNGKey(0), n, 1)
@@ -145,8 +145,16 @@ def section_agreement(args, result):
   result['agreement'] = out
 
 
-def _throughput(n: int, camera, steps: int, repeats: int) -> dict:
-  env = mjx_env.make_mjx_env('push_cube', 250, 1, True, impl='warp', camera=camera)
+def push_cube_env(camera, randomization=None):
+  """push_cube on MJX-Warp (250 steps an episode, no action repeat, auto-reset) with `camera` (None: no pixels) and
+  `randomization` (a parsed --randomize, or None); the env of this check and of warp_randomize_check."""
+  return mjx_env.make_mjx_env('push_cube', 250, 1, True, impl='warp', randomization=randomization, camera=camera)
+
+
+def time_random_steps(env, n: int, steps: int, repeats: int) -> tuple[dict, object]:
+  """`n` envs reset, then a jitted lax.scan of `steps` `stages.step` with uniform random actions in [-1, 1], lowered
+  and compiled, run once, then timed `repeats` times: (reset_first_call_s, compile_s, first_run_s, run_s (each
+  repeat), env_steps_per_s (median), finite (the last rewards)), and the last state."""
   t = time.perf_counter()
   state = jax.block_until_ready(jax.jit(stages.reset, static_argnums=(0, 2, 3))(env, jax.random.PRNGKey(1), n, 1))
   reset_s = time.perf_counter() - t
@@ -154,7 +162,7 @@ def _throughput(n: int, camera, steps: int, repeats: int) -> dict:
   def run(state, key):
 
     def body(s, k):
-      s, res = stages.step(env, s, jax.random.uniform(k, (n, 3), minval=-1.0, maxval=1.0))
+      s, res = stages.step(env, s, jax.random.uniform(k, (n, 3), minval=-1.0, maxval=1.0))  # push_cube's 3
       return s, jnp.sum(res.reward)
 
     return jax.lax.scan(body, state, jax.random.split(key, steps))
@@ -170,14 +178,18 @@ def _throughput(n: int, camera, steps: int, repeats: int) -> dict:
     t = time.perf_counter()
     state, rewards = jax.block_until_ready(program(state, jax.random.PRNGKey(4 + r)))
     times.append(time.perf_counter() - t)
-  out = {
+  return {
       'reset_first_call_s': reset_s,
       'compile_s': compile_s,
       'first_run_s': first_s,
       'run_s': times,
       'env_steps_per_s': n * steps / statistics.median(times),
       'finite': bool(np.isfinite(np.asarray(rewards)).all())
-  }
+  }, state
+
+
+def _throughput(n: int, camera, steps: int, repeats: int) -> dict:
+  out, state = time_random_steps(push_cube_env(camera), n, steps, repeats)
   if camera is not None:
     px = np.asarray(state.pixels[:8])
     out['pixels'] = {'shape': list(state.pixels.shape), 'dtype': str(state.pixels.dtype), 'mean': float(px.mean())}

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 import jax
@@ -44,8 +43,7 @@ def _log(msg):
 
 
 def _env(camera, spec=''):
-  cfg = config_lib.parse_randomize(spec) if spec else None
-  return mjx_env.make_mjx_env('push_cube', 250, 1, True, impl='warp', randomization=cfg, camera=camera)
+  return warp_pixels_check.push_cube_env(camera, config_lib.parse_randomize(spec) if spec else None)
 
 
 def section_reach(args, result, out_png):
@@ -100,33 +98,9 @@ def section_reach(args, result, out_png):
 
 
 def _throughput(n, spec, steps, repeats):
-  camera = render.CameraObs(height=64, width=64, frame_stack=3)
-  env = _env(camera, spec)
-  state = jax.block_until_ready(jax.jit(stages.reset, static_argnums=(0, 2, 3))(env, jax.random.PRNGKey(1), n, 1))
-
-  def run(state, key):
-
-    def body(s, k):
-      s, res = stages.step(env, s, jax.random.uniform(k, (n, 3), minval=-1.0, maxval=1.0))
-      return s, jnp.sum(res.reward)
-
-    return jax.lax.scan(body, state, jax.random.split(key, steps))
-
-  t = time.perf_counter()
-  program = jax.jit(run, donate_argnums=0).lower(state, jax.random.PRNGKey(2)).compile()
-  compile_s = time.perf_counter() - t
-  state, rewards = jax.block_until_ready(program(state, jax.random.PRNGKey(3)))
-  times = []
-  for r in range(repeats):
-    t = time.perf_counter()
-    state, rewards = jax.block_until_ready(program(state, jax.random.PRNGKey(4 + r)))
-    times.append(time.perf_counter() - t)
-  return {
-      'compile_s': compile_s,
-      'run_s': times,
-      'env_steps_per_s': n * steps / statistics.median(times),
-      'finite': bool(np.isfinite(np.asarray(rewards)).all())
-  }
+  env = _env(render.CameraObs(height=64, width=64, frame_stack=3), spec)
+  timed, _ = warp_pixels_check.time_random_steps(env, n, steps, repeats)
+  return {k: timed[k] for k in ('compile_s', 'run_s', 'env_steps_per_s', 'finite')}
 
 
 def section_throughput(args, result):

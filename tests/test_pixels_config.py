@@ -1,14 +1,19 @@
-"""--obs=pixels and its flags: validation that names the flag (and says what is not built yet), and the flags'
-defaults from the dataclass fields. (The run's segment spec with pixels: tests/controller/test_pixels_e2e.py.)"""
+"""--obs=pixels and its flags: validation that names the flag (and says what is not built yet), the flags'
+defaults from the dataclass fields, and --pixel_depth from the flag to the camera, the obs spec and the native pool. (The run's segment spec with pixels: tests/controller/test_pixels_e2e.py.)"""
+import dataclasses
 import os
 import subprocess
 import sys
 
 from absl import flags
+import numpy as np
 import pytest
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import main as main_lib
+from ebrl_jax import types
+from ebrl_jax.rollout import cpu as cpu_rollout
+from ebrl_jax.sim import render
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,6 +30,8 @@ def _pixels(**sim):
     (_pixels(image_size=4), r'--image_size=4 must be at least 8'),
     (_pixels(frame_stack=0), r'--frame_stack=0 must be > 0'),
     (dict(frame_stack=3), r'--frame_stack=3 stacks camera frames: it needs --obs=pixels'),
+    (dict(pixel_depth=True), r'--pixel_depth adds a depth channel to camera frames: it needs --obs=pixels'),
+    (_pixels(backend='mjx', pixel_depth=True), r'--obs=pixels on --backend=mjx: .* use --backend=mjx_warp'),
 ])
 def test_sim_obs_errors_name_the_flag(sim, pattern):
   with pytest.raises(ValueError, match=pattern):
@@ -68,6 +75,42 @@ def test_flags_default_from_the_fields_and_build_the_pixel_config():
   assert config_lib.pixel_shape(cfg.sim) == (48, 48, 9)
   assert config_lib.pixel_shape(config_lib.SimConfig()) == ()  # --obs=state, the default
   assert values['obs'].default == config_lib.SimConfig.obs and values['patch_size'].default == 8
+
+
+@pytest.mark.parametrize('backend', ['mujoco_cpu', 'mjx_warp'])
+def test_pixel_depth_flag_reaches_the_camera_and_the_obs_spec(backend):
+  """--pixel_depth: the frozen config's field, the camera both pixel backends build from it (render.camera_of), and
+  the obs spec every record, network and transport derives from (config.pixel_shape) agree on 4 channels a frame."""
+  values = flags.FlagValues()
+  main_lib.define_flags(values)
+  values([
+      'prog', '--task=push_cube', '--obs=pixels', '--pixel_depth', '--frame_stack=2', '--image_size=16',
+      f'--backend={backend}'
+  ])
+  sim = main_lib.config_from_flags(values).sim
+  assert sim.pixel_depth and values['pixel_depth'].default is config_lib.SimConfig.pixel_depth is False
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    sim.pixel_depth = False
+  camera = render.camera_of(sim)
+  assert camera.depth and camera.channels == 4 and camera.shape == config_lib.pixel_shape(sim) == (16, 16, 8)
+  obs = types.obs_template((3,), 5, config_lib.pixel_shape(sim))  # the records' and networks' observations
+  assert (obs.pixels.shape, obs.pixels.dtype) == ((3, 16, 16, 8), np.uint8)
+  rgb = dataclasses.replace(sim, pixel_depth=False)
+  assert render.camera_of(rgb).shape == config_lib.pixel_shape(rgb) == (16, 16, 6) and not render.camera_of(rgb).depth
+  assert render.camera_of(config_lib.SimConfig()) is None
+
+
+def test_the_native_pool_of_the_config_observes_rgbd_stacks_of_the_obs_spec():
+  sim = config_lib.SimConfig(**_pixels(num_envs=2, image_size=16, pixel_depth=True), num_threads=1)
+  try:
+    pool = cpu_rollout.make_pool(sim, 2, 0, auto_reset=True)
+  except RuntimeError as err:  # no headless GL here (tests/sim/test_render.py's fixture says the same)
+    pytest.skip(f'no headless OpenGL for mujoco.Renderer: {err}')
+  with pool:
+    obs = cpu_rollout.observe(pool, pool.reset())
+  assert pool.spec.pixel_shape == config_lib.pixel_shape(sim) and obs.pixels.shape == (2, 16, 16, 8)
+  depth = obs.pixels[..., 3::4]  # the table and the cube are within the 2 m depth range: some depth below 255
+  assert obs.pixels.dtype == np.uint8 and (depth < 255).any() and np.array_equal(depth[..., 0], depth[..., 1])
 
 
 def test_command_line_refuses_pixels_on_mjx_before_any_work(tmp_path):

@@ -21,12 +21,13 @@ from ebrl_jax.sim import render
 
 
 def camera_of(sim: config_lib.SimConfig) -> Optional[render.CameraObs]:
-  """The pool's camera for `--obs=pixels` (square RGB frames of the task's 'fixed' camera, stacked), else None.
+  """The pool's camera for `--obs=pixels` (`render.camera_of`: square RGB or, with --pixel_depth, RGB-D frames of
+  the task's 'fixed' camera, stacked), else None.
   On a machine without a display this picks a headless GL backend first (`render.ensure_headless_gl`)."""
   if sim.obs != 'pixels':
     return None
   render.ensure_headless_gl()
-  return render.CameraObs(height=sim.image_size, width=sim.image_size, frame_stack=sim.frame_stack)
+  return render.camera_of(sim)
 
 
 def make_pool(sim: config_lib.SimConfig, num_envs: int, seed: int, auto_reset: bool) -> cpu_env.CpuEnvPool:

@@ -21,16 +21,13 @@ from ebrl_jax.sim import stages as sim_stages
 def make_env(sim: config_lib.SimConfig, auto_reset: bool):
   """The batched MJX env of `sim` (memoised): its task, backend's implementation and randomisation, and with
   `--obs=pixels` (on `--backend=mjx_warp`) the square camera that the simulation stage renders and stacks."""
-  camera = None
-  if sim.obs == 'pixels':
-    camera = render.CameraObs(height=sim.image_size, width=sim.image_size, frame_stack=sim.frame_stack)
   return sim_stages.make_mjx_env(sim.task,
                                  sim.episode_length,
                                  sim.action_repeat,
                                  auto_reset=auto_reset,
                                  impl=sim_stages.impl_for_backend(sim.backend),
                                  randomization=sim.randomization,
-                                 camera=camera)
+                                 camera=render.camera_of(sim))
 
 
 def collect_segment(env: Any,

@@ -57,12 +57,7 @@ class MjxServedGroup:
     del tracer
     s, spec = cfg.sim, cfg.collect
     self._spec, self._n = spec, cfg.group_envs
-    env = sim_stages.make_mjx_env(s.task,
-                                  s.episode_length,
-                                  s.action_repeat,
-                                  auto_reset=not spec.episodic,
-                                  impl=sim_stages.impl_for_backend(s.backend),
-                                  randomization=s.randomization)
+    env = mjx_rollout.make_env(s, auto_reset=not spec.episodic)  # the co-located group's env (memoised)
     env_spec = sim.env_spec(s.task, s.episode_length, s.action_repeat)
     o, k, a = env_spec.obs_dim, spec.action_chunk, env_spec.action_dim
     key = keys.env_reset_key(keys.cell_key(keys.root(cfg.seed), cfg.cell), group)

@@ -62,6 +62,14 @@ class CameraObs:
     return (self.height, self.width, self.channels * self.frame_stack)
 
 
+def camera_of(sim) -> Optional[CameraObs]:
+  """The camera of a run's `config.SimConfig` with --obs=pixels: square frames of --image_size, --frame_stack of
+  them, with a depth channel under --pixel_depth; None with --obs=state. Both pixel backends build it here."""
+  if sim.obs != 'pixels':
+    return None
+  return CameraObs(height=sim.image_size, width=sim.image_size, frame_stack=sim.frame_stack, depth=sim.pixel_depth)
+
+
 def stack_frames(stack, frame, xp=np):
   """The stack [..., H, W, C * S] with its oldest frame dropped and `frame` [..., H, W, C] appended last (`xp`:
   numpy here, `jax.numpy` in the MJX-Warp simulation stage)."""

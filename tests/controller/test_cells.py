@@ -11,9 +11,9 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
+import cells_testlib  # pylint: disable=g-bad-import-order
 import pytest
 
 from ebrl_jax import config as config_lib
@@ -24,7 +24,6 @@ from ebrl_jax.runtime import distributed
 from ebrl_jax.runtime import lifecycle
 from ebrl_jax.trainer import checkpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # 8 envs x 2 unrolls x 5 steps = 80 env steps per cell and iteration; 2 cells: 160.
 FLAGS = ('--task=inverted_pendulum', '--backend=mujoco_cpu', '--num_envs=8', '--num_eval_envs=4', '--num_threads=1',
          '--batch_size=8', '--num_minibatches=2', '--unroll_length=5', '--num_updates_per_batch=1',
@@ -38,7 +37,12 @@ def _main(run_dir, *flags):
 
 def _run(run_dir, *flags, timeout=240):
   env = dict(os.environ, JAX_PLATFORMS='cpu')
-  return subprocess.run(_main(run_dir, *flags), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+  return subprocess.run(_main(run_dir, *flags),
+                        cwd=cells_testlib.ROOT,
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                        timeout=timeout)
 
 
 def _summary(path):
@@ -69,30 +73,14 @@ def test_two_cells_hold_one_state_count_the_global_batch_and_resume_on_one_cell(
 
 def test_a_killed_cell_stops_the_run_naming_it_and_leaves_nothing_behind(tmp_path):
   run_dir = tmp_path / 'run'
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  launcher = subprocess.Popen(_main(run_dir, '--launcher=local', '--num_processes=2', '--num_timesteps=40000',
-                                    '--num_evals=125'),
-                              cwd=ROOT,
-                              env=env,
-                              stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT,
-                              text=True)
-  lines, pids = [], None
-  try:
-    for line in launcher.stdout:  # until a rank trained past its first checkpoint (iteration 1)
-      lines.append(line)
-      pids = pids or re.search(r'pids rank 0: (\d+), rank 1: (\d+)', line)
-      if re.search(r'env_steps=\S+ rollout/', line):
-        break
-  finally:
-    if not pids:
-      launcher.kill()
-  assert pids, ''.join(lines)[-3000:]
-  pid0, pid1 = int(pids.group(1)), int(pids.group(2))
+  launched = cells_testlib.Launched(
+      _main(run_dir, '--launcher=local', '--num_processes=2', '--num_timesteps=40000', '--num_evals=125'), run_dir)
+  pid0, pid1 = launched.cell_pids()
   time.sleep(1.0)
   os.kill(pid1, signal.SIGKILL)
-  out = ''.join(lines) + launcher.communicate(timeout=120)[0]
-  assert launcher.returncode == 3, out[-4000:]
+  code = launched.wait(120)
+  out = launched.output()
+  assert code == 3, out[-4000:]
   fatal = re.search(
       r'FATAL: cell rank 1 \(pid (\d+) on (\S+)\) died \(killed by SIGKILL\); the other cells stopped: '
       r'rank 0 after ([\d.]+) s', out)
@@ -127,13 +115,6 @@ def test_cell_keys_and_flag_errors():
 ASYNC = ('--schedule=async', '--num_groups=1', '--evaluator=trainer', '--max_staleness=1')
 
 
-def _pids(run_dir):
-  """Every process of a cell's run: its controller and its workers (workers.json)."""
-  with open(os.path.join(run_dir, 'workers.json')) as f:
-    record = json.load(f)
-  return [record['controller'], *record['workers'].values()]
-
-
 def test_two_async_cells_train_one_state_with_their_own_rollout_workers_and_resume_on_one(tmp_path):
   run_dir = tmp_path / 'run'
   t0 = time.monotonic()
@@ -150,7 +131,7 @@ def test_two_async_cells_train_one_state_with_their_own_rollout_workers_and_resu
   assert rank0['extra']['segments_consumed'] == rank1['extra']['segments_consumed'] == 10
   assert not os.path.exists(run_dir / 'rank1' / 'checkpoints')  # rank 0 alone checkpoints
   assert checkpoint.committed_steps(str(run_dir / 'checkpoints'))[0] == 10
-  assert not any(lifecycle.pid_alive(p) for r in (run_dir, run_dir / 'rank1') for p in _pids(r))
+  assert not any(lifecycle.pid_alive(p) for r in (run_dir, run_dir / 'rank1') for p in cells_testlib.workers(r))
   # One cell (its workers as threads: one process) continues the global state: 8 iterations of 80 env steps.
   one = _run(run_dir, '--resume', '--num_timesteps=2240', *ASYNC, '--transport=thread')
   assert one.returncode == 0, one.stderr[-4000:]
@@ -161,30 +142,16 @@ def test_two_async_cells_train_one_state_with_their_own_rollout_workers_and_resu
 
 def test_a_killed_async_cell_stops_the_run_naming_it_and_leaves_nothing_behind(tmp_path):
   run_dir = tmp_path / 'run'
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  launcher = subprocess.Popen(_main(run_dir, '--launcher=local', '--num_processes=2', '--num_timesteps=80000',
-                                    '--num_evals=250', *ASYNC),
-                              cwd=ROOT,
-                              env=env,
-                              stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT,
-                              text=True)
-  lines = []
-  reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
-  reader.start()
-  deadline = time.monotonic() + 240
-  while not checkpoint.committed_steps(str(run_dir / 'checkpoints')):  # rank 0 trained past iteration 1
-    assert launcher.poll() is None and time.monotonic() < deadline, ''.join(lines)[-3000:]
-    time.sleep(0.2)
-  pids = re.search(r'pids rank 0: (\d+), rank 1: (\d+)', ''.join(lines))
-  assert pids, ''.join(lines)[-3000:]
+  launched = cells_testlib.Launched(
+      _main(run_dir, '--launcher=local', '--num_processes=2', '--num_timesteps=80000', '--num_evals=250', *ASYNC),
+      run_dir)
+  pids = launched.cell_pids()
   time.sleep(1.0)
-  workers = _pids(run_dir) + _pids(run_dir / 'rank1')
-  os.kill(int(pids.group(2)), signal.SIGKILL)  # cell 1's controller: its workers go with it (parent-death signal)
-  launcher.wait(timeout=120)
-  reader.join(timeout=10)
-  out = ''.join(lines)
-  assert launcher.returncode == 3, out[-4000:]
+  workers = cells_testlib.workers(run_dir) + cells_testlib.workers(run_dir / 'rank1')
+  os.kill(pids[1], signal.SIGKILL)  # cell 1's controller: its workers go with it (parent-death signal)
+  code = launched.wait(120)
+  out = launched.output()
+  assert code == 3, out[-4000:]
   fatal = re.search(
       r'FATAL: cell rank 1 \(pid \d+ on \S+\) died \(killed by SIGKILL\); the other cells stopped: '
       r'rank 0 after ([\d.]+) s', out)

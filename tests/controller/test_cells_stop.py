@@ -16,6 +16,7 @@ import time
 
 import jax
 import numpy as np
+import cells_testlib  # pylint: disable=g-bad-import-order
 import pytest
 
 from ebrl_jax import config as config_lib
@@ -27,7 +28,6 @@ from ebrl_jax.trainer import driver
 from ebrl_jax.trainer import ranks
 from ebrl_jax.trainer import stages as trainer_stages
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # 8 envs x 2 unrolls x 5 steps = 80 env steps per cell and iteration; 2 cells: 160.
 FLAGS = ('--task=inverted_pendulum', '--backend=mujoco_cpu', '--num_envs=8', '--num_eval_envs=4', '--num_threads=1',
          '--batch_size=8', '--num_minibatches=2', '--unroll_length=5', '--num_updates_per_batch=1',
@@ -49,12 +49,6 @@ def _summaries(run_dir):
   return out
 
 
-def _cell_pids(out):
-  found = re.search(r'pids rank 0: (\d+), rank 1: (\d+)', out)
-  assert found, out[-3000:]
-  return [int(found.group(1)), int(found.group(2))]
-
-
 def _stopped_together(run_dir, reason):
   """Both ranks stopped after one step with one state; rank 0's checkpoint is at that step, intact."""
   rank0, rank1 = _summaries(run_dir)
@@ -74,7 +68,7 @@ def test_two_cells_stop_together_on_max_wall_s_with_a_checkpoint_and_the_allredu
   run_dir = tmp_path / 'run'
   t0 = time.monotonic()
   run = subprocess.run(_main(run_dir, '--max_wall_s=20'),
-                       cwd=ROOT,
+                       cwd=cells_testlib.ROOT,
                        env=dict(os.environ, JAX_PLATFORMS='cpu'),
                        capture_output=True,
                        text=True,
@@ -84,7 +78,7 @@ def test_two_cells_stop_together_on_max_wall_s_with_a_checkpoint_and_the_allredu
   print(f'2 fused cells to --max_wall_s=20: {time.monotonic() - t0:.1f} s, stopped together at iteration '
         f'{rank0["iterations"]} (start-up {rank0["compile_s"]:.1f} s)')
   assert rank0['env_steps'] < 100000000
-  assert not any(lifecycle.pid_alive(p) for p in _cell_pids(run.stderr))
+  assert not any(lifecycle.pid_alive(p) for p in cells_testlib.cell_pids(run.stderr))
   # The all-reduce of the gradients' size, timed alone over the two ranks (gloo), beside the train step's time.
   assert 0 < cells['allreduce_s'] < 5 and 0 < cells['train_step_s'] < 5 and cells['allreduce_timings'] >= 1
   assert cells['allreduce_fraction'] == pytest.approx(cells['allreduce_s'] / cells['train_step_s'])
@@ -106,40 +100,27 @@ def test_a_sigterm_to_the_launcher_stops_async_cells_together_and_resume_continu
   run_dir = tmp_path / 'run'
   env = dict(os.environ, JAX_PLATFORMS='cpu')
   t0 = time.monotonic()
-  launcher = subprocess.Popen(_main(run_dir, *ASYNC),
-                              cwd=ROOT,
-                              env=env,
-                              stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT,
-                              text=True)
-  lines = []
-  reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
-  reader.start()
-  deadline = time.monotonic() + 240
-  while not checkpoint.committed_steps(str(run_dir / 'checkpoints')):  # rank 0 trained past iteration 1
-    assert launcher.poll() is None and time.monotonic() < deadline, ''.join(lines)[-3000:]
-    time.sleep(0.2)
+  launched = cells_testlib.Launched(_main(run_dir, *ASYNC), run_dir)
   time.sleep(1.0)
-  workers = [p for r in (run_dir, run_dir / 'rank1') for p in _workers(r)]
-  launcher.send_signal(signal.SIGTERM)
-  launcher.wait(timeout=180)
-  reader.join(timeout=10)
-  out = ''.join(lines)
+  workers = [p for r in (run_dir, run_dir / 'rank1') for p in cells_testlib.workers(r)]
+  launched.process.send_signal(signal.SIGTERM)
+  code = launched.wait(180)
+  out = launched.output()
   print(f'2 async cells, SIGTERM to the launcher: {time.monotonic() - t0:.1f} s')
-  assert launcher.returncode == 128 + signal.SIGTERM, out[-4000:]
+  assert code == 128 + signal.SIGTERM, out[-4000:]
   assert re.search(
       r'STOPPED: SIGTERM passed on to 2 cells \(rank 0: exit code 143; rank 1: exit code 143\); '
       r'rank 0 stopped \(SIGTERM\) at iteration \d+\. checkpoint \d+ in \S+ is loadable', out), out[-4000:]
   rank0, cells = _stopped_together(run_dir, 'SIGTERM')
   assert cells['stop']['reason'] == 'SIGINT'  # the trainers' vote: their controllers' request (SIGINT)
-  assert not any(lifecycle.pid_alive(p) for p in workers + _cell_pids(out)), workers
-  controllers = _cell_pids(out)  # each cell's shared memory went with its run
+  assert not any(lifecycle.pid_alive(p) for p in workers + cells_testlib.cell_pids(out)), workers
+  controllers = cells_testlib.cell_pids(out)  # each cell's shared memory went with its run
   assert not [n for n in os.listdir('/dev/shm') if any(n.startswith(f'ebrl_{c}_') for c in controllers)]
   # One cell (its workers as threads) continues the global state: 2 more iterations of 80 env steps.
   stopped_at = rank0['iterations']
   one = subprocess.run(_main(run_dir, *ASYNC, '--transport=thread', '--resume', '--launcher=', '--num_processes=1',
                              f'--num_timesteps={160 * stopped_at + 160}'),
-                       cwd=ROOT,
+                       cwd=cells_testlib.ROOT,
                        env=env,
                        capture_output=True,
                        text=True,
@@ -153,37 +134,18 @@ def test_a_sigterm_to_the_launcher_stops_async_cells_together_and_resume_continu
 
 def test_a_sigterm_to_one_fused_cell_stops_both_after_the_same_step(tmp_path):
   run_dir = tmp_path / 'run'
-  launcher = subprocess.Popen(_main(run_dir),
-                              cwd=ROOT,
-                              env=dict(os.environ, JAX_PLATFORMS='cpu'),
-                              stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT,
-                              text=True)
-  lines = []
-  reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
-  reader.start()
-  deadline = time.monotonic() + 240
-  while not checkpoint.committed_steps(str(run_dir / 'checkpoints')):  # rank 0 trained past iteration 1
-    assert launcher.poll() is None and time.monotonic() < deadline, ''.join(lines)[-3000:]
-    time.sleep(0.2)
-  pids = _cell_pids(''.join(lines))
+  launched = cells_testlib.Launched(_main(run_dir), run_dir)
+  pids = launched.cell_pids()
   t0 = time.monotonic()
   os.kill(pids[1], signal.SIGTERM)  # as SLURM's scancel or a node's shutdown would: not through the launcher
-  launcher.wait(timeout=180)
-  reader.join(timeout=10)
-  out = ''.join(lines)
+  code = launched.wait(180)
+  out = launched.output()
   print(f'SIGTERM to fused cell 1: both stopped {time.monotonic() - t0:.1f} s later')
-  assert launcher.returncode == 128 + signal.SIGTERM, out[-4000:]
+  assert code == 128 + signal.SIGTERM, out[-4000:]
   assert 'STOPPED: the cells stopped together on SIGTERM (sent to a cell, not here) (rank 0: exit code 143; rank 1: ' \
       'exit code 143)' in out, out[-4000:]
   _, cells = _stopped_together(run_dir, 'SIGTERM')  # rank 0 learned it from the step rank 1 voted at
   assert cells['stop']['reason'] == 'SIGTERM' and not any(lifecycle.pid_alive(p) for p in pids)
-
-
-def _workers(run_dir):
-  with open(os.path.join(run_dir, 'workers.json')) as f:
-    record = json.load(f)
-  return [record['controller'], *record['workers'].values()]
 
 
 def test_the_vote_is_a_signal_else_the_budget_and_a_second_signal_interrupts():

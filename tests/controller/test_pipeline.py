@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+import runs_testlib  # pylint: disable=g-bad-import-order
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import controller
@@ -38,8 +39,8 @@ def test_sync_with_one_group_replays_fused_exactly(tmp_path):
   fused = controller.run(_config(tmp_path / 'fused', schedule='fused'))
   sync = controller.run(_config(tmp_path / 'sync', schedule='sync', transport='thread'))
   assert [e['return'] for e in sync.eval_curve] == [e['return'] for e in fused.eval_curve]
-  assert sync.env_steps == fused.env_steps == 25_600
-  assert sync.extra['segments_consumed'] == 20 and sync.extra['segments_duplicated'] == 0
+  runs_testlib.assert_each_segment_once(sync, 25_600, 20)
+  assert fused.env_steps == 25_600
 
 
 def test_sync_with_one_group_replays_fused_exactly_on_mjx(tmp_path):
@@ -53,25 +54,13 @@ def test_sync_with_one_group_replays_fused_exactly_on_mjx(tmp_path):
   from ebrl_jax.trainer import checkpoint, stages  # pylint: disable=g-import-not-at-top
 
   def run(schedule):
-    cfg = config_lib.Config(sim=config_lib.SimConfig(task='inverted_pendulum',
-                                                     backend='mjx',
-                                                     num_envs=8,
-                                                     num_eval_envs=4,
-                                                     episode_length=40),
-                            algo=config_lib.AlgoConfig(batch_size=8, num_minibatches=2),
-                            schedule=config_lib.ScheduleConfig(name=schedule,
-                                                               run_dir=str(tmp_path / schedule),
-                                                               compilation_cache_dir='',
-                                                               progress_bar=False,
-                                                               transport='thread',
-                                                               num_groups=1,
-                                                               num_timesteps=320,
-                                                               num_evals=2))
+    cfg = runs_testlib.tiny_mjx_config(tmp_path / schedule, name=schedule, num_groups=1, num_timesteps=320, num_evals=2)
     return cfg, controller.run(cfg)
 
   (cfg, fused), (_, sync) = run('fused'), run('sync')
   assert [e['return'] for e in sync.eval_curve] == [e['return'] for e in fused.eval_curve]
-  assert sync.env_steps == fused.env_steps == 320 and sync.extra['segments_consumed'] == 4
+  runs_testlib.assert_each_segment_once(sync, 320, 4)
+  assert fused.env_steps == 320
   spec = sim.env_spec('inverted_pendulum', 40, 1)
   network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
   template = stages.init_train_state(network, stages.make_optimizer(cfg.algo), jax.random.PRNGKey(0), spec.obs_dim)
@@ -88,12 +77,8 @@ def test_sync_with_one_group_replays_fused_exactly_on_mjx(tmp_path):
 def test_async_processes_learn_with_bounded_staleness(tmp_path):
   cfg = _config(tmp_path / 'async', schedule='async', transport='shm', num_groups=2, max_staleness=1)
   summary = controller.run(cfg)
-  assert summary.env_steps == 25_600
-  extra = summary.extra
   # 20 iterations x 2 groups; every record unique; nothing older than the bound was trained on.
-  assert extra['segments_consumed'] == 40
-  assert extra['segments_duplicated'] == 0
-  assert extra['max_staleness_seen'] <= 1
+  extra = runs_testlib.assert_each_segment_once(summary, 25_600, 40, max_staleness=1)
   assert summary.best_eval_return > 2 * summary.eval_curve[0]['return']
   # Each process reported its start-up steps, and its last one is its steady work.
   phases = {name: r['phase'] for name, r in lifecycle.read_phases(cfg.schedule.run_dir).items()}

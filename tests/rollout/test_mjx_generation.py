@@ -7,8 +7,8 @@ import threading
 
 import jax
 import numpy as np
+import runs_testlib  # pylint: disable=g-bad-import-order
 
-from ebrl_jax import config as config_lib
 from ebrl_jax import controller
 from ebrl_jax import transport
 from ebrl_jax.controller import topology
@@ -20,31 +20,19 @@ from ebrl_jax.rollout import keys
 
 
 def test_async_mjx_groups_served_by_a_generation_worker_deliver_every_segment_once(tmp_path):
-  cfg = config_lib.Config(sim=config_lib.SimConfig(task='inverted_pendulum',
-                                                   backend='mjx',
-                                                   num_envs=8,
-                                                   num_eval_envs=4,
-                                                   episode_length=40),
-                          algo=config_lib.AlgoConfig(batch_size=8, num_minibatches=2, unroll_length=5),
-                          schedule=config_lib.ScheduleConfig(name='async',
-                                                             run_dir=str(tmp_path),
-                                                             compilation_cache_dir='',
-                                                             progress_bar=False,
-                                                             transport='thread',
-                                                             num_groups=2,
-                                                             max_staleness=1,
-                                                             colocate_generation=False,
-                                                             generation_transport='auto',
-                                                             evaluator='trainer',
-                                                             num_timesteps=400,
-                                                             num_evals=0))
-  summary = controller.run(cfg)
-  extra = summary.extra
+  cfg = runs_testlib.tiny_mjx_config(tmp_path,
+                                     unroll_length=5,
+                                     name='async',
+                                     num_groups=2,
+                                     max_staleness=1,
+                                     colocate_generation=False,
+                                     generation_transport='auto',
+                                     evaluator='trainer',
+                                     num_timesteps=400,
+                                     num_evals=0)
   # 16 segments of 5 steps per iteration (2 unrolls of each of the 8 envs): 400 env steps are 5 iterations x 2
   # groups, each record once.
-  assert summary.env_steps == 400
-  assert extra['segments_consumed'] == 10 and extra['segments_duplicated'] == 0
-  assert extra['max_staleness_seen'] <= 1
+  extra = runs_testlib.assert_each_segment_once(controller.run(cfg), 400, 10, max_staleness=1)
   generation = extra['generation']
   # (a reply may find its group's worker gone when the run stops: at most one outstanding request per group)
   assert generation['transport'] == 'host' and generation['dropped_replies'] <= 2
@@ -64,16 +52,11 @@ def test_served_mjx_group_collects_the_colocated_segment_given_the_same_keys():
   thread with per-request keys): the same segment, bit for bit on the CPU (measured: max |diff| 0 on every field),
   held here to 1e-5 for other backends' batched matmuls. Opt-in (EBRL_FULL_TESTS=1, conftest's OPT_IN): ~70 s of
   MJX compiles."""
-  cfg = config_lib.Config(sim=config_lib.SimConfig(task='inverted_pendulum',
-                                                   backend='mjx',
-                                                   num_envs=8,
-                                                   episode_length=40),
-                          algo=config_lib.AlgoConfig(batch_size=8, num_minibatches=2, unroll_length=5),
-                          schedule=config_lib.ScheduleConfig(name='async',
-                                                             num_groups=2,
-                                                             colocate_generation=False,
-                                                             transport='thread',
-                                                             generation_transport='host'))
+  cfg = runs_testlib.tiny_mjx_config(unroll_length=5,
+                                     name='async',
+                                     num_groups=2,
+                                     colocate_generation=False,
+                                     generation_transport='host')
   top = topology.make_topology(cfg)
   network = policies.make_network(cfg.policy, top.env_spec.obs_dim, top.env_spec.action_dim)
   params = gen_stages.init_policy_params(network, jax.random.PRNGKey(0), top.env_spec.obs_dim)
