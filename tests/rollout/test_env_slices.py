@@ -191,7 +191,9 @@ def test_async_with_env_slices_learns_without_losing_or_duplicating_segments(tmp
   extra = runs_testlib.assert_each_segment_once(summary, 25_600, 40, max_staleness=1)
   assert summary.best_eval_return > 2 * summary.eval_curve[0]['return']
   gen = extra['generation']
-  assert gen['slice_envs'] == 8 and gen['buckets'] == [8, 16, 32] and gen['dropped_replies'] == 0
+  # A reply may find its slice's worker gone when the run stops: at most one outstanding request per slice (2
+  # groups x 2 slices); under load 1-2 were seen (3 of 5 runs), never one during the run (segments all whole).
+  assert gen['slice_envs'] == 8 and gen['buckets'] == [8, 16, 32] and gen['dropped_replies'] <= 4
   requests = sum(int(k) * v for k, v in gen['requests_per_batch'].items())
   assert set(gen['requests_per_batch']) <= {'1', '2', '3', '4'} and gen['rows'] == 8 * requests
   # Every slice asked for 40 policy steps per iteration (8 unrolls of 5), for at least the 20 iterations trained.
