@@ -192,7 +192,7 @@ def test_async_with_env_slices_learns_without_losing_or_duplicating_segments(tmp
   assert summary.best_eval_return > 2 * summary.eval_curve[0]['return']
   gen = extra['generation']
   # A reply may find its slice's worker gone when the run stops: at most one outstanding request per slice (2
-  # groups x 2 slices); under load 1-2 were seen (3 of 5 runs), never one during the run (segments all whole).
+  # groups x 2 slices); under load 1-2 were seen (3 of 5 runs), every segment still whole and seen once.
   assert gen['slice_envs'] == 8 and gen['buckets'] == [8, 16, 32] and gen['dropped_replies'] <= 4
   requests = sum(int(k) * v for k, v in gen['requests_per_batch'].items())
   assert set(gen['requests_per_batch']) <= {'1', '2', '3', '4'} and gen['rows'] == 8 * requests
