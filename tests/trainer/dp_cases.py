@@ -85,7 +85,7 @@ def flat(tree):
 
 # The fused iterations stepped from Python (controller/fused_steps.py, an MJX or native-MuJoCo cell's loop) over the
 # ranks: each cell collects with the current parameters from its own rollout keys (`keys.cell_key`). FUSED_ITERATIONS
-# are asked for; the last rank votes to stop at step FUSED_VOTE_STEP, so every rank stops after FUSED_VOTE_STEP + 1 of them.
+# are asked for; the last rank votes to stop at step FUSED_VOTE_STEP, so every rank stops after FUSED_VOTE_STEP + 1.
 FUSED_ITERATIONS, FUSED_VOTE_STEP = 3, 1
 
 
