@@ -7,7 +7,8 @@ batch) and writes its final parameters per case to OUT.npz. With --die_after, ra
 after that step and the others report what `runtime.distributed.failed_rank` names. With --save_dir, rank 0
 checkpoints the PPO state after step SAVE_STEP. The last rank votes to stop (SIGTERM's vote) at step VOTE_STEP;
 each rank records the vote its steps agreed on (`<case>/agreed`) and times one all-reduce of the parameters' size
-(`allreduce_s`, `allreduce_bytes`).
+(`allreduce_s`, `allreduce_bytes`), runs the fused cells' iterations on stand-in rollouts (`fused/...`) and
+rank k > 0 says whether the MJX env it builds is on its own device (`mjx_sys_addressable`).
 """
 import argparse
 import os
@@ -28,6 +29,15 @@ from ebrl_jax.trainer import ranks
 import dp_cases  # pylint: disable=g-bad-import-order
 
 VOTE_STEP = 1
+
+
+def _mjx_sys_addressable() -> bool:
+  """Whether the MJX env this rank builds holds its model on this rank's own device (MJX alone would put it on
+  `jax.devices()[0]`, rank 0's: `sim.mjx_env._mjx_on_local_devices`). Builds the env only: no MJX compile."""
+  from ebrl_jax.sim import mjx_env  # lazy: brax and MJX (~5 s of imports) load only on a rank that checks them
+  env = mjx_env.make_mjx_env('inverted_pendulum', 50, 1, auto_reset=True, impl='jax')
+  leaves = [x for x in jax.tree_util.tree_leaves(env.unwrapped.sys) if isinstance(x, jax.Array)]
+  return bool(leaves) and all(x.is_fully_addressable for x in leaves)
 
 
 def _fused_steps(rank, ranks_n, mesh, state):
@@ -93,6 +103,8 @@ def main():
   if a.die_after < 0:
     out['allreduce_s'], out['allreduce_bytes'] = parallel.allreduce_seconds(mesh, state.params)
     out.update(_fused_steps(a.rank, a.ranks, mesh, initial))
+    out['mjx_sys_addressable'] = _mjx_sys_addressable() if a.rank else True  # rank 0's devices()[0] is its own
+    distributed.barrier('dp_rank/mjx', 120)  # rank 0 hosts the coordination service: it leaves after rank 1
   np.savez(a.out, **out)
   print('DONE', flush=True)
   distributed.exit_now(0)  # JAX's shutdown barrier may find rank 0's coordinator gone already: nothing to wait for

@@ -2,7 +2,8 @@
 global batch (PPO and GRPO) and hold identical parameters, learn one rank's stop vote from the step it rode on
 (`voting`) and time an all-reduce of the parameters' size (`allreduce_seconds`); the fused cells' iterations
 (`controller.fused_steps`, an MJX or native-MuJoCo cell's loop) over 2 ranks, each cell collecting its own stand-in
-rollouts, stop together at one rank's vote and match one rank on the cells' batches; a checkpoint written by rank 0
+rollouts, stop together at one rank's vote and match one rank on the cells' batches; rank 1 builds its MJX env on
+its own device, not rank 0's (`jax.devices()[0]`); a checkpoint written by rank 0
 of 2 resumes on 1 rank; killing a rank stops the other with a message naming it. The ranks are subprocesses
 running tests/trainer/dp_rank.py.
 """
@@ -106,6 +107,7 @@ def test_two_ranks_match_one_rank_and_resume_on_one(tmp_path):
     ]
     assert [list(r[f'{case.name}/agreed']) for r in ranks] == [want, want]
   _check_fused_steps(ranks)
+  assert bool(ranks[1]['mjx_sys_addressable']), 'rank 1 built its MJX env on another rank\'s device'
   nbytes = sum(4 * np.size(v) for v in reference['grpo'].values())  # float32, every leaf of the parameters
   for r in ranks:  # one all-reduce of the gradients' size, timed alone over the 2 ranks (gloo)
     assert 0 < float(r['allreduce_s']) < 5 and int(r['allreduce_bytes']) == nbytes, (r['allreduce_s'], nbytes)
