@@ -258,14 +258,16 @@ def _mjx_on_local_devices() -> None:
   `mjcf.load` and its pipeline's `make_data` name none). In a process of several joined by `jax.distributed` (a
   trainer rank that steps MJX envs: controller/cells.py) that is process 0's device, which this process cannot
   address: JAX then refuses the env's programs ('Closing over jax.Array that spans non-addressable ... devices').
-  In such a process MJX's choice becomes this process's own first device of the same platform (idempotent)."""
+  There MJX's choice becomes this process's own first device of the same platform; one process is unchanged.
+  Idempotent; starts no backend (the device is looked at only when MJX resolves one)."""
   resolve = mjx_io._resolve_impl_and_device  # pylint: disable=protected-access
-  if jax.process_count() == 1 or getattr(resolve, 'local_devices_only', False):
+  if getattr(resolve, 'local_devices_only', False):
     return
 
   def local(impl, device=None):
+    named = device is not None
     impl, device = resolve(impl, device)
-    if device.process_index != jax.process_index():
+    if not named and device.process_index != jax.process_index():
       device = jax.local_devices(backend=device.platform)[0]
     return impl, device
 
