@@ -388,9 +388,10 @@ OPT_IN = frozenset({
     # launcher's wait (stand-in cells) stay in CI
     ('test_cells_stop.py', 'test_a_sigterm_to_the_launcher_stops_async_cells_together_and_resume_continues'),
     ('test_cells_stop.py', 'test_a_sigterm_to_one_fused_cell_stops_both_after_the_same_step'),
-    # 216 s (PPO) and 337 s (GRPO) on the loaded 2-core machine: two MJX fused cells, MJX compiled in both cell
-    # processes and in the one-rank reference; the fused iterations over 2 ranks on stand-in rollouts
-    # (test_data_parallel, ~3 s of it) and the native-MuJoCo fused cells' stop (test_cells_stop) stay in CI
+    # 216 s (PPO; 111 s at load 2) and 337 s (GRPO) on the loaded 2-core machine: two MJX fused cells, MJX compiled
+    # in both cell processes and in the one-rank reference; the fused iterations over 2 ranks on stand-in rollouts
+    # and rank 1's MJX env on its own device (test_data_parallel) and the native-MuJoCo fused cells' stop
+    # (test_cells_stop) stay in CI
     ('test_cells_mjx.py', 'test_two_mjx_fused_cells_train_as_one_rank_on_the_global_batch'),
 })
 FULL = os.environ.get('EBRL_FULL_TESTS') == '1'
