@@ -259,9 +259,10 @@ def _mjx_on_local_devices() -> None:
   trainer rank that steps MJX envs: controller/cells.py) that is process 0's device, which this process cannot
   address: JAX then refuses the env's programs ('Closing over jax.Array that spans non-addressable ... devices').
   There MJX's choice becomes this process's own first device of the same platform; one process is unchanged.
-  Idempotent; starts no backend (the device is looked at only when MJX resolves one)."""
-  resolve = mjx_io._resolve_impl_and_device  # pylint: disable=protected-access
-  if getattr(resolve, 'local_devices_only', False):
+  Idempotent; starts no backend (the device is looked at only when MJX resolves one). A MuJoCo without that
+  resolver (another release) is left as it is: one process runs alike, cells of several may meet the error above."""
+  resolve = getattr(mjx_io, '_resolve_impl_and_device', None)
+  if resolve is None or getattr(resolve, 'local_devices_only', False):
     return
 
   def local(impl, device=None):
