@@ -48,10 +48,6 @@ def check_run_cells(cfg, num_cells: int) -> None:
   if name not in ('fused', 'sync', 'async'):
     raise ValueError(f'{what} run --schedule=fused, sync or async (a cell is one trainer rank with its own envs and, '
                      f'for sync/async, its own rollout workers); got --schedule={name}.')
-  if name == 'fused' and cfg.sim.backend != 'mujoco_cpu':
-    raise ValueError(f'{what} of --schedule=fused need --backend=mujoco_cpu for now (the MJX fused program trains '
-                     f'inside its jitted chunk, not yet over the ranks; --schedule=sync or async trains MJX '
-                     f'rollouts over the ranks); got --backend={cfg.sim.backend}.')
   if name == 'fused':
     return
   if cfg.schedule.group_changes or cfg.schedule.replan_groups:

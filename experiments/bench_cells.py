@@ -4,6 +4,9 @@
   # a workload on a multi-GPU host (one cell per GPU), e.g. W1 / W2 / W5 as async cells:
   python -m experiments.bench_cells --out experiments/results/cells_w1_gpu.json --flagfile experiments/w1_ant.flags \
       --cells 1,2 --num_timesteps 2000000 --extra=--schedule=async,--evaluator=trainer,--num_evals=2
+  # W1 as MJX fused cells (1 cell: the one-cell chunk program; N: each cell's collection program + the rank step):
+  python -m experiments.bench_cells --out experiments/results/cells_w1_fused.json --flagfile experiments/w1_ant.flags \
+      --cells 1,2 --num_timesteps 2000000 --extra=--schedule=fused,--num_evals=2
 
 Without --flagfile each run is the quickstart's pendulum PPO at a small size (fused, CPU). The result keeps each
 run's global env steps, its end-to-end env steps/s (rank 0's summary: start-up and evaluation excluded), its wall

@@ -80,6 +80,7 @@ FILE_TIERS = {
     # the whole system
     'test_fused_e2e.py': 'e2e',
     'test_cells.py': 'e2e',  # --launcher=local: 2 cells (trainer ranks, gloo) through the entry point
+    'test_cells_mjx.py': 'e2e',  # 2 MJX fused cells through --launcher=local = 1 rank on the global batch
     'test_pixels_e2e.py': 'e2e',  # --obs=pixels: push_cube's camera frames through fused and async (shm)
     'test_pipeline.py': 'e2e',
     'test_evaluator.py': 'e2e',  # the evaluator process: a sync run on threads, a killed evaluator (processes)
@@ -243,6 +244,7 @@ SLOW = frozenset({
     ('test_randomize.py', 'test_warp_draws_reach_the_physics_the_camera_and_the_renderer'),
     ('test_cells.py', 'test_two_cells_hold_one_state_count_the_global_batch_and_resume_on_one_cell'),
     ('test_cells.py', 'test_a_killed_cell_stops_the_run_naming_it_and_leaves_nothing_behind'),
+    ('test_cells_mjx.py', 'test_two_mjx_fused_cells_train_as_one_rank_on_the_global_batch'),
     ('test_cells.py', 'test_two_async_cells_train_one_state_with_their_own_rollout_workers_and_resume_on_one'),
     ('test_cells.py', 'test_a_killed_async_cell_stops_the_run_naming_it_and_leaves_nothing_behind'),
     ('test_cells_stop.py', 'test_two_cells_stop_together_on_max_wall_s_with_a_checkpoint_and_the_allreduce_timed'),
@@ -388,6 +390,11 @@ OPT_IN = frozenset({
     # launcher's wait (stand-in cells) stay in CI
     ('test_cells_stop.py', 'test_a_sigterm_to_the_launcher_stops_async_cells_together_and_resume_continues'),
     ('test_cells_stop.py', 'test_a_sigterm_to_one_fused_cell_stops_both_after_the_same_step'),
+    # 216 s (PPO; 111 s at load 2) and 337 s (GRPO) on the loaded 2-core machine: two MJX fused cells, MJX compiled
+    # in both cell processes and in the one-rank reference; the fused iterations over 2 ranks on stand-in rollouts
+    # and rank 1's MJX env on its own device (test_data_parallel) and the native-MuJoCo fused cells' stop
+    # (test_cells_stop) stay in CI
+    ('test_cells_mjx.py', 'test_two_mjx_fused_cells_train_as_one_rank_on_the_global_batch'),
 })
 FULL = os.environ.get('EBRL_FULL_TESTS') == '1'
 

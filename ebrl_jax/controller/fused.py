@@ -25,11 +25,11 @@ def make_source(cfg: config_lib.Config,
                 cell: Optional[cells_lib.Cell] = None,
                 vote: Optional[ranks.StopVote] = None) -> driver.BatchSource:
   """The fused loop of `cfg`'s backend (it runs in the controller's process, so it sees the whole config); with
-  `cell`, that cell's rank of the data-parallel loop (native MuJoCo only: config_cells.check_run_cells)."""
+  `cell`, that cell's rank of the data-parallel loop (on MJX the chunk split at its train step: `fused_mjx`)."""
   if cfg.sim.backend == 'mujoco_cpu':
     return fused_cpu.CpuFusedLoop(cfg, spec, network, optimizer, cell, vote)
   from ebrl_jax.controller import fused_mjx  # lazy: brax and MJX (~2 s of imports) load only for an MJX run
-  return fused_mjx.MjxFusedLoop(cfg, spec, network, optimizer)
+  return fused_mjx.MjxFusedLoop(cfg, spec, network, optimizer, cell, vote)
 
 
 def run(cfg: config_lib.Config,
@@ -37,15 +37,16 @@ def run(cfg: config_lib.Config,
         cell: Optional[cells_lib.Cell] = None) -> driver.RunSummary:
   """Trains with the fused schedule until `num_timesteps` env steps, the target return, --max_wall_s or a
   signal (the summary's `stopped` says which). Returns the summary, its times on the clock `start`. On MJX the
-  loop compiles one program per chunk length, so its chunks are never cut (`fixed_chunks`). With a `cell` of
-  several, an iteration is every cell's batch (its env steps count them all) and --resume reads rank 0's run."""
+  loop compiles one program per chunk length, so its chunks are never cut (`fixed_chunks`; a cell of several
+  steps its iterations one by one, as native MuJoCo). With a `cell` of several, an iteration is every cell's batch
+  (its env steps count them all) and --resume reads rank 0's run."""
+  multi = cell is not None and cell.multi
   trainer = driver.trainer_config(cfg,
                                   topology.process_config(cfg),
                                   start=start,
-                                  fixed_chunks=cfg.sim.backend != 'mujoco_cpu')
+                                  fixed_chunks=cfg.sim.backend != 'mujoco_cpu' and not multi)
   trainer = cells_lib.trainer_of_cell(trainer, cell or cells_lib.Cell(run_dir=cfg.schedule.run_dir),
                                       cfg.schedule.resume)
-  multi = cell is not None and cell.multi
   vote = ranks.StopVote(cfg.schedule.max_wall_s, trainer.start.unix if trainer.start else None) if multi else None
   with cells_lib.signals_vote(vote):  # a cell of several: SIGTERM and Ctrl-C are this rank's vote to stop
     summary = driver.run_training(

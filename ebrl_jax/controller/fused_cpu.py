@@ -4,7 +4,7 @@ NOTE: one policy step costs one `act` dispatch plus one env-pool step; the traje
 preallocated numpy buffers and handed to `train_step` once per iteration. Keys depend only on the iteration
 index (`rollout.keys`), so a process schedule with one env group replays exactly this run. A cell of several
 (`controller.cells`) steps its own envs (`keys.cell_key`) and trains through `trainer.ranks.RankStep` over the ranks
-(the step carries its stop vote: `vote`).
+(the step carries its stop vote: `vote`); the iterations are `fused_steps.run_iterations`, as an MJX cell's.
 """
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ import numpy as np
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import types
+from ebrl_jax.controller import fused_steps
 from ebrl_jax.generation import stages as gen_stages
 from ebrl_jax.rollout import cpu as cpu_rollout
 from ebrl_jax.rollout import evaluation
 from ebrl_jax.rollout import keys
-from ebrl_jax.runtime import metrics as metrics_lib
 from ebrl_jax.trainer import parallel
 from ebrl_jax.trainer import ranks
 from ebrl_jax.trainer import stages as trainer_stages
@@ -70,16 +70,8 @@ class CpuFusedLoop:
     return time.monotonic() - t0
 
   def run_iterations(self, train_state, num_iterations: int) -> Tuple[object, Dict[str, float]]:
-    acc = metrics_lib.IterationMetrics(self._cfg.algo.name)
-    for done in range(num_iterations):
-      iteration = int(train_state.policy_version)  # = iterations trained so far
-      batch, stats = self._collector.collect(train_state.params, iteration,
-                                             keys.rollout_key(self._rollout_root, iteration, 0))
-      train_state, metrics = self._train(train_state, batch, keys.train_key(self._root_key, iteration))
-      acc.add(jax.device_get(metrics), stats.return_sum, stats.count)
-      if self._rank is not None:  # the ranks agreed to stop after this step: all of them stop here
-        self._rank.check_stop(train_state, done + 1, acc.result())
-    return train_state, acc.result()
+    return fused_steps.run_iterations(self._collector.collect, self._train, self._cfg.algo.name, self._root_key,
+                                      self._rollout_root, train_state, num_iterations, self._rank)
 
   def evaluate(self, params, key) -> Dict[str, float]:
     return self._evaluator.evaluate(params, key)

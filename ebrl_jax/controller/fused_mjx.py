@@ -1,4 +1,11 @@
-"""Fused schedule on MJX: each call runs a chunk of iterations (rollout scan + train_step) as one jitted program."""
+"""Fused schedule on MJX: each call runs a chunk of iterations (rollout scan + train_step) as one jitted program.
+
+A cell of several (`controller.cells`) splits the chunk at its train step: the collection of one iteration stays
+one jitted program on the cell's own envs (`keys.cell_key`: its env resets and rollouts), and the train step is
+the step over the ranks (`trainer.ranks.RankStep`, as a native-MuJoCo cell's: the gradients all-reduced, the
+stop vote, the parameter chain), the two stepped from Python by `fused_steps.run_iterations`. The one-cell chunk
+is unchanged: the iteration inside it collects through the same `_collect`.
+"""
 from __future__ import annotations
 
 from concurrent import futures
@@ -7,24 +14,34 @@ import time
 from typing import Dict, Tuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import types
+from ebrl_jax.controller import fused_steps
 from ebrl_jax.rollout import evaluation
 from ebrl_jax.rollout import keys
 from ebrl_jax.rollout import mjx as rollout
 from ebrl_jax.sim import stages as sim_stages
+from ebrl_jax.trainer import parallel
+from ebrl_jax.trainer import ranks
 from ebrl_jax.trainer import stages as trainer_stages
 
 
+def _collect(cfg: config_lib.Config, env, network, params, iteration, env_state, key):
+  """One iteration's collection (`rollout.collect_iteration`) for every env as env group 0, from the rollout key
+  `key` (`keys.rollout_key` of the iteration, from the run's root or a cell's: `keys.cell_key`)."""
+  return rollout.collect_iteration(env, network, cfg.collect_spec, cfg.sim.num_envs, params, iteration, env_state, key)
+
+
 def _iteration(cfg: config_lib.Config, env, network, optimizer, root_key, carry, _):
-  """One iteration: collect (`rollout.collect_iteration`) for every env as env group 0, then train; the keys come
-  from the iteration index (`train_state.policy_version`), as in every other schedule."""
+  """One iteration: collect, then train; the keys come from the iteration index (`train_state.policy_version`), as
+  in every other schedule."""
   train_state, env_state = carry
   iteration = train_state.policy_version
-  env_state, batch, stats = rollout.collect_iteration(env, network, cfg.collect_spec, cfg.sim.num_envs,
-                                                      train_state.params, iteration, env_state,
-                                                      keys.rollout_key(root_key, iteration, 0))
+  env_state, batch, stats = _collect(cfg, env, network, train_state.params, iteration, env_state,
+                                     keys.rollout_key(root_key, iteration, 0))
   train_state, metrics = trainer_stages.train_step(network,
                                                    optimizer,
                                                    cfg.algo,
@@ -47,19 +64,29 @@ def _run_chunk(cfg, env, network, optimizer, num_iterations, train_state, env_st
 
 
 class MjxFusedLoop:
-  """Holds the env state between chunks; compiles the chunk program once (plus a remainder program if needed)."""
+  """Holds the env state between chunks; compiles the chunk program once (plus a remainder program if needed). With
+  a `cell` of several: its own envs, one collection program, and the train step over the ranks with `vote`."""
 
-  def __init__(self, cfg: config_lib.Config, spec: types.EnvSpec, network, optimizer):
+  def __init__(self, cfg: config_lib.Config, spec: types.EnvSpec, network, optimizer, cell=None, vote=None):
     self._cfg = cfg
     self._env = rollout.make_env(cfg.sim, auto_reset=not cfg.algo.episodic)
     self._network, self._optimizer = network, optimizer
     self._root_key = keys.root(cfg.schedule.seed)
+    self._rollout_root = keys.cell_key(self._root_key, cell.rank if cell is not None else 0)
     self._env_state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(self._env,
-                                                                          keys.env_reset_key(self._root_key, 0),
+                                                                          keys.env_reset_key(self._rollout_root, 0),
                                                                           cfg.sim.num_envs, cfg.sim.group_size)
     self._programs: Dict[int, object] = {}
     self._evaluator = evaluation.make_evaluator(cfg.sim, cfg.policy, cfg.schedule.seed, cfg.schedule.deterministic_eval,
                                                 network)
+    self._rank = None  # a cell of several: the step over the ranks, with this rank's stop vote
+    if cell is not None and cell.multi:
+      mesh = parallel.rank_mesh()
+      train_fn = parallel.make_data_parallel_train_fn(network, optimizer, cfg.algo, cfg.policy.min_std,
+                                                      cfg.sim.group_size, False, mesh)  # no proximal, as the chunk's
+      self._rank = ranks.RankStep(train_fn, mesh, vote or ranks.StopVote())
+      self._collect = jax.jit(functools.partial(_collect, cfg, self._env, network),
+                              donate_argnums=(2,))  # (params, iteration, env_state, key)
 
   def _lower(self, train_state, num_iterations: int):
     fn = functools.partial(_run_chunk, self._cfg, self._env, self._network, self._optimizer, num_iterations)
@@ -71,18 +98,39 @@ class MjxFusedLoop:
     return self._programs[num_iterations]
 
   def compile(self, train_state, num_iterations: int) -> float:
-    """Compiles the chunk and evaluation programs ahead of time, side by side; returns the seconds it took."""
+    """Compiles the chunk (a cell of several: the collection and the step over the ranks) and evaluation programs
+    ahead of time, side by side; returns the seconds it took."""
     t0 = time.monotonic()
-    chunk = self._lower(train_state, num_iterations)
-    # XLA compiles outside the GIL: the two programs build concurrently.
+    if self._rank is not None:
+      args = (train_state.params, train_state.policy_version, self._env_state, self._rollout_root)
+      program = self._collect.lower(*args)
+    else:
+      program = self._lower(train_state, num_iterations)
+    # XLA compiles outside the GIL: the programs build concurrently.
     with futures.ThreadPoolExecutor(2) as pool:
-      chunk_future = pool.submit(chunk.compile)
+      program_future = pool.submit(program.compile)
       eval_future = pool.submit(self._evaluator.lower_and_compile, train_state.params)
-      self._programs[num_iterations] = chunk_future.result()
+      if self._rank is not None:
+        shapes = jax.eval_shape(self._collect, *args)[1]
+        batch = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), shapes)
+        self._rank.compile(train_state, batch, keys.train_key(self._root_key, 0))
+        self._collect = program_future.result()
+      else:
+        self._programs[num_iterations] = program_future.result()
       eval_future.result()
+    if self._rank is not None:
+      self._rank.probe(train_state.params)  # the all-reduce alone, once at the start (every rank here)
     return time.monotonic() - t0
 
+  def _collect_cell(self, params, iteration, key):
+    """`fused_steps`' collection of this cell: one program, the env state kept here between iterations."""
+    self._env_state, batch, stats = self._collect(params, jnp.asarray(iteration, jnp.int32), self._env_state, key)
+    return batch, stats
+
   def run_iterations(self, train_state, num_iterations: int) -> Tuple[object, Dict[str, float]]:
+    if self._rank is not None:
+      return fused_steps.run_iterations(self._collect_cell, self._rank, self._cfg.algo.name, self._root_key,
+                                        self._rollout_root, train_state, num_iterations, self._rank)
     program = self._program(train_state, num_iterations)
     train_state, self._env_state, metrics = program(train_state, self._env_state, self._root_key)
     metrics = jax.device_get(metrics)
@@ -98,6 +146,9 @@ class MjxFusedLoop:
 
   def evaluate(self, params, key) -> Dict[str, float]:
     return self._evaluator.evaluate(params, key)
+
+  def summary_extra(self) -> dict:
+    return {} if self._rank is None else self._rank.summary_extra()
 
   def close(self) -> None:
     self._programs.clear()

@@ -30,6 +30,7 @@ from jax import numpy as jnp
 from brax import envs as brax_envs
 from brax.envs import base as brax_base
 from brax.envs.wrappers import training as brax_training
+from mujoco.mjx._src import io as mjx_io
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import config_vision
@@ -252,11 +253,35 @@ class WhereAutoResetWrapper(brax_training.AutoResetWrapper):
     return state.replace(pipeline_state=pipeline_state, obs=obs)
 
 
+def _mjx_on_local_devices() -> None:
+  """MJX puts a model or data that it is given no device for on `jax.devices()[0]` (mujoco.mjx's io: Brax's
+  `mjcf.load` and its pipeline's `make_data` name none). In a process of several joined by `jax.distributed` (a
+  trainer rank that steps MJX envs: controller/cells.py) that is process 0's device, which this process cannot
+  address: JAX then refuses the env's programs ('Closing over jax.Array that spans non-addressable ... devices').
+  There MJX's choice becomes this process's own first device of the same platform; one process is unchanged.
+  Idempotent; starts no backend (the device is looked at only when MJX resolves one). A MuJoCo without that
+  resolver (another release) is left as it is: one process runs alike, cells of several may meet the error above."""
+  resolve = getattr(mjx_io, '_resolve_impl_and_device', None)
+  if resolve is None or getattr(resolve, 'local_devices_only', False):
+    return
+
+  def local(impl, device=None):
+    named = device is not None
+    impl, device = resolve(impl, device)
+    if not named and device.process_index != jax.process_index():
+      device = jax.local_devices(backend=device.platform)[0]
+    return impl, device
+
+  local.local_devices_only = True
+  mjx_io._resolve_impl_and_device = local  # pylint: disable=protected-access
+
+
 @functools.lru_cache(maxsize=None)
 def _make_mjx_env(task: str, episode_length: int, action_repeat: int, auto_reset: bool, impl: str,
                   randomization: Optional[config_lib.RandomizationConfig],
                   camera: Optional[render.CameraObs]) -> brax_base.Wrapper:
   task_def = None if playground.is_playground(task) else registry.load(task)
+  _mjx_on_local_devices()
   if episode_length <= 0 or action_repeat <= 0:
     raise ValueError(f'episode_length={episode_length} and action_repeat={action_repeat} must be > 0.')
   if impl not in IMPLS:

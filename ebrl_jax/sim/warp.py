@@ -92,7 +92,7 @@ class WarpUnavailableError(ValueError):
 
 def _cuda_devices():
   try:
-    return jax.devices('cuda')
+    return jax.local_devices(backend='cuda')  # this process's own (a trainer rank's: not rank 0's)
   except RuntimeError:  # no CUDA backend in this jaxlib, or it failed to initialise
     return []
 
@@ -100,7 +100,7 @@ def _cuda_devices():
 def _host_device():
   """JAX's CPU device (host arrays for templates), or None (the default device) when JAX_PLATFORMS leaves it out."""
   try:
-    return jax.devices('cpu')[0]
+    return jax.local_devices(backend='cpu')[0]
   except RuntimeError:
     return None
 

@@ -103,6 +103,8 @@ def test_cell_keys_and_flag_errors():
     config_lib.CellConfig(launcher='local')
   two = config_lib.CellConfig(num_processes=2)
   config_lib.Config(schedule=config_lib.ScheduleConfig(name='sync'), cells=two)  # a trainer rank per cell
+  for backend in ('mujoco_cpu', 'mjx', 'mjx_warp'):  # fused cells on every backend (MJX: the chunk split, issue 16)
+    config_lib.Config(sim=config_lib.SimConfig(backend=backend), cells=two)
   with pytest.raises(ValueError, match='run --schedule=fused, sync or async'):
     config_lib.Config(schedule=config_lib.ScheduleConfig(name='overlap'), cells=two)
   with pytest.raises(ValueError, match='need --evaluator=trainer'):

@@ -1,6 +1,9 @@
 """Data-parallel trainer ranks on jax.distributed (CPU, gloo): 2 ranks reach the parameters of 1 rank on the same
 global batch (PPO and GRPO) and hold identical parameters, learn one rank's stop vote from the step it rode on
-(`voting`) and time an all-reduce of the parameters' size (`allreduce_seconds`); a checkpoint written by rank 0
+(`voting`) and time an all-reduce of the parameters' size (`allreduce_seconds`); the fused cells' iterations
+(`controller.fused_steps`, an MJX or native-MuJoCo cell's loop) over 2 ranks, each cell collecting its own stand-in
+rollouts, stop together at one rank's vote and match one rank on the cells' batches; rank 1 builds its MJX env on
+its own device, not rank 0's (`jax.devices()[0]`); a checkpoint written by rank 0
 of 2 resumes on 1 rank; killing a rank stops the other with a message naming it. The ranks are subprocesses
 running tests/trainer/dp_rank.py.
 """
@@ -15,6 +18,8 @@ import jax
 import numpy as np
 import pytest
 
+from ebrl_jax.controller import fused_steps
+from ebrl_jax.rollout import keys
 from ebrl_jax.trainer import checkpoint
 from ebrl_jax.trainer import parallel
 
@@ -56,13 +61,32 @@ def _one_rank():
   """The one-rank reference, in this process: `parallel` on a one-device mesh is `stages.make_train_fn`."""
   out = {}
   for case in dp_cases.CASES:
-    net, optimizer, algo, state = dp_cases.setup(case)
-    train_fn = parallel.make_data_parallel_train_fn(net, optimizer, algo, dp_cases.MIN_STD, case.group_size, True,
-                                                    parallel.rank_mesh())
+    state = dp_cases.setup(case)[3]
+    train_fn = dp_cases.train_fn(case, parallel.rank_mesh())
     for step, batch in enumerate(dp_cases.batches(case, state)):
       state, _ = train_fn(state, batch, jax.random.PRNGKey(100 + step))
     out[case.name] = dp_cases.flat(state.params)
   return out
+
+
+def _check_fused_steps(ranks):
+  """The fused cells' iterations over the ranks (`fused_steps.run_iterations` around `RankStep`, each cell
+  collecting its own stand-in rollouts with the current parameters) stopped together after the voted step, and
+  hold one rank's parameters trained on the cells' batches concatenated, iteration by iteration."""
+  done = dp_cases.FUSED_VOTE_STEP + 1
+  for r in ranks:
+    assert (int(r['fused/done']), str(r['fused/reason'])) == (done, 'SIGTERM')
+  assert str(ranks[0]['fused/chain']) == str(ranks[1]['fused/chain']), 'the ranks held different parameters'
+  case = dp_cases.CASES[0]
+  _, _, algo, state = dp_cases.setup(case)
+  train_fn = dp_cases.train_fn(case, parallel.rank_mesh())  # one rank: `stages.make_train_fn`'s step
+  root = keys.root(0)
+  state, _ = fused_steps.run_iterations(dp_cases.global_collect(len(ranks), root), train_fn, algo.name, root, root,
+                                        state, done)
+  for name, want in dp_cases.flat(state.params).items():
+    got = [r[f'fused/{name}'] for r in ranks]
+    np.testing.assert_array_equal(got[0], got[1], err_msg=f'fused {name}: the ranks differ')
+    np.testing.assert_allclose(got[0], np.asarray(want), rtol=2e-4, atol=2e-5, err_msg=f'fused {name}')
 
 
 def test_two_ranks_match_one_rank_and_resume_on_one(tmp_path):
@@ -82,17 +106,19 @@ def test_two_ranks_match_one_rank_and_resume_on_one(tmp_path):
         parallel.STOP_REASONS.index('SIGTERM') if s == 1 else 0 for s in range(len(ranks[0][f'{case.name}/agreed']))
     ]
     assert [list(r[f'{case.name}/agreed']) for r in ranks] == [want, want]
+  _check_fused_steps(ranks)
+  assert bool(ranks[1]['mjx_sys_addressable']), 'rank 1 built its MJX env on another rank\'s device'
   nbytes = sum(4 * np.size(v) for v in reference['grpo'].values())  # float32, every leaf of the parameters
   for r in ranks:  # one all-reduce of the gradients' size, timed alone over the 2 ranks (gloo)
     assert 0 < float(r['allreduce_s']) < 5 and int(r['allreduce_bytes']) == nbytes, (r['allreduce_s'], nbytes)
   # Rank 0 of 2 checkpointed PPO after SAVE_STEP steps; one rank resumes there and finishes the run.
   case = dp_cases.CASES[0]
-  net, optimizer, algo, template = dp_cases.setup(case)
+  template = dp_cases.setup(case)[3]
   with checkpoint.Checkpointer(save_dir) as ckpt:
     assert ckpt.all_steps() == (dp_cases.SAVE_STEP,)
     state, extra, _ = ckpt.restore(template)
   assert extra == {'ranks': 2}
-  train_fn = parallel.make_data_parallel_train_fn(net, optimizer, algo, dp_cases.MIN_STD, 1, True, parallel.rank_mesh())
+  train_fn = dp_cases.train_fn(case, parallel.rank_mesh())
   for step, batch in enumerate(dp_cases.batches(case, template)):
     if step >= dp_cases.SAVE_STEP:
       state, _ = train_fn(state, batch, jax.random.PRNGKey(100 + step))
