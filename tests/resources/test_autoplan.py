@@ -33,15 +33,16 @@ def _cfg(tmp_path, schedule='async', sm_quotas='', **resources):
 
 
 def _fill(cfg, sim_s, gen_s, train_s):
-  """A store where every stage is linear in the batch and saturates at q_sat (samples at two sizes and quotas)."""
+  """A store where every stage is linear in the batch and saturates at q_sat (samples at two sizes and at each
+  default --calibration_quotas, so a run with MPS finds every quota it would calibrate)."""
   machine, workload = autoplan.machine_key(), autoplan.workload_key(cfg)
   store = profiles.ProfileStore(machine, workload)
   for name, (per_env, q_sat) in (('sim', sim_s), ('generation', gen_s)):
     for e in (8, 32):
-      for q in (25, 100):
+      for q in (25, 50, 100):
         store.profile(name).add_sample(e, q, per_env * e * max(1.0, q_sat / q))
   steps = cfg.env_steps_per_iteration
-  for q in (25, 100):
+  for q in (25, 50, 100):
     store.profile('train').add_sample(steps, q, train_s[0] * max(1.0, train_s[1] / q))
     store.profile('train').add_sample(steps // 2, q, train_s[0] / 2 * max(1.0, train_s[1] / q))
   store.save(autoplan.store_path(cfg, machine, workload))
