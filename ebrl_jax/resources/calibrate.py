@@ -225,6 +225,45 @@ def _train(cfg, network, optimizer, train_state, batch, repeats: int, warmups: l
   return _timed(run, repeats, warmups)
 
 
+def _stage(samples: List[float], env_steps: int, warmup: float) -> dict:
+  med = statistics.median(samples)
+  return {
+      'samples_s': samples,
+      'median_s': med,
+      'per_env_step_s': med / env_steps,
+      'env_steps': env_steps,
+      'warmup_s': warmup
+  }
+
+
+def _mjx_env(cfg):
+  from ebrl_jax.sim import stages as sim_stages  # lazy: brax and MJX load only when an MJX calibration runs
+  return sim_stages.make_mjx_env(cfg.sim.task,
+                                 cfg.sim.episode_length,
+                                 cfg.sim.action_repeat,
+                                 auto_reset=not cfg.algo.episodic,
+                                 impl=sim_stages.impl_for_backend(cfg.sim.backend))
+
+
+def _time_groups(cfg, network, act, params, envs_per_group, repeats, all_groups_threads, mjx_env, phases):
+  """Sim and generation at each group size, smallest first (so each peak bounds its own size's): (samples, peaks,
+  sim threads (native MuJoCo), warm-up seconds, per size; the largest size's last observations)."""
+  times, peaks, threads, warmups = {}, {}, {}, {}
+  for e in sorted({int(e) for e in envs_per_group}):
+    warmups[e] = {}
+    if mjx_env is not None:
+      times[e] = _mjx_sim_gen(cfg, network, params, e, repeats, mjx_env, warmups[e])
+    else:
+      threads[e] = cfg.sim.num_threads * (max(1, e // cfg.group_envs) if all_groups_threads else 1)
+      times[e] = _cpu_sim_gen(cfg, act, params, e, repeats, threads[e], warmups[e])
+    peaks[e] = peak_bytes_in_use()
+    phases.lap(f'group_size_{e}')
+  last_obs = times[max(times)]['obs']  # the largest size's: the most distinct envs
+  for entry in times.values():
+    del entry['obs']
+  return times, peaks, threads, warmups, last_obs
+
+
 def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5, all_groups_threads: bool = False) -> dict:
   """Times sim and generation at each group size and training once; see the module doc for what and how.
 
@@ -253,16 +292,6 @@ def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5, all_gro
   unroll_steps = cfg.algo.unroll_length * cfg.sim.action_repeat  # env steps per env in one sim/gen call
   iteration_steps = cfg.env_steps_per_iteration
 
-  def stage(samples, env_steps, warmup):
-    med = statistics.median(samples)
-    return {
-        'samples_s': samples,
-        'median_s': med,
-        'per_env_step_s': med / env_steps,
-        'env_steps': env_steps,
-        'warmup_s': warmup
-    }
-
   out = {
       'quota': current_quota(),
       'device': str(jax.devices()[0].device_kind),
@@ -274,38 +303,22 @@ def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5, all_gro
   phases.lap('setup')
   mjx_env = None
   if cfg.sim.backend != 'mujoco_cpu':  # one MJX env serves every group size
-    from ebrl_jax.sim import stages as sim_stages  # lazy: brax and MJX load only when an MJX calibration runs
-    mjx_env = sim_stages.make_mjx_env(cfg.sim.task,
-                                      cfg.sim.episode_length,
-                                      cfg.sim.action_repeat,
-                                      auto_reset=not cfg.algo.episodic,
-                                      impl=sim_stages.impl_for_backend(cfg.sim.backend))
+    mjx_env = _mjx_env(cfg)
     phases.lap('env_build')
-  times, peaks, threads, warmups = {}, {}, {}, {}
-  for e in sorted({int(e) for e in envs_per_group}):  # smallest first: each peak bounds its own size's
-    warmups[e] = {}
-    if mjx_env is not None:
-      times[e] = _mjx_sim_gen(cfg, network, train_state.params, e, repeats, mjx_env, warmups[e])
-    else:
-      threads[e] = cfg.sim.num_threads * (max(1, e // cfg.group_envs) if all_groups_threads else 1)
-      times[e] = _cpu_sim_gen(cfg, act, train_state.params, e, repeats, threads[e], warmups[e])
-    peaks[e] = peak_bytes_in_use()
-    phases.lap(f'group_size_{e}')
-  last_obs = times[max(times)].pop('obs')  # the largest size's: the most distinct envs
-  for entry in times.values():
-    entry.pop('obs', None)
+  times, peaks, threads, warmups, last_obs = _time_groups(cfg, network, act, train_state.params, envs_per_group,
+                                                          repeats, all_groups_threads, mjx_env, phases)
   batch = train_batch(cfg, spec, act, train_state.params, train_state.policy_version, last_obs)
   phases.lap('train_batch')
   train_warmup = []
-  train = stage(_train(cfg, network, optimizer, train_state, batch, repeats, train_warmup), iteration_steps,
-                train_warmup[0])  # donates train_state
+  train = _stage(_train(cfg, network, optimizer, train_state, batch, repeats, train_warmup), iteration_steps,
+                 train_warmup[0])  # donates train_state
   train['peak_bytes_in_use'] = peak_bytes_in_use()
   phases.lap('train')
   out['train'] = train
   for e in envs_per_group:
     entry = {
-        name: stage(samples,
-                    int(e) * unroll_steps, warmups[int(e)][name][0]) for name, samples in times[int(e)].items()
+        name: _stage(samples,
+                     int(e) * unroll_steps, warmups[int(e)][name][0]) for name, samples in times[int(e)].items()
     }
     entry['peak_bytes_in_use'] = peaks[int(e)]
     if threads:
