@@ -67,6 +67,7 @@ FILE_TIERS = {
     'test_autoplan.py': 'unit',
     'test_schedule_choice.py': 'unit',
     'test_group_replanner.py': 'unit',  # --replan_groups' decisions on synthetic windows
+    'test_calibrate.py': 'contract',  # the calibration in-process on native MuJoCo: compiles a train step
     'test_generation_choice.py':
         'unit',  # --plan_generation: co-located or separate generation by hand  # --schedule=auto by hand (its CPU runs are e2e, below)
     'test_mps_and_cpus.py': 'contract',

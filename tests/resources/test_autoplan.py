@@ -168,7 +168,9 @@ def test_auto_calibrates_100_first_and_skips_the_quotas_that_cannot_win(tmp_path
   calls = []
   _fake_calibration(monkeypatch, calls, sim_s=1e-7, train_s=0.1)
   cfg = _cfg(tmp_path, schedule='sync', use_mps=True)
-  auto_cfg = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, name='auto'))
+  auto_cfg = dataclasses.replace(cfg,
+                                 schedule=dataclasses.replace(cfg.schedule, name='auto'),
+                                 resources=dataclasses.replace(cfg.resources, plan=False))
   chosen, record = autoplan.plan_auto(auto_cfg, mps_active=True, worker_env=None, handoff=0.0)
   assert calls == [[100]] and chosen.schedule.name == 'fused'
   assert record['calibration_quotas'] == [100] and record['calibrated_s'] == 2.0
@@ -190,7 +192,9 @@ def test_auto_calibrates_every_quota_where_a_process_schedule_may_win(tmp_path, 
   calls = []
   _fake_calibration(monkeypatch, calls, sim_s=20e-6, train_s=25e-3)
   cfg = _cfg(tmp_path, schedule='sync', use_mps=True)
-  auto_cfg = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, name='auto'))
+  auto_cfg = dataclasses.replace(cfg,
+                                 schedule=dataclasses.replace(cfg.schedule, name='auto'),
+                                 resources=dataclasses.replace(cfg.resources, plan=False))
   _, record = autoplan.plan_auto(auto_cfg, mps_active=True, worker_env=None, handoff=0.0)
   assert calls == [[100], [50, 25]] and record['calibration_quotas'] == [100, 50, 25]
   assert record['calibration_skipped'] is None and record['calibrated_s'] == 6.0
