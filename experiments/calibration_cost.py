@@ -55,6 +55,14 @@ def measure(cfg, root: str, cache: str) -> dict:
   t0 = time.monotonic()
   chosen, record = auto.resolve(cfg)
   wall = time.monotonic() - t0
+  warmups = {}  # quota -> stage or 'sim/E', 'generation/E' -> the first (compiling) call's seconds
+  for q in record.get('calibration_quotas') or []:
+    with open(os.path.join(run_dir, f'calibration_q{q}.json')) as f:
+      profile = json.load(f)
+    if 'warmup_s' in profile.get('train', {}):
+      warmups[str(q)] = {'train': profile['train']['warmup_s']}
+      for e, entry in profile['groups'].items():
+        warmups[str(q)].update({f'{name}/{e}': entry[name]['warmup_s'] for name in ('sim', 'generation')})
   return {
       'cache': cache,
       'resolve_s': wall,
@@ -62,6 +70,7 @@ def measure(cfg, root: str, cache: str) -> dict:
       'quotas': record.get('calibration_quotas'),
       'process_s': record.get('calibration_process_s'),
       'phase_s': record.get('calibration_phase_s'),
+      'warmup_s': warmups or None,
       'skipped': record.get('calibration_skipped'),
       'schedule': chosen.schedule.name,
       'loadavg_before': before,
@@ -70,10 +79,11 @@ def measure(cfg, root: str, cache: str) -> dict:
 
 
 def main(argv) -> None:
+  del argv  # the flags are parsed; the command is recorded whole
   cfg = ebrl_main.config_from_flags()
   result = {
       'commit': bench_run.commit(),
-      'command': ' '.join([os.path.basename(sys.executable), '-m', 'experiments.calibration_cost', *argv[1:]]),
+      'command': ' '.join(['python', '-m', 'experiments.calibration_cost', *sys.argv[1:]]),
       'machine': bench_run.machine(),
       'runs': []
   }
