@@ -31,7 +31,8 @@ profile at a quota, run the calibration in a process started with that variable 
 Device memory: after each group size's sim and generation, and after training, the process's high-water mark
 (`memory_stats()['peak_bytes_in_use']` of the first device; None on the CPU, which keeps no statistics) is
 recorded as that stage's `peak_bytes_in_use`. Each includes what was allocated before it (the train state; the
-smaller group sizes, which run first), so it is an upper bound of the stage's own peak. The memory plan
+smaller group sizes, which run first; on MJX the largest size's reset state, which the smaller sizes' states are
+cut from so that reset compiles once), so it is an upper bound of the stage's own peak. The memory plan
 (`resources.memory`, `--memory_profile`) raises its estimates to these.
 """
 from __future__ import annotations
@@ -98,12 +99,27 @@ class _Phases:
     self._t0 = now
 
 
-def _mjx_sim_gen(cfg, network, params, envs: int, repeats: int, env, warmups: dict) -> dict:
-  """{'sim': samples, 'generation': samples, 'obs': the observations [E, O] the last timed unroll ended on}."""
+def _mjx_reset(cfg, env, sizes: Sequence[int]):
+  """`reset(E)` for each group size E, compiled once: the largest size's state, whose first E envs (whole reset
+  groups: every size is a multiple of --group_size) are the state of E envs. Where a leaf has no env axis in
+  front, each size is reset on its own."""
+  from ebrl_jax.sim import stages as sim_stages  # lazy: brax and MJX load only when a calibration runs
+  reset = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))
+  n = max(sizes)
+  full = reset(env, jax.random.PRNGKey(0), n, cfg.sim.group_size)
+  if all(x.ndim and x.shape[0] == n for x in jax.tree.leaves(full)):
+    first = jax.jit(lambda state, e: jax.tree.map(lambda x: x[:e], state), static_argnums=(1,))
+    return lambda e: full if e == n else first(full, e)
+  return lambda e: reset(env, jax.random.PRNGKey(0), e, cfg.sim.group_size)
+
+
+def _mjx_sim_gen(cfg, network, params, state, repeats: int, env, warmups: dict) -> dict:
+  """{'sim': samples, 'generation': samples, 'obs': the observations [E, O] the last timed unroll ended on}, from
+  `state` (E envs just reset)."""
   from ebrl_jax.sim import stages as sim_stages  # lazy: brax and MJX load only when a calibration runs
   k = cfg.policy.action_chunk
   steps = cfg.algo.unroll_length // k
-  state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(env, jax.random.PRNGKey(0), envs, cfg.sim.group_size)
+  envs = state.episode_return.shape[0]
   action_dim = env.action_size
   actions = jax.random.uniform(jax.random.PRNGKey(1), (steps, envs, k, action_dim), minval=-1.0, maxval=1.0)
 
@@ -249,10 +265,12 @@ def _time_groups(cfg, network, act, params, envs_per_group, repeats, all_groups_
   """Sim and generation at each group size, smallest first (so each peak bounds its own size's): (samples, peaks,
   sim threads (native MuJoCo), warm-up seconds, per size; the largest size's last observations)."""
   times, peaks, threads, warmups = {}, {}, {}, {}
-  for e in sorted({int(e) for e in envs_per_group}):
+  sizes = sorted({int(e) for e in envs_per_group})
+  reset = _mjx_reset(cfg, mjx_env, sizes) if mjx_env is not None else None
+  for e in sizes:
     warmups[e] = {}
     if mjx_env is not None:
-      times[e] = _mjx_sim_gen(cfg, network, params, e, repeats, mjx_env, warmups[e])
+      times[e] = _mjx_sim_gen(cfg, network, params, reset(e), repeats, mjx_env, warmups[e])
     else:
       threads[e] = cfg.sim.num_threads * (max(1, e // cfg.group_envs) if all_groups_threads else 1)
       times[e] = _cpu_sim_gen(cfg, act, params, e, repeats, threads[e], warmups[e])
