@@ -19,8 +19,8 @@ has more), the actions and behaviour log-probs the policy (`generation.stages.ma
 ratios start at 1 as on a real first epoch, repeated over the iteration's steps and unrolls; rewards are seeded
 normal draws, no episode ends, every mask 1, the train state's policy version. train_step is dense arithmetic
 (no branch or loop on the data), so its time depends on these shapes, not on the values. Earlier versions
-compiled the fused MJX collection program only to make this batch: most of a calibration's time on the CPU
-(experiments/results/calibration_cost_cpu.json).
+compiled the fused MJX collection program (and for native MuJoCo an MJX env) only to make this batch: most of a
+native-MuJoCo calibration's time on the CPU (experiments/results/calibration_cost_cpu.json).
 
 Where the time goes: `phase_s` records each phase's wall seconds (setup, env build, each group size, the
 training batch, training) and `warmup_s` each stage's first (compiling) call, so a slow calibration says why.
