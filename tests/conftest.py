@@ -387,7 +387,7 @@ OPT_IN = frozenset({
     # launcher's wait (stand-in cells) stay in CI
     ('test_cells_stop.py', 'test_a_sigterm_to_the_launcher_stops_async_cells_together_and_resume_continues'),
     ('test_cells_stop.py', 'test_a_sigterm_to_one_fused_cell_stops_both_after_the_same_step'),
-    # 34 s on the 2-core machine at load 11 (a train step and the policy compiled, the native pool stepped): a
+    # 8 s on the 2-core machine at load 2, 34 s at load 11 (a train step and the policy compiled, the pool stepped): a
     # whole in-process calibration; its training batch (test_calibrate) and auto's quota order and skip on fake
     # calibration processes (test_autoplan) stay in CI
     ('test_calibrate.py', 'test_profile_stages_on_native_mujoco_times_every_stage_and_says_where_its_time_went'),
