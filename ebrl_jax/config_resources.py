@@ -86,10 +86,15 @@ class ResourceConfig:
   replan_change_cost_s: float = 30.0
   # --replan_groups: trainer iterations of one measured window (the layout's rate, collect and train seconds; one
   # more iteration is skipped after the start and after each change), and the horizon a change must pay back its
-  # pause in (the run's remaining time if shorter). --replan_hysteresis is its margin, --replan_change_cost_s its
-  # pause before one was measured.
+  # pause in (the run's remaining time if shorter). --replan_hysteresis is its margin, --replan_group_change_cost_s
+  # its pause before one was measured.
   replan_window: int = 5
   replan_horizon_s: float = 60.0
+  # The pause a first group change is assumed to cost (the last measured one's replaces it): the largest measured
+  # so far, 7.8 s (pauses of 3.5-7.8 s in experiments/results/replan_groups_cpu.json, 5.3 s in relayout_cpu.json),
+  # rounded up. Not --replan_change_cost_s (30 s, the quota re-planner's): with it and the 60 s horizon a first
+  # group change needed a predicted gain over 2x; with 8 s one over ~15 %.
+  replan_group_change_cost_s: float = 8.0
   # Manual rollout quota changes through the same warm-standby swaps, 'iteration:rollout=percent[,...]', e.g.
   # '10:rollout=40' switches every rollout worker to 40 % at trainer iteration 10 (measures a change's cost).
   quota_schedule: str = ''
@@ -121,6 +126,7 @@ class ResourceConfig:
     _check_positive('replan_change_cost_s', self.replan_change_cost_s, allow_zero=True)
     _check_positive('replan_window', self.replan_window)
     _check_positive('replan_horizon_s', self.replan_horizon_s)
+    _check_positive('replan_group_change_cost_s', self.replan_group_change_cost_s, allow_zero=True)
     changes = self.quota_changes  # parses and checks
     if changes and not self.use_mps:
       raise ValueError(f'--quota_schedule={self.quota_schedule} needs --use_mps (quotas are an MPS setting).')

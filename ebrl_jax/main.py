@@ -124,6 +124,11 @@ _HELP = {
                       'iteration skipped after the start and each change).'),
     'replan_horizon_s': ('--replan_groups: a change must pay back its pause (env steps lost) within this many seconds '
                          '(or the run\'s remaining time); --replan_hysteresis is its margin.'),
+    'replan_group_change_cost_s':
+        ('--replan_groups: the pause (s) a first group change is assumed to cost, until one is '
+         'measured; 8 s is the largest measured so far (3.5-7.8 s, replan_groups_cpu.json), '
+         'where --replan_change_cost_s (30 s, the quota re-planner\'s) made a first change need a '
+         '>2x predicted gain over the 60 s horizon.'),
     'first_checkpoint_iteration':
         'A first checkpoint after this many iterations (0: only --checkpoint_every).',
     'evaluator':

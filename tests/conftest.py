@@ -67,6 +67,7 @@ FILE_TIERS = {
     'test_autoplan.py': 'unit',
     'test_schedule_choice.py': 'unit',
     'test_group_replanner.py': 'unit',  # --replan_groups' decisions on synthetic windows
+    'test_calibrate.py': 'contract',  # the calibration in-process on native MuJoCo: compiles a train step
     'test_generation_choice.py':
         'unit',  # --plan_generation: co-located or separate generation by hand  # --schedule=auto by hand (its CPU runs are e2e, below)
     'test_mps_and_cpus.py': 'contract',
@@ -395,6 +396,10 @@ OPT_IN = frozenset({
     # and rank 1's MJX env on its own device (test_data_parallel) and the native-MuJoCo fused cells' stop
     # (test_cells_stop) stay in CI
     ('test_cells_mjx.py', 'test_two_mjx_fused_cells_train_as_one_rank_on_the_global_batch'),
+    # 8 s on the 2-core machine at load 2, 34 s at load 11 (a train step and the policy compiled, the pool stepped): a
+    # whole in-process calibration; its training batch (test_calibrate) and auto's quota order and skip on fake
+    # calibration processes (test_autoplan) stay in CI
+    ('test_calibrate.py', 'test_profile_stages_on_native_mujoco_times_every_stage_and_says_where_its_time_went'),
 })
 FULL = os.environ.get('EBRL_FULL_TESTS') == '1'
 

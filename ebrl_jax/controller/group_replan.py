@@ -124,7 +124,7 @@ def make_trigger(cfg: config_lib.Config, workers, plan_record: Optional[dict], m
                                              store=store,
                                              margin=r.replan_hysteresis,
                                              horizon_s=r.replan_horizon_s,
-                                             assumed_pause_s=r.replan_change_cost_s)
+                                             assumed_pause_s=r.replan_group_change_cost_s)
   logging.info(
       '--replan_groups: candidates %s groups, windows of %d iterations, margin %.0f%%, horizon %.0f s, '
       'profiles %s.', candidates, r.replan_window, 100 * r.replan_hysteresis, r.replan_horizon_s,

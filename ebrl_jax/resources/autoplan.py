@@ -1,11 +1,14 @@
 """`--plan`: the process schedules' env groups and SM quotas chosen from stage profiles at the start of a run.
 
   1. The profile store of this machine and workload is read from `--profile_dir` (one JSON file per pair).
-  2. Where it lacks a stage, the stages are calibrated (`calibrate.profile_stages`): one short-lived process per
-     quota of `--calibration_quotas`, each started with that CUDA_MPS_ACTIVE_THREAD_PERCENTAGE under the run's
-     MPS daemon, at every group size the planner may choose; compile is excluded from the samples, and the
-     persistent compilation cache makes the second and later quotas cheap. The store is saved, so the next run
-     on this machine and workload starts from it.
+  2. Where it lacks a quota of `--calibration_quotas` (a quota every stage has samples at), the stages are
+     calibrated there (`calibrate.profile_stages`): one short-lived process per missing quota, 100 % first, each
+     started with that CUDA_MPS_ACTIVE_THREAD_PERCENTAGE under the run's MPS daemon, at every group size the
+     planner may choose, one after another (each times its stages with the GPU to itself); compile is excluded
+     from the samples, and the persistent compilation cache (--compilation_cache_dir) makes the later quotas
+     cheap. `--schedule=auto` skips the quotas below 100 % when the 100 % profile already shows that no quota
+     can make a process schedule win (`schedule_choice.quotas_cannot_win`). The store is saved, so the next run
+     on this machine and workload starts from it (a later `--plan` run calibrates the quotas it lacks).
   3. `planner.plan` picks the number of groups and the quotas (or none: every process may use every SM) with the
      least predicted iteration time; quotas given with `--sm_quotas` stay pinned. Without MPS only the group count
      is chosen: there are no quotas to share, and the prediction adds up the processes' GPU work.
@@ -18,12 +21,13 @@ from measured stage times and applies a change by swapping each rollout worker f
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import multiprocessing
 import os
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from absl import logging
 
@@ -42,6 +46,7 @@ from ebrl_jax.transport import cuda_ipc
 _GROUP_CHOICES = (1, 2, 4, 8)
 _QUOTA_GRID = tuple(range(10, 101, 10))
 _CALIBRATION_TIMEOUT_S = 900.0
+_STAGES = ('sim', 'generation', 'train')
 
 
 def machine_key() -> str:
@@ -97,12 +102,12 @@ def group_choices(cfg: config_lib.Config, sim_cores: Optional[int] = None) -> Tu
 
 def _calibrate(cfg: config_lib.Config,
                sizes: List[int],
-               quotas: Tuple[int, ...],
+               quotas: Sequence[int],
                worker_env,
                run_dir: str,
                repeats: int = 3) -> List[dict]:
-  """One spawned process per quota; returns their calibration JSONs. A failed or hung process is an error
-  naming the quota and where its output went."""
+  """One spawned process per quota, in turn; returns their calibration JSONs, each with 'process_s' (the process's
+  wall seconds, start-up included). A failed or hung process is an error naming the quota and its output."""
   ctx = multiprocessing.get_context('spawn')
   out = []
   for q in quotas:
@@ -124,9 +129,19 @@ def _calibrate(cfg: config_lib.Config,
       raise RuntimeError(f'stage calibration at SM quota {q} % failed (exit code {proc.exitcode}); see its log '
                          'above. Run without --plan, or fix --sm_quotas by hand.')
     with open(path) as f:
-      out.append(json.load(f))
-    logging.info('calibration at quota %d %%: %.1f s (sizes %s)', q, time.monotonic() - t0, sizes)
+      profile = json.load(f)
+    profile['process_s'] = time.monotonic() - t0
+    out.append(profile)
+    phases = ', '.join(f'{name} {s:.1f}' for name, s in profile.get('phase_s', {}).items())
+    logging.info('calibration at quota %d %%: %.1f s (sizes %s; phases in s: %s)', q, profile['process_s'], sizes,
+                 phases)
   return out
+
+
+def calibrated_quotas(store) -> Set[float]:
+  """The SM quotas every calibrated stage ('sim', 'generation', 'train') has samples at."""
+  sets = [{q for _, q, _ in store[name].samples} if name in store else set() for name in _STAGES]
+  return set.intersection(*sets)
 
 
 def plan_space(cfg: config_lib.Config, mps_active: bool) -> planner.PlanSpace:
@@ -143,25 +158,51 @@ def plan_space(cfg: config_lib.Config, mps_active: bool) -> planner.PlanSpace:
                            sim_on_gpu=cfg.sim.backend != 'mujoco_cpu')
 
 
-def _profiles(cfg: config_lib.Config, mps_active: bool, worker_env):
-  """(profile store, its path, calibration seconds or None, the quotas calibrated): this machine and workload's
-  stage profiles, calibrated first where a stage is missing."""
+def _profiles(cfg: config_lib.Config, mps_active: bool, worker_env, cannot_win: Optional[Callable] = None):
+  """(profile store, its path, the calibration's record): this machine and workload's stage profiles, calibrated
+  first at the quotas they lack, 100 % first. `cannot_win(store)` (--schedule=auto) is asked once the store holds
+  the 100 % profile: a reason (str) skips the lower quotas. The record: calibrated_s (None: nothing calibrated),
+  the quotas calibrated, each one's process_s and phase_s, and what was skipped and why (or None)."""
   machine, workload = machine_key(), workload_key(cfg)
   path = store_path(cfg, machine, workload)
   store = profiles.ProfileStore.load(path, machine, workload)
   sizes = sorted({cfg.sim.num_envs // g for g in group_choices(cfg)})
-  quotas = tuple(sorted(set(cfg.resources.calibration_quotas))) if mps_active else (100,)
-  calibrated_s = None
-  if not all(name in store for name in ('sim', 'generation', 'train')):
-    t0 = time.monotonic()
+  quotas = sorted(set(cfg.resources.calibration_quotas) if mps_active else {100}, reverse=True)
+  missing = [q for q in quotas if q not in calibrated_quotas(store)]
+  runs, skipped = [], None
+
+  def calibrate_at(todo):
     logging.info(
-        '--plan: no stage profiles for this machine and workload in %s; calibrating at quotas %s, '
-        'group sizes %s.', path, quotas, sizes)
-    for profile in _calibrate(cfg, sizes, quotas, worker_env, cfg.schedule.run_dir):
+        '--plan: no stage profiles at quotas %s for this machine and workload in %s; calibrating them, '
+        'group sizes %s.', todo, path, sizes)
+    for profile in _calibrate(cfg, sizes, todo, worker_env, cfg.schedule.run_dir):
       calibrate.add_to_store(store, profile)
+      runs.append(profile)
+
+  lower = [q for q in missing if q != 100]
+  if cannot_win is not None and 100 in quotas and lower:
+    if 100 in missing:
+      calibrate_at([100])
+    reason = cannot_win(store)
+    if reason:
+      skipped = {'quotas': lower, 'reason': reason}
+      logging.info('--schedule=auto: calibration at quotas %s skipped: %s', lower, reason)
+    missing = [] if reason else lower
+  if missing:
+    calibrate_at(missing)
+  if runs:
     store.save(path)
-    calibrated_s = time.monotonic() - t0
-  return store, path, calibrated_s, quotas
+  return store, path, {
+      'calibrated_s': sum(p['process_s'] for p in runs) if runs else None,
+      'quotas': [p['quota'] for p in runs],
+      'process_s': {
+          str(p['quota']): p['process_s'] for p in runs
+      },
+      'phase_s': {
+          str(p['quota']): p.get('phase_s', {}) for p in runs
+      },
+      'skipped': skipped
+  }
 
 
 def _apply(cfg: config_lib.Config, chosen: planner.Plan, mps_active: bool, schedule: str) -> config_lib.Config:
@@ -176,7 +217,17 @@ def _apply(cfg: config_lib.Config, chosen: planner.Plan, mps_active: bool, sched
   return dataclasses.replace(cfg, schedule=schedule_cfg, resources=resources_cfg)
 
 
-def _record(chosen: planner.Plan, mps_active: bool, store, path: str, calibrated_s, quotas) -> dict:
+def _calibration_record(calibration: dict) -> dict:
+  return {
+      'calibrated_s': calibration['calibrated_s'],
+      'calibration_quotas': calibration['quotas'],
+      'calibration_process_s': calibration['process_s'],
+      'calibration_phase_s': calibration['phase_s'],
+      'calibration_skipped': calibration['skipped']
+  }
+
+
+def _record(chosen: planner.Plan, mps_active: bool, store, path: str, calibration: dict) -> dict:
   return {
       'num_groups': chosen.num_groups,
       'envs_per_group': chosen.envs_per_group,
@@ -188,9 +239,7 @@ def _record(chosen: planner.Plan, mps_active: bool, store, path: str, calibrated
       'predicted_train_s': chosen.train_s,
       'reason': chosen.reason,
       'mps': mps_active,
-      'calibrated_s': calibrated_s,
-      'calibration_quotas': list(quotas) if calibrated_s is not None else [],
-      'profile_store': path,
+      **_calibration_record(calibration), 'profile_store': path,
       'fits': {
           name: store[name].fit_note for name in sorted(store)
       }
@@ -234,7 +283,7 @@ def plan_run(cfg: config_lib.Config, mps_active: bool, worker_env) -> Tuple[conf
 
   `worker_env(quota)` gives the environment of a calibration process at that quota (MPS pipe, memory share).
   """
-  store, path, calibrated_s, quotas = _profiles(cfg, mps_active, worker_env)
+  store, path, calibration = _profiles(cfg, mps_active, worker_env)
   schedule = 'async' if cfg.schedule.name == 'async' else 'sync'  # overlap plans as sync (its semantics)
   cfg, generation = choose_generation(cfg, store, mps_active, schedule)
   space = plan_space(cfg, mps_active)
@@ -244,7 +293,7 @@ def plan_run(cfg: config_lib.Config, mps_active: bool, worker_env) -> Tuple[conf
   if not mps_active:
     logging.warning('--plan without MPS: only the number of groups is chosen; the processes time-slice the GPU, '
                     'and the prediction adds up their GPU work.')
-  record = _record(chosen, mps_active, store, path, calibrated_s, quotas)
+  record = _record(chosen, mps_active, store, path, calibration)
   if fused_like is not None:
     record['predicted_sequential_env_steps_per_s'] = fused_like.env_steps_per_s
   if generation is not None:
@@ -267,18 +316,33 @@ def handoff_s(segment_bytes_per_iteration: int, param_bytes: int) -> float:
 def plan_auto(cfg: config_lib.Config, mps_active: bool, worker_env, handoff: float) -> Tuple[config_lib.Config, dict]:
   """`--schedule=auto`: the config with the chosen schedule (fused, or sync/async with the planned groups and
   quotas) and the record of the choice (`schedule_choice`'s predictions and reason, plus the plan's figures)."""
-  store, path, calibrated_s, quotas = _profiles(cfg, mps_active, worker_env)
+  store, path, calibration = _profiles(cfg, mps_active, worker_env,
+                                       functools.partial(_cannot_win, cfg, mps_active, handoff))
   cfg, generation = choose_generation(cfg, store, mps_active, 'async')
   space = plan_space(cfg, mps_active)
   choice = schedule_choice.choose(store, space, handoff, _pinned(cfg, space, mps_active))
   logging.info('--schedule=auto chose %s', choice.reason)
   if choice.plan is None:
     chosen_cfg = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, name='fused', env_slices=1))
-    record = {'profile_store': path, 'calibrated_s': calibrated_s, 'mps': mps_active}
+    record = {'profile_store': path, **_calibration_record(calibration), 'mps': mps_active}
   else:
     chosen_cfg = _apply(cfg, choice.plan, mps_active, choice.schedule)
-    record = _record(choice.plan, mps_active, store, path, calibrated_s, quotas)
+    record = _record(choice.plan, mps_active, store, path, calibration)
   record.update(schedule=choice.schedule, predicted=choice.predicted, choice_reason=choice.reason, handoff_s=handoff)
   if generation is not None:
     record['generation'] = generation
   return chosen_cfg, record
+
+
+def _cannot_win(cfg: config_lib.Config, mps_active: bool, handoff: float, store) -> Optional[str]:
+  """Why no SM quota can make a process schedule beat fused (`schedule_choice.quotas_cannot_win`) in any layout
+  `--schedule=auto` may pick (with --plan_generation on MJX, co-located and separate generation), else None."""
+  spaces = [plan_space(cfg, mps_active)]
+  if cfg.resources.plan_generation and cfg.sim.backend != 'mujoco_cpu':
+    try:
+      other = dataclasses.replace(cfg.schedule, colocate_generation=not cfg.schedule.colocate_generation)
+      spaces.append(plan_space(dataclasses.replace(cfg, schedule=other), mps_active))
+    except ValueError:  # another flag needs co-located generation (choose_generation falls back the same way)
+      pass
+  reasons = [schedule_choice.quotas_cannot_win(store, space, handoff) for space in spaces]
+  return None if any(r is None for r in reasons) else '; '.join(reasons)

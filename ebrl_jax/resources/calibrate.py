@@ -5,12 +5,25 @@ What is timed (one "call" of each stage, the unit the pipeline hands around):
               MJX: one jitted scan of `sim.stages.step_chunk`; native MuJoCo: `CpuEnvPool.step` per policy step;
   generation  the policy for the same unroll on E observations: one jitted scan of `generation.stages.act`
               (MJX), or `generation.stages.make_act` per policy step with host<->device copies (native MuJoCo);
-  train       one `trainer.stages.train_step` on a whole iteration's batch, from a real collected rollout.
+  train       one `trainer.stages.train_step` on a whole iteration's batch (`train_batch` below).
 
 `per_env_step` divides each by the env steps it stands for (E * unroll_length for sim and generation, the
 iteration's env steps for train): t_sim, t_gen, t_train of docs/benchmarks.md. Sequential floor 1 / (t_sim + t_gen +
 t_train) and perfect-overlap ceiling 1 / max(...) follow. Each call is run `repeats` times after one warm-up
 call (which compiles); the median is kept, and every sample is returned for the profile store.
+
+The training batch has the iteration's exact shapes and dtypes (`types.transition_template`, what the rollout
+hands the trainer) and is made of the stages' own output, not of a collection program of its own: the
+observations the sim stage's last timed unroll ended on (its largest group size; repeated over envs when the run
+has more), the actions and behaviour log-probs the policy (`generation.stages.make_act`) gives for them, so PPO's
+ratios start at 1 as on a real first epoch, repeated over the iteration's steps and unrolls; rewards are seeded
+normal draws, no episode ends, every mask 1, the train state's policy version. train_step is dense arithmetic
+(no branch or loop on the data), so its time depends on these shapes, not on the values. Earlier versions
+compiled the fused MJX collection program (and for native MuJoCo an MJX env) only to make this batch: most of a
+native-MuJoCo calibration's time on the CPU (experiments/results/calibration_cost_cpu.json).
+
+Where the time goes: `phase_s` records each phase's wall seconds (setup, env build, each group size, the
+training batch, training) and `warmup_s` each stage's first (compiling) call, so a slow calibration says why.
 
 The SM quota of the samples is this process's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (100 without one): to
 profile at a quota, run the calibration in a process started with that variable under an MPS daemon.
@@ -18,7 +31,8 @@ profile at a quota, run the calibration in a process started with that variable 
 Device memory: after each group size's sim and generation, and after training, the process's high-water mark
 (`memory_stats()['peak_bytes_in_use']` of the first device; None on the CPU, which keeps no statistics) is
 recorded as that stage's `peak_bytes_in_use`. Each includes what was allocated before it (the train state; the
-smaller group sizes, which run first), so it is an upper bound of the stage's own peak. The memory plan
+smaller group sizes, which run first; on MJX the largest size's reset state, which the smaller sizes' states are
+cut from so that reset compiles once), so it is an upper bound of the stage's own peak. The memory plan
 (`resources.memory`, `--memory_profile`) raises its estimates to these.
 """
 from __future__ import annotations
@@ -31,8 +45,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from ebrl_jax import sim
+from ebrl_jax import types
 from ebrl_jax.generation import policies
 from ebrl_jax.generation import stages as gen_stages
 from ebrl_jax.runtime import startup
@@ -56,8 +72,12 @@ def peak_bytes_in_use() -> Optional[int]:
   return None if value is None else int(value)
 
 
-def _timed(fn: Callable[[], object], repeats: int) -> List[float]:
-  fn()  # warm-up: compiles
+def _timed(fn: Callable[[], object], repeats: int, warmups: Optional[List[float]] = None) -> List[float]:
+  """`repeats` timed calls after one warm-up call (which compiles; its seconds are appended to `warmups`)."""
+  t0 = time.perf_counter()
+  fn()
+  if warmups is not None:
+    warmups.append(time.perf_counter() - t0)
   out = []
   for _ in range(repeats):
     t0 = time.perf_counter()
@@ -66,11 +86,40 @@ def _timed(fn: Callable[[], object], repeats: int) -> List[float]:
   return out
 
 
-def _mjx_sim_gen(cfg, network, params, envs: int, repeats: int, env) -> Dict[str, List[float]]:
+class _Phases:
+  """Wall seconds of each phase of a calibration, in order (`lap(name)` closes the phase that ran since the last)."""
+
+  def __init__(self):
+    self.seconds: Dict[str, float] = {}
+    self._t0 = time.perf_counter()
+
+  def lap(self, name: str) -> None:
+    now = time.perf_counter()
+    self.seconds[name] = self.seconds.get(name, 0.0) + now - self._t0
+    self._t0 = now
+
+
+def _mjx_reset(cfg, env, sizes: Sequence[int]):
+  """`reset(E)` for each group size E, compiled once: the largest size's state, whose first E envs (whole reset
+  groups: every size is a multiple of --group_size) are the state of E envs. Where a leaf has no env axis in
+  front, each size is reset on its own."""
+  from ebrl_jax.sim import stages as sim_stages  # lazy: brax and MJX load only when a calibration runs
+  reset = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))
+  n = max(sizes)
+  full = reset(env, jax.random.PRNGKey(0), n, cfg.sim.group_size)
+  if all(x.ndim and x.shape[0] == n for x in jax.tree.leaves(full)):
+    first = jax.jit(lambda state, e: jax.tree.map(lambda x: x[:e], state), static_argnums=(1,))
+    return lambda e: full if e == n else first(full, e)
+  return lambda e: reset(env, jax.random.PRNGKey(0), e, cfg.sim.group_size)
+
+
+def _mjx_sim_gen(cfg, network, params, state, repeats: int, env, warmups: dict) -> dict:
+  """{'sim': samples, 'generation': samples, 'obs': the observations [E, O] the last timed unroll ended on}, from
+  `state` (E envs just reset)."""
   from ebrl_jax.sim import stages as sim_stages  # lazy: brax and MJX load only when a calibration runs
   k = cfg.policy.action_chunk
   steps = cfg.algo.unroll_length // k
-  state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(env, jax.random.PRNGKey(0), envs, cfg.sim.group_size)
+  envs = state.episode_return.shape[0]
   action_dim = env.action_size
   actions = jax.random.uniform(jax.random.PRNGKey(1), (steps, envs, k, action_dim), minval=-1.0, maxval=1.0)
 
@@ -101,13 +150,14 @@ def _mjx_sim_gen(cfg, network, params, envs: int, repeats: int, env) -> Dict[str
     box['state'], rewards = sim_unroll(box['state'], actions)
     jax.block_until_ready(rewards)
 
-  return {
-      'sim': _timed(run_sim, repeats),
-      'generation': _timed(lambda: jax.block_until_ready(gen_unroll(params, obs, jax.random.PRNGKey(2))), repeats)
-  }
+  sim_samples = _timed(run_sim, repeats, warmups.setdefault('sim', []))
+  gen = _timed(lambda: jax.block_until_ready(gen_unroll(params, obs, jax.random.PRNGKey(2))), repeats,
+               warmups.setdefault('generation', []))
+  return {'sim': sim_samples, 'generation': gen, 'obs': np.asarray(box['state'].brax_state.obs)}
 
 
-def _cpu_sim_gen(cfg, network, params, envs: int, repeats: int, threads: int = 0) -> Dict[str, List[float]]:
+def _cpu_sim_gen(cfg, act, params, envs: int, repeats: int, threads: int, warmups: dict) -> dict:
+  """As `_mjx_sim_gen`, for native MuJoCo: the pool's steps, then the policy on its last observations."""
   k = cfg.policy.action_chunk
   steps = cfg.algo.unroll_length // k
   rng = np.random.default_rng(0)
@@ -117,35 +167,59 @@ def _cpu_sim_gen(cfg, network, params, envs: int, repeats: int, threads: int = 0
                           cfg.sim.action_repeat,
                           num_threads=threads or cfg.sim.num_threads,
                           seed=0) as pool:
-    obs = pool.reset()
+    box = {'obs': pool.reset()}
     spec = pool.spec
     actions = rng.uniform(-1.0, 1.0, (steps, envs, k, spec.action_dim)).astype(np.float32)
 
     def run_sim():
       for t in range(steps):
-        pool.step(actions[t])
+        box['obs'] = pool.step(actions[t]).obs
 
-    sim = _timed(run_sim, repeats)
-  act = gen_stages.make_act(network, cfg.policy.min_std)
+    sim_samples = _timed(run_sim, repeats, warmups.setdefault('sim', []))
   key = jax.random.PRNGKey(2)
+  obs = box['obs']
 
   def run_gen():
     for t in range(steps):
       out = act(params, obs, key, t)
       np.asarray(out.actions)  # the host copy the sim worker waits for
 
-  return {'sim': sim, 'generation': _timed(run_gen, repeats)}
+  gen = _timed(run_gen, repeats, warmups.setdefault('generation', []))
+  return {'sim': sim_samples, 'generation': gen, 'obs': np.asarray(obs)}
 
 
-def _train(cfg, env, network, optimizer, train_state, repeats: int) -> List[float]:
-  """train_step on one real iteration batch (collected by the fused collection stage on MJX, or made of the
-  right shapes from the native pool's observations)."""
-  from ebrl_jax.rollout import mjx as rollout  # lazy: as above
-  from ebrl_jax.sim import stages as sim_stages  # lazy: brax and MJX load only when a calibration runs
+def train_batch(cfg, spec: types.EnvSpec, act, params, version, obs: np.ndarray) -> types.Transition:
+  """One iteration's training batch [T, S] (the module doc): `obs` [E, O] repeated to the run's envs, the policy's
+  actions and log-probs for them (`act`, a `make_act`), repeated over the iteration's T steps and unrolls."""
+  if spec.pixel_shape:
+    raise ValueError('calibration times state observations; --obs=pixels is not supported by it.')
+  unrolls, steps = cfg.segment_shape
   n = cfg.sim.num_envs
-  state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(env, jax.random.PRNGKey(3), n, cfg.sim.group_size)
-  collect = jax.jit(lambda p, v, s, key: rollout.collect_iteration(env, network, cfg.collect_spec, n, p, v, s, key))
-  _, batch, _ = collect(train_state.params, train_state.policy_version, state, jax.random.PRNGKey(4))
+  rows = np.resize(np.asarray(obs, np.float32), (n, spec.obs_dim))  # the observed envs, repeated in order
+  out = act(params, jnp.asarray(rows), jax.random.PRNGKey(4), 0)
+  template = types.transition_template(steps, unrolls * n, spec.obs_dim, cfg.policy.action_chunk, spec.action_dim)
+
+  def per_segment(x):  # [n, ...] -> [T, U * n, ...]: env e's value in every unroll and step
+    x = np.asarray(x)
+    return np.broadcast_to(np.concatenate([x] * unrolls)[None], (steps, unrolls * n) + x.shape[1:])
+
+  shape = (steps, unrolls * n)
+  rewards = np.random.default_rng(4).normal(size=shape)
+  values = types.Transition(obs=per_segment(rows),
+                            raw_action=per_segment(out.raw_actions),
+                            reward=rewards,
+                            termination=np.zeros(shape),
+                            truncation=np.zeros(shape),
+                            next_obs=per_segment(rows),
+                            behaviour_log_prob=per_segment(out.log_probs),
+                            mask=np.ones(shape),
+                            policy_version=np.full(shape, int(version)))
+  return jax.tree.map(lambda x, t: jnp.asarray(np.ascontiguousarray(x, dtype=t.dtype).reshape(t.shape)), values,
+                      template)
+
+
+def _train(cfg, network, optimizer, train_state, batch, repeats: int, warmups: list) -> List[float]:
+  """train_step on `batch` (`train_batch`); donates `train_state`."""
   step = jax.jit(trainer_stages.train_step,
                  static_argnums=(0, 1, 2, 3),
                  static_argnames=('group_size', 'recompute_proximal'),
@@ -164,39 +238,77 @@ def _train(cfg, env, network, optimizer, train_state, repeats: int) -> List[floa
                                  recompute_proximal=cfg.schedule.name == 'async')
     jax.block_until_ready(metrics)
 
-  return _timed(run, repeats)
+  return _timed(run, repeats, warmups)
+
+
+def _stage(samples: List[float], env_steps: int, warmup: float) -> dict:
+  med = statistics.median(samples)
+  return {
+      'samples_s': samples,
+      'median_s': med,
+      'per_env_step_s': med / env_steps,
+      'env_steps': env_steps,
+      'warmup_s': warmup
+  }
+
+
+def _mjx_env(cfg):
+  from ebrl_jax.sim import stages as sim_stages  # lazy: brax and MJX load only when an MJX calibration runs
+  return sim_stages.make_mjx_env(cfg.sim.task,
+                                 cfg.sim.episode_length,
+                                 cfg.sim.action_repeat,
+                                 auto_reset=not cfg.algo.episodic,
+                                 impl=sim_stages.impl_for_backend(cfg.sim.backend))
+
+
+def _time_groups(cfg, network, act, params, envs_per_group, repeats, all_groups_threads, mjx_env, phases):
+  """Sim and generation at each group size, smallest first (so each peak bounds its own size's): (samples, peaks,
+  sim threads (native MuJoCo), warm-up seconds, per size; the largest size's last observations)."""
+  times, peaks, threads, warmups = {}, {}, {}, {}
+  sizes = sorted({int(e) for e in envs_per_group})
+  reset = _mjx_reset(cfg, mjx_env, sizes) if mjx_env is not None else None
+  for e in sizes:
+    warmups[e] = {}
+    if mjx_env is not None:
+      times[e] = _mjx_sim_gen(cfg, network, params, reset(e), repeats, mjx_env, warmups[e])
+    else:
+      threads[e] = cfg.sim.num_threads * (max(1, e // cfg.group_envs) if all_groups_threads else 1)
+      times[e] = _cpu_sim_gen(cfg, act, params, e, repeats, threads[e], warmups[e])
+    peaks[e] = peak_bytes_in_use()
+    phases.lap(f'group_size_{e}')
+  last_obs = times[max(times)]['obs']  # the largest size's: the most distinct envs
+  for entry in times.values():
+    del entry['obs']
+  return times, peaks, threads, warmups, last_obs
 
 
 def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5, all_groups_threads: bool = False) -> dict:
   """Times sim and generation at each group size and training once; see the module doc for what and how.
 
-  Returns {'quota', 'device', 'backend', 'num_params', 'steps_per_iteration', 'train': {...}, 'groups': {E: {...}}},
-  each stage with 'samples_s', 'median_s', 'per_env_step_s'; per group size also the sequential floor and overlap
-  ceiling (env steps/s) for that group size with the iteration's training; 'train' and each group size with
-  'peak_bytes_in_use' (see the module doc).
+  Returns {'quota', 'device', 'backend', 'num_params', 'steps_per_iteration', 'train': {...}, 'groups': {E: {...}},
+  'phase_s': {phase: s}}, each stage with 'samples_s', 'median_s', 'per_env_step_s' and 'warmup_s'; per group size
+  also the sequential floor and overlap ceiling (env steps/s) for that group size with the iteration's training;
+  'train' and each group size with 'peak_bytes_in_use' (see the module doc).
 
   Native MuJoCo with `all_groups_threads` and --num_threads > 0: a batch of E envs is stepped with the threads
   the run gives them, --num_threads per group of num_envs / num_groups (so the whole batch stands for every
   group stepping at once, the overlap ceiling's case); otherwise with --num_threads, one group's (the planner's
   case: a group's time at each group size it may choose). The count is recorded per size as 'sim_threads'.
   """
-  from ebrl_jax.sim import stages as sim_stages  # lazy: brax and MJX load only when a calibration runs
   if cfg.algo.episodic:
     raise ValueError('calibration times PPO unrolls; --algo=grpo is not supported by it yet.')
   for e in envs_per_group:
     if e <= 0:
       raise ValueError(f'calibration batch size {e} must be > 0.')
+  phases = _Phases()
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
   network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
   optimizer = trainer_stages.make_optimizer(cfg.algo)
   train_state = trainer_stages.init_train_state(network, optimizer, jax.random.PRNGKey(cfg.schedule.seed), spec.obs_dim,
                                                 cfg.policy.normalize_observations)
+  act = gen_stages.make_act(network, cfg.policy.min_std)
   unroll_steps = cfg.algo.unroll_length * cfg.sim.action_repeat  # env steps per env in one sim/gen call
   iteration_steps = cfg.env_steps_per_iteration
-
-  def stage(samples, env_steps):
-    med = statistics.median(samples)
-    return {'samples_s': samples, 'median_s': med, 'per_env_step_s': med / env_steps, 'env_steps': env_steps}
 
   out = {
       'quota': current_quota(),
@@ -206,27 +318,26 @@ def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5, all_gro
       'steps_per_iteration': iteration_steps,
       'groups': {}
   }
-  # One MJX env serves the MJX sim/generation timings and the training batch (collected on MJX for every backend;
-  # native-MuJoCo runs time their CPU pool separately).
-  impl = 'jax' if cfg.sim.backend == 'mujoco_cpu' else sim_stages.impl_for_backend(cfg.sim.backend)
-  mjx_env = sim_stages.make_mjx_env(cfg.sim.task,
-                                    cfg.sim.episode_length,
-                                    cfg.sim.action_repeat,
-                                    auto_reset=not cfg.algo.episodic,
-                                    impl=impl)
-  times, peaks, threads = {}, {}, {}
-  for e in sorted({int(e) for e in envs_per_group}):  # smallest first: each peak bounds its own size's
-    if cfg.sim.backend != 'mujoco_cpu':
-      times[e] = _mjx_sim_gen(cfg, network, train_state.params, e, repeats, env=mjx_env)
-    else:
-      threads[e] = cfg.sim.num_threads * (max(1, e // cfg.group_envs) if all_groups_threads else 1)
-      times[e] = _cpu_sim_gen(cfg, network, train_state.params, e, repeats, threads=threads[e])
-    peaks[e] = peak_bytes_in_use()
-  train = stage(_train(cfg, mjx_env, network, optimizer, train_state, repeats), iteration_steps)  # donates train_state
+  phases.lap('setup')
+  mjx_env = None
+  if cfg.sim.backend != 'mujoco_cpu':  # one MJX env serves every group size
+    mjx_env = _mjx_env(cfg)
+    phases.lap('env_build')
+  times, peaks, threads, warmups, last_obs = _time_groups(cfg, network, act, train_state.params, envs_per_group,
+                                                          repeats, all_groups_threads, mjx_env, phases)
+  batch = train_batch(cfg, spec, act, train_state.params, train_state.policy_version, last_obs)
+  phases.lap('train_batch')
+  train_warmup = []
+  train = _stage(_train(cfg, network, optimizer, train_state, batch, repeats, train_warmup), iteration_steps,
+                 train_warmup[0])  # donates train_state
   train['peak_bytes_in_use'] = peak_bytes_in_use()
+  phases.lap('train')
   out['train'] = train
   for e in envs_per_group:
-    entry = {name: stage(samples, int(e) * unroll_steps) for name, samples in times[int(e)].items()}
+    entry = {
+        name: _stage(samples,
+                     int(e) * unroll_steps, warmups[int(e)][name][0]) for name, samples in times[int(e)].items()
+    }
     entry['peak_bytes_in_use'] = peaks[int(e)]
     if threads:
       entry['sim_threads'] = threads[int(e)] or None  # None: one per available core
@@ -234,6 +345,9 @@ def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5, all_gro
     entry['sequential_floor_steps_per_s'] = 1.0 / sum(per_step)
     entry['overlap_ceiling_steps_per_s'] = 1.0 / max(per_step)
     out['groups'][str(int(e))] = entry
+  out['phase_s'] = phases.seconds
+  logging.info('calibration at quota %d %%: %s', out['quota'],
+               ', '.join(f'{name} {s:.1f} s' for name, s in phases.seconds.items()))
   return out
 
 

@@ -69,7 +69,7 @@ class GroupReplanner:
                store: Optional[Mapping[str, profiles.StageProfile]] = None,
                margin: float = 0.05,
                horizon_s: float = 60.0,
-               assumed_pause_s: float = 30.0):
+               assumed_pause_s: float = 8.0):  # --replan_group_change_cost_s's default (config_resources.py)
     if margin < 0 or horizon_s <= 0 or assumed_pause_s < 0:
       raise ValueError(f'GroupReplanner: margin ({margin}) and assumed_pause_s ({assumed_pause_s}) must be >= 0 and '
                        f'horizon_s ({horizon_s}) > 0.')
@@ -188,7 +188,7 @@ class GroupReplanner:
         'best_groups': best,
         'predicted_gain': gain,
         'expected_pause_s': pause,
-        'pause_source': 'measured' if self.pause_s is not None else 'assumed (--replan_change_cost_s)',
+        'pause_source': 'measured' if self.pause_s is not None else 'assumed (--replan_group_change_cost_s)',
         'expected_standby_s': self.standby_s,  # None: no change measured one yet, 0 counted
         'payback_s': payback,
         'horizon_s': horizon,

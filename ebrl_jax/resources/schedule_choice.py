@@ -62,3 +62,35 @@ def choose(profiles: Mapping,
       'fused', None, predicted,
       f'fused: the best process schedule ({best}) is predicted {gain:+.1%} over it, within the '
       f'{margin:.0%} margin; {text}')
+
+
+def best_case(profiles: Mapping, space: planner.PlanSpace, handoff_s: float) -> planner.Plan:
+  """The fastest any process schedule could be predicted at any SM quotas, from the stages' times at 100 %: each
+  layout under sync and async with every process at 100 % of the SMs and none slowing another (no sum-to-100 %
+  limit, no shared-GPU adding up). The profile model never makes a stage faster below 100 % (s(q) >= 1,
+  profiles.py) and the iteration time grows with each stage's time, so no plan the quotas allow is faster."""
+  bound = dataclasses.replace(space, quota_limit=True, iteration_handoff_s=space.iteration_handoff_s + handoff_s)
+  full = {role: 100 for role in space.roles}
+  plans = [planner.evaluate(profiles, bound, g, full, name) for name in planner.SCHEDULES for g, _ in space.layouts]
+  return min(plans, key=lambda p: p.iteration_s)
+
+
+def quotas_cannot_win(profiles: Mapping,
+                      space: planner.PlanSpace,
+                      handoff_s: float,
+                      margin: float = MARGIN) -> Optional[str]:
+  """Why measuring the stages below 100 % cannot change `choose`'s answer from fused, or None where it might.
+
+  Even `best_case` (every process at full speed, none in another's way) must beat fused by more than `margin`
+  for a process schedule to be chosen; where it does not, no quota can (`best_case`'s docstring), so
+  `--schedule=auto` skips calibrating them. A training-bound run that async could hide its rollout behind is not
+  skipped: only the quotas' profiles say how much training slows beside it."""
+  fused = predict_fused(profiles, space)
+  best = best_case(profiles, space, handoff_s)
+  gain = best.env_steps_per_s / fused.env_steps_per_s - 1
+  if gain > margin:
+    return None
+  return (
+      f'with every process at 100 % of the SMs and none slowing another, the best process schedule ({best.schedule}, '
+      f'{best.num_groups} group(s): {best.env_steps_per_s:,.0f} env-steps/s) is predicted {gain:+.1%} over fused '
+      f'({fused.env_steps_per_s:,.0f}), within the {margin:.0%} margin: no SM quota can make it win')

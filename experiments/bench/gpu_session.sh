@@ -29,6 +29,9 @@
 #         (--slack_quotas), MPS, 1.5 M env steps, 1 seed; the stage profile from w3_resources_1gpu.json.
 # w2slack issue 15: W2 sync beside overlap with slack-aware quotas (--slack_quotas, the real MPS daemon), 2 M steps.
 # w6      issues 13/14: W6 (the token policy) fused and async (MPS), 1 M env steps, no stage profile.
+# autocal issue 14: what --schedule=auto's calibration costs on W2 (2 groups, MPS, quotas 25/50/100) on a fresh
+#         machine (cold XLA cache) and then with the cache it left (warm), per quota and phase
+#         (experiments/calibration_cost.py; before this change the first quota alone took 155 s, w2_auto_1gpu.json).
 # w2x     W2 fused seed 1 again (cut by its limit at 11.5 M in the w2s_fused call), then the quota-change run
 #         (rollout 20 -> 25 % at iteration 10 of 48, 3 M steps) whose whole output is kept.
 # The device tool brings back a limited number of files: write OUT_DIR outside $OUT and tar it into $OUT
@@ -158,6 +161,11 @@ case $PART in
     bench w6_token_1gpu 0-15 --bench_flagfile=experiments/w6_token.flags --gpus=0 --schedules=fused,async \
       --extra=--num_groups=2 --extra=--num_timesteps=1000000 --extra=--num_evals=3 --only=async:--use_mps \
       --timeout_s=120 ;;
+  autocal)  # issue 14: auto's calibration cost on W2, cold then warm compilation cache
+    timeout -s TERM "$TIMEOUT" taskset -c 0-15 python3 -m experiments.calibration_cost \
+      --flagfile=experiments/w2_transformer.flags --num_groups=2 --use_mps \
+      --calibration_out=$ROOT/calibration_cost_w2_h200.json --calibration_label=after > $ROOT/autocal.log 2>&1
+    echo "[autocal] exit $?" ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
 for c in $(find /tmp $ROOT runs -name control -type p 2>/dev/null); do

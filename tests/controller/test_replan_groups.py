@@ -33,7 +33,7 @@ def _config(run_dir, **schedule):
               'num_timesteps': 1280 * 36,
               **schedule
           }),
-      resources=config_lib.ResourceConfig(replan_window=3, replan_hysteresis=0.05, replan_change_cost_s=0.1))
+      resources=config_lib.ResourceConfig(replan_window=3, replan_hysteresis=0.05, replan_group_change_cost_s=0.1))
 
 
 def test_replanner_changes_the_groups_without_losing_or_duplicating_a_segment(tmp_path):
@@ -95,6 +95,9 @@ def test_the_trigger_reads_the_plan_store_where_the_run_was_planned_else_measure
   planned = group_replan.make_trigger(cfg, None, {'profile_store': path}, mps_active=False).replanner
   assert planned.calibrated and sorted(planned.store) == ['sim', 'train'] and planned.candidates == (1, 2, 4)
   assert planned.space.steps_per_iteration == 40 and not planned.space.sim_on_gpu
+  # The group re-planner's own assumed pause (--replan_group_change_cost_s), not the quota re-planner's.
+  assert planned.assumed_pause_s == cfg.resources.replan_group_change_cost_s == 0.1
+  assert cfg.resources.replan_change_cost_s == config_lib.ResourceConfig().replan_change_cost_s == 30.0
   unplanned = group_replan.make_trigger(cfg, None, None, mps_active=False).replanner
   assert not unplanned.calibrated and not list(unplanned.store)
   # A store without the stages (another machine's file reads as empty): measured in the run, with a warning.

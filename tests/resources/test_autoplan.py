@@ -33,15 +33,16 @@ def _cfg(tmp_path, schedule='async', sm_quotas='', **resources):
 
 
 def _fill(cfg, sim_s, gen_s, train_s):
-  """A store where every stage is linear in the batch and saturates at q_sat (samples at two sizes and quotas)."""
+  """A store where every stage is linear in the batch and saturates at q_sat (samples at two sizes and at each
+  default --calibration_quotas, so a run with MPS finds every quota it would calibrate)."""
   machine, workload = autoplan.machine_key(), autoplan.workload_key(cfg)
   store = profiles.ProfileStore(machine, workload)
   for name, (per_env, q_sat) in (('sim', sim_s), ('generation', gen_s)):
     for e in (8, 32):
-      for q in (25, 100):
+      for q in (25, 50, 100):
         store.profile(name).add_sample(e, q, per_env * e * max(1.0, q_sat / q))
   steps = cfg.env_steps_per_iteration
-  for q in (25, 100):
+  for q in (25, 50, 100):
     store.profile('train').add_sample(steps, q, train_s[0] * max(1.0, train_s[1] / q))
     store.profile('train').add_sample(steps // 2, q, train_s[0] / 2 * max(1.0, train_s[1] / q))
   store.save(autoplan.store_path(cfg, machine, workload))
@@ -130,3 +131,80 @@ def test_native_mujoco_group_choices_leave_each_group_its_threads():
   assert autoplan.group_choices(cfg, sim_cores=2) == (1,)
   assert autoplan.group_choices(dataclasses.replace(cfg, sim=dataclasses.replace(cfg.sim, num_threads=0)),
                                 sim_cores=2) == (1, 2, 4, 8)
+
+
+def _fake_calibration(monkeypatch, calls, sim_s, train_s):
+  """Replaces the calibration processes: each quota's JSON from t_sim(E, q) = sim_s * E (per env step of E envs)
+  and t_train = train_s, both at every quota (nothing slows below 100 %), generation 1 ns; records the quotas."""
+
+  def fake(cfg, sizes, quotas, worker_env, run_dir, repeats=3):
+    calls.append(list(quotas))
+    entry = lambda e, t: {'samples_s': [t], 'env_steps': e}  # one env step per env: t is per env step of E
+    return [{
+        'quota': q,
+        'steps_per_iteration': cfg.env_steps_per_iteration,
+        'groups': {
+            str(e): {
+                'sim': entry(e, sim_s * e),
+                'generation': entry(e, 1e-9)
+            } for e in sizes
+        },
+        'train': {
+            'samples_s': [train_s]
+        },
+        'process_s': 2.0,
+        'phase_s': {
+            'setup': 1.0
+        }
+    } for q in quotas]
+
+  monkeypatch.setattr(autoplan, '_calibrate', fake)
+
+
+def test_auto_calibrates_100_first_and_skips_the_quotas_that_cannot_win(tmp_path, monkeypatch):
+  # 40 steps of 32 envs at 0.1 us per env step (0.13 ms of rollout) beside a 0.1 s train step: fused 0.1001 s, and
+  # even with every process at full speed async is max(0.13 ms, 0.1 s): +0.1 %, within the margin. Only 100 % is
+  # calibrated; the 50 and 25 % processes are skipped, the reason recorded, and fused chosen.
+  calls = []
+  _fake_calibration(monkeypatch, calls, sim_s=1e-7, train_s=0.1)
+  cfg = _cfg(tmp_path, schedule='sync', use_mps=True)
+  auto_cfg = dataclasses.replace(cfg,
+                                 schedule=dataclasses.replace(cfg.schedule, name='auto'),
+                                 resources=dataclasses.replace(cfg.resources, plan=False))
+  chosen, record = autoplan.plan_auto(auto_cfg, mps_active=True, worker_env=None, handoff=0.0)
+  assert calls == [[100]] and chosen.schedule.name == 'fused'
+  assert record['calibration_quotas'] == [100] and record['calibrated_s'] == 2.0
+  assert record['calibration_process_s'] == {'100': 2.0} and record['calibration_phase_s'] == {'100': {'setup': 1.0}}
+  assert record['calibration_skipped']['quotas'] == [50, 25]
+  assert 'no SM quota can make it win' in record['calibration_skipped']['reason']
+  # The next auto run reads the 100 % profile, skips again and calibrates nothing.
+  _, again = autoplan.plan_auto(auto_cfg, mps_active=True, worker_env=None, handoff=0.0)
+  assert calls == [[100]] and again['calibrated_s'] is None and again['calibration_skipped']['quotas'] == [50, 25]
+  # --plan needs every quota: it calibrates only the two the store lacks.
+  _, planned = autoplan.plan_run(cfg, mps_active=True, worker_env=None)
+  assert calls == [[100], [50, 25]] and planned['calibration_quotas'] == [50, 25]
+  assert planned['calibration_skipped'] is None
+
+
+def test_auto_calibrates_every_quota_where_a_process_schedule_may_win(tmp_path, monkeypatch):
+  # 20 us per env step: 25.6 ms of rollout beside a 25 ms train step; fused 50.6 ms against async's best case of
+  # max(25.6 / G, 25) ms: the quotas decide, so all three are calibrated, 100 % first.
+  calls = []
+  _fake_calibration(monkeypatch, calls, sim_s=20e-6, train_s=25e-3)
+  cfg = _cfg(tmp_path, schedule='sync', use_mps=True)
+  auto_cfg = dataclasses.replace(cfg,
+                                 schedule=dataclasses.replace(cfg.schedule, name='auto'),
+                                 resources=dataclasses.replace(cfg.resources, plan=False))
+  _, record = autoplan.plan_auto(auto_cfg, mps_active=True, worker_env=None, handoff=0.0)
+  assert calls == [[100], [50, 25]] and record['calibration_quotas'] == [100, 50, 25]
+  assert record['calibration_skipped'] is None and record['calibrated_s'] == 6.0
+  # Without MPS there is one quota, 100 %, and nothing to skip.
+  calls.clear()
+  _, record = autoplan.plan_auto(dataclasses.replace(auto_cfg,
+                                                     resources=dataclasses.replace(auto_cfg.resources,
+                                                                                   use_mps=False,
+                                                                                   profile_dir=str(tmp_path / 'p2'))),
+                                 mps_active=False,
+                                 worker_env=None,
+                                 handoff=0.0)
+  assert calls == [[100]] and record['calibration_quotas'] == [100] and record['calibration_skipped'] is None

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from ebrl_jax import config as config_lib
 from ebrl_jax.resources import group_replanner
 from ebrl_jax.resources import planner
 from ebrl_jax.resources import profiles
@@ -92,6 +93,29 @@ def test_keeps_the_layout_when_the_pause_does_not_pay_back_within_the_horizon(pa
   d = r.decide(iteration=6, remaining_s=remaining_s)
   assert not d['changed'] and d['horizon_s'] == horizon_s and d['payback_s'] > horizon_s
   assert d['reason'].startswith('keep: the change would not pay back its pause within the horizon')
+
+
+def test_the_default_assumed_pause_lets_a_first_change_of_a_third_pay_back_where_the_quota_cost_did_not():
+  """Sync, 1 group collecting 0.5 s and training 1.0 s; the in-run profile (one size: time proportional to size)
+  predicts 4 groups at 0.125 + 1.0 s, +33.3 %. With the default assumed pause (--replan_group_change_cost_s, 8 s)
+  4 groups catch up 8 * 1.333 / 0.333 = 32 s after the change, within the 60 s horizon: change. With the quota
+  re-planner's 30 s (--replan_change_cost_s, which the group re-planner used before) they would need 120 s: a
+  first change then had to be predicted over +100 % (30 (1 + g) / g <= 60)."""
+  resources = config_lib.ResourceConfig()
+  assert resources.replan_group_change_cost_s == 8.0 and resources.replan_change_cost_s == 30.0
+  outcomes = {}
+  for pause in (resources.replan_group_change_cost_s, resources.replan_change_cost_s):
+    r = group_replanner.GroupReplanner(_SPACE, 'sync', (1, 2, 4), assumed_pause_s=pause)  # margin 5 %, 60 s
+    r.observe(_window(1, 0.5, 1.0))
+    outcomes[pause] = r.decide(iteration=6, remaining_s=1000.0)
+  changed, kept = outcomes[8.0], outcomes[30.0]
+  assert changed['changed'] and changed['new_groups'] == 4 and changed['expected_pause_s'] == 8.0
+  assert changed['predicted_gain'] == pytest.approx(1.5 / 1.125 - 1)
+  assert changed['payback_s'] == pytest.approx(32.0) and changed['horizon_s'] == 60.0
+  assert not kept['changed'] and kept['payback_s'] == pytest.approx(120.0)
+  assert kept['reason'].startswith('keep: the change would not pay back its pause within the horizon')
+  # The class's own default is the flag's.
+  assert group_replanner.GroupReplanner(_SPACE, 'sync', (1, 2)).assumed_pause_s == 8.0
 
 
 def test_the_standbys_build_time_counts_against_the_horizon():

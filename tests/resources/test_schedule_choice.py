@@ -9,6 +9,7 @@ from ebrl_jax import controller
 from ebrl_jax.resources import autoplan
 from ebrl_jax.resources import planner
 from ebrl_jax.resources import schedule_choice
+from ebrl_jax.resources.profiles import StageProfile
 from test_autoplan import _cfg, _fill  # pylint: disable=g-bad-import-order
 from test_planner import PROFILES, SPACE  # pylint: disable=g-bad-import-order
 
@@ -90,3 +91,36 @@ def test_auto_refuses_live_quota_changes(tmp_path):
     config_lib.Config(schedule=config_lib.ScheduleConfig(name='auto', run_dir=str(tmp_path)),
                       resources=config_lib.ResourceConfig(use_mps=True, quota_schedule='10:rollout=40'))
   assert autoplan.handoff_s(2_300_000, 1_150_000) == pytest.approx(2e-3)
+
+
+def test_quotas_below_100_are_skipped_only_when_even_full_speed_everywhere_cannot_win():
+  # PROFILES at 100 %: sim(4096) 1.8 s, sim(2048) 1.0 s, sim(1024) 0.6 s, train 1.0 s; fused 2.8 s. The best case
+  # (every process at 100 %, none slowing another) is async with 2 groups: max(1.0, 1.0) = 1.0 s (+180 %), so
+  # the quotas may make a process schedule win: not skipped. With a 1.7 s hand-off it is 2.7 s, +3.7 % over fused,
+  # within the 5 % margin: no quota can win, and `choose` (on every quota) indeed picks fused.
+  best = schedule_choice.best_case(PROFILES, SPACE, 0.0)
+  assert (best.schedule, best.num_groups, best.iteration_s) == ('async', 2, pytest.approx(1.0))
+  assert schedule_choice.quotas_cannot_win(PROFILES, SPACE, 0.0) is None
+  reason = schedule_choice.quotas_cannot_win(PROFILES, SPACE, 1.7)
+  assert reason is not None and '+3.7% over fused' in reason and 'no SM quota can make it win' in reason
+  # Sound: wherever the bound skips, the choice on the full profiles is fused.
+  for handoff in (0.0, 0.5, 1.0, 1.5, 1.7, 1.8, 2.0, 3.0):
+    if schedule_choice.quotas_cannot_win(PROFILES, SPACE, handoff) is not None:
+      assert schedule_choice.choose(PROFILES, SPACE, handoff).schedule == 'fused'
+
+
+def test_a_training_bound_run_like_w2_is_not_skipped():
+  # W2's 100 % stage profile on the H200 (experiments/results/w2_stage_profile.json, per env step of a group):
+  # sim 2.60 us (1024 envs) / 1.51 us (2048), generation 1.26 / 1.12 us, train 0.551 s, 32 steps per iteration.
+  # Fused: 32 * 2048 * (1.51 + 1.12) us + 0.551 = 0.724 s. Training-bound, but async could hide the 0.125 s
+  # rollout of 2 groups behind it (0.551 s, +31 %) if training kept its speed beside them: only the quotas'
+  # profiles say whether it does, so they are calibrated.
+  w2 = {name: StageProfile(name) for name in ('sim', 'generation', 'train')}
+  for e, sim_us, gen_us in ((1024, 2.539, 1.262), (2048, 1.513, 1.120)):
+    w2['sim'].add_sample(e, 100, sim_us * 1e-6 * e)
+    w2['generation'].add_sample(e, 100, gen_us * 1e-6 * e)
+  w2['train'].add_sample(65536, 100, 0.5514)
+  space = planner.PlanSpace(num_envs=2048, steps_per_iteration=32, num_groups=(1, 2), group_sizes=(1024, 2048))
+  assert schedule_choice.predict_fused(w2, space).iteration_s == pytest.approx(0.724, rel=1e-3)
+  assert schedule_choice.best_case(w2, space, 0.0).iteration_s == pytest.approx(0.5514)
+  assert schedule_choice.quotas_cannot_win(w2, space, 0.0) is None

@@ -1,0 +1,69 @@
+"""The calibration in this process on native MuJoCo at tiny sizes: the training batch made of the stages' own output
+(shapes, rows, the policy's log-probs), and a whole `profile_stages` with its phases and warm-up seconds. The
+calibration process of a real run (spawned, then a run on the plan) is test_autoplan's opt-in e2e test."""
+import jax
+import numpy as np
+import pytest
+
+from ebrl_jax import config as config_lib
+from ebrl_jax import sim
+from ebrl_jax import types
+from ebrl_jax.generation import policies
+from ebrl_jax.generation import stages as gen_stages
+from ebrl_jax.resources import calibrate
+from ebrl_jax.resources import profiles
+from ebrl_jax.trainer import stages as trainer_stages
+
+
+def _cfg():
+  return config_lib.Config(sim=config_lib.SimConfig(task='inverted_pendulum',
+                                                    num_envs=8,
+                                                    num_eval_envs=2,
+                                                    num_threads=1),
+                           policy=config_lib.PolicyConfig(policy_hidden_sizes=(8,), value_hidden_sizes=(8,)),
+                           algo=config_lib.AlgoConfig(unroll_length=4,
+                                                      batch_size=8,
+                                                      num_minibatches=2,
+                                                      num_updates_per_batch=1),
+                           schedule=config_lib.ScheduleConfig(name='fused', compilation_cache_dir=''))
+
+
+def test_the_training_batch_is_the_policys_output_on_the_observed_envs_in_the_iterations_shapes():
+  cfg = _cfg()  # 8 x 2 minibatches = 16 segments of 8 envs: 2 unrolls per env per iteration
+  unrolls, steps = cfg.segment_shape
+  assert unrolls == 2 and steps == 4
+  spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
+  network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
+  state = trainer_stages.init_train_state(network, trainer_stages.make_optimizer(cfg.algo), jax.random.PRNGKey(0),
+                                          spec.obs_dim, True)
+  act = gen_stages.make_act(network, cfg.policy.min_std)
+  observed = np.random.default_rng(0).normal(size=(3, spec.obs_dim)).astype(np.float32)  # 3 envs seen, 8 run
+  batch = calibrate.train_batch(cfg, spec, act, state.params, state.policy_version, observed)
+  template = types.transition_template(steps, unrolls * 8, spec.obs_dim, 1, spec.action_dim)
+  assert jax.tree.map(lambda x: (x.shape, x.dtype), batch) == jax.tree.map(lambda t: (t.shape, t.dtype), template)
+  rows = np.resize(observed, (8, spec.obs_dim))  # env e sees observed[e % 3]
+  out = act(state.params, rows, jax.random.PRNGKey(4), 0)
+  for t in range(steps):
+    for u in range(unrolls):
+      segment = slice(u * 8, (u + 1) * 8)
+      np.testing.assert_array_equal(batch.obs[t, segment], rows)
+      np.testing.assert_array_equal(batch.raw_action[t, segment], out.raw_actions)
+      np.testing.assert_allclose(batch.behaviour_log_prob[t, segment], out.log_probs)
+  assert np.all(batch.mask == 1) and np.all(batch.termination == 0) and np.all(batch.policy_version == 0)
+  assert np.all(np.isfinite(batch.reward)) and np.std(batch.reward) > 0.5
+  with pytest.raises(ValueError, match='--obs=pixels'):
+    calibrate.train_batch(cfg, spec._replace(pixel_shape=(8, 8, 3)), act, state.params, 0, observed)
+
+
+def test_profile_stages_on_native_mujoco_times_every_stage_and_says_where_its_time_went():
+  cfg = _cfg()
+  profile = calibrate.profile_stages(cfg, [4, 8], repeats=2)
+  assert list(profile['phase_s']) == ['setup', 'group_size_4', 'group_size_8', 'train_batch', 'train']
+  assert all(s > 0 for s in profile['phase_s'].values())  # no MJX env is built for a native-MuJoCo run
+  assert profile['quota'] == 100 and profile['steps_per_iteration'] == cfg.env_steps_per_iteration == 64
+  for entry in [profile['train'], *(g[name] for g in profile['groups'].values() for name in ('sim', 'generation'))]:
+    assert len(entry['samples_s']) == 2 and all(s > 0 for s in entry['samples_s']) and entry['warmup_s'] > 0
+  assert profile['groups']['8']['sim']['env_steps'] == 8 * 4
+  store = profiles.ProfileStore('machine', 'workload')
+  calibrate.add_to_store(store, profile)
+  assert sorted({b for b, _, _ in store['sim'].samples}) == [4, 8] and len(store['train'].samples) == 2
