@@ -323,8 +323,8 @@ def plan_auto(cfg: config_lib.Config, mps_active: bool, worker_env, handoff: flo
   choice = schedule_choice.choose(store, space, handoff, _pinned(cfg, space, mps_active))
   logging.info('--schedule=auto chose %s', choice.reason)
   if choice.plan is None:
-    chosen_cfg = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, name='fused', env_slices=1))
-    record = {'profile_store': path, **_calibration_record(calibration), 'mps': mps_active}
+    chosen_cfg, dropped = as_fused(cfg)
+    record = {'profile_store': path, **_calibration_record(calibration), 'mps': mps_active, 'dropped': dropped}
   else:
     chosen_cfg = _apply(cfg, choice.plan, mps_active, choice.schedule)
     record = _record(choice.plan, mps_active, store, path, calibration)
@@ -332,6 +332,18 @@ def plan_auto(cfg: config_lib.Config, mps_active: bool, worker_env, handoff: flo
   if generation is not None:
     record['generation'] = generation
   return chosen_cfg, record
+
+
+def as_fused(cfg: config_lib.Config) -> Tuple[config_lib.Config, List[str]]:
+  """`--schedule=auto` chose fused: the config as fused, without `--plan` (it plans the process schedules' groups
+  and quotas; fused refuses it), and the flags dropped, which the choice's record keeps and the log says. The
+  other process-only flags (`--slack_quotas`, `--replan`, `--quota_schedule`) are refused with auto up front."""
+  dropped = ['--plan'] if cfg.resources.plan else []
+  if dropped:
+    logging.info('--schedule=auto chose fused: %s applies only to a process schedule; dropped.', dropped[0])
+  resources = dataclasses.replace(cfg.resources, plan=False)
+  schedule = dataclasses.replace(cfg.schedule, name='fused', env_slices=1)
+  return dataclasses.replace(cfg, schedule=schedule, resources=resources), dropped
 
 
 def _cannot_win(cfg: config_lib.Config, mps_active: bool, handoff: float, store) -> Optional[str]:

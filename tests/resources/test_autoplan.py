@@ -208,3 +208,17 @@ def test_auto_calibrates_every_quota_where_a_process_schedule_may_win(tmp_path, 
                                  worker_env=None,
                                  handoff=0.0)
   assert calls == [[100]] and record['calibration_quotas'] == [100] and record['calibration_skipped'] is None
+
+
+def test_auto_choosing_fused_drops_the_process_schedules_own_flags(tmp_path, monkeypatch):
+  # The same training-bound store as above: auto picks fused. With --plan given (fine with auto), the chosen
+  # config used to keep it, and building it raised the fused schedule's refusal of --plan.
+  calls = []
+  _fake_calibration(monkeypatch, calls, sim_s=1e-7, train_s=0.1)
+  cfg = _cfg(tmp_path, schedule='sync', use_mps=True)
+  auto_cfg = dataclasses.replace(cfg,
+                                 schedule=dataclasses.replace(cfg.schedule, name='auto'),
+                                 resources=dataclasses.replace(cfg.resources, plan=True))
+  chosen, record = autoplan.plan_auto(auto_cfg, mps_active=True, worker_env=None, handoff=0.0)
+  assert chosen.schedule.name == 'fused' and record['dropped'] == ['--plan'] and not chosen.resources.plan
+  assert chosen.resources.use_mps and chosen.resources.profile_dir == cfg.resources.profile_dir
