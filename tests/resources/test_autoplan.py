@@ -161,16 +161,21 @@ def _fake_calibration(monkeypatch, calls, sim_s, train_s):
   monkeypatch.setattr(autoplan, '_calibrate', fake)
 
 
+def _sync_and_auto(tmp_path, plan: bool):
+  """The test config as `sync` (with --plan) and as `--schedule=auto` (with --plan if `plan`), MPS on."""
+  cfg = _cfg(tmp_path, schedule='sync', use_mps=True)
+  return cfg, dataclasses.replace(cfg,
+                                  schedule=dataclasses.replace(cfg.schedule, name='auto'),
+                                  resources=dataclasses.replace(cfg.resources, plan=plan))
+
+
 def test_auto_calibrates_100_first_and_skips_the_quotas_that_cannot_win(tmp_path, monkeypatch):
   # 40 steps of 32 envs at 0.1 us per env step (0.13 ms of rollout) beside a 0.1 s train step: fused 0.1001 s, and
   # even with every process at full speed async is max(0.13 ms, 0.1 s): +0.1 %, within the margin. Only 100 % is
   # calibrated; the 50 and 25 % processes are skipped, the reason recorded, and fused chosen.
   calls = []
   _fake_calibration(monkeypatch, calls, sim_s=1e-7, train_s=0.1)
-  cfg = _cfg(tmp_path, schedule='sync', use_mps=True)
-  auto_cfg = dataclasses.replace(cfg,
-                                 schedule=dataclasses.replace(cfg.schedule, name='auto'),
-                                 resources=dataclasses.replace(cfg.resources, plan=False))
+  cfg, auto_cfg = _sync_and_auto(tmp_path, plan=False)
   chosen, record = autoplan.plan_auto(auto_cfg, mps_active=True, worker_env=None, handoff=0.0)
   assert calls == [[100]] and chosen.schedule.name == 'fused'
   assert record['calibration_quotas'] == [100] and record['calibrated_s'] == 2.0
@@ -191,10 +196,7 @@ def test_auto_calibrates_every_quota_where_a_process_schedule_may_win(tmp_path, 
   # max(25.6 / G, 25) ms: the quotas decide, so all three are calibrated, 100 % first.
   calls = []
   _fake_calibration(monkeypatch, calls, sim_s=20e-6, train_s=25e-3)
-  cfg = _cfg(tmp_path, schedule='sync', use_mps=True)
-  auto_cfg = dataclasses.replace(cfg,
-                                 schedule=dataclasses.replace(cfg.schedule, name='auto'),
-                                 resources=dataclasses.replace(cfg.resources, plan=False))
+  cfg, auto_cfg = _sync_and_auto(tmp_path, plan=False)
   _, record = autoplan.plan_auto(auto_cfg, mps_active=True, worker_env=None, handoff=0.0)
   assert calls == [[100], [50, 25]] and record['calibration_quotas'] == [100, 50, 25]
   assert record['calibration_skipped'] is None and record['calibrated_s'] == 6.0
@@ -215,10 +217,7 @@ def test_auto_choosing_fused_drops_the_process_schedules_own_flags(tmp_path, mon
   # config used to keep it, and building it raised the fused schedule's refusal of --plan.
   calls = []
   _fake_calibration(monkeypatch, calls, sim_s=1e-7, train_s=0.1)
-  cfg = _cfg(tmp_path, schedule='sync', use_mps=True)
-  auto_cfg = dataclasses.replace(cfg,
-                                 schedule=dataclasses.replace(cfg.schedule, name='auto'),
-                                 resources=dataclasses.replace(cfg.resources, plan=True))
+  cfg, auto_cfg = _sync_and_auto(tmp_path, plan=True)
   chosen, record = autoplan.plan_auto(auto_cfg, mps_active=True, worker_env=None, handoff=0.0)
   assert chosen.schedule.name == 'fused' and record['dropped'] == ['--plan'] and not chosen.resources.plan
   assert chosen.resources.use_mps and chosen.resources.profile_dir == cfg.resources.profile_dir
