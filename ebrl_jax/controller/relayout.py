@@ -34,6 +34,7 @@ from absl import logging
 from ebrl_jax import config as config_lib
 from ebrl_jax.controller import group_replan
 from ebrl_jax.controller import replan
+from ebrl_jax.resources import group_replanner
 from ebrl_jax.runtime import errors
 from ebrl_jax.runtime import feedback as fb
 
@@ -109,7 +110,7 @@ class GroupChanger:
     workers, old_groups = self._workers, self._workers.num_groups
     rollout_cfg = dataclasses.replace(workers.rollout_cfg, group_envs=self._cfg.sim.num_envs // groups)
     quota = workers.rollout_quota.get('rollout/0', self._cfg.resources.quotas.get('rollout'))
-    new_quota = max(1, quota * old_groups // groups) if quota else None
+    new_quota = group_replanner.quota_for(quota, old_groups, groups)  # the rollout's total share kept
     logging.info('env groups %d -> %d (%s): starting %d warm standbys of %d envs%s.', old_groups, groups, reason,
                  groups, rollout_cfg.group_envs, f' at quota {new_quota} %' if new_quota else '')
     rate, period = self._rates()
