@@ -20,7 +20,6 @@ from absl import logging
 from ebrl_jax import config as config_lib
 from ebrl_jax.resources import autoplan
 from ebrl_jax.resources import group_replanner
-from ebrl_jax.resources import planner
 from ebrl_jax.resources import profiles
 
 BUCKETS_NOTE = ('not changed live: the generation worker compiles, at its start, one act program for every bucket '
@@ -106,15 +105,7 @@ def make_trigger(cfg: config_lib.Config, workers, plan_record: Optional[dict], m
       store = None
   schedule = cfg.schedule
   candidates = tuple(sorted(set(schedule.replan_groups) | {schedule.num_groups}))
-  # --plan's space (autoplan.plan_space) over the candidates: the iteration model of the layouts to choose from.
-  space = planner.PlanSpace(num_envs=cfg.sim.num_envs,
-                            steps_per_iteration=cfg.env_steps_per_iteration // cfg.sim.num_envs,
-                            num_groups=candidates,
-                            quotas=(100,),
-                            colocate_generation=schedule.colocate_generation,
-                            quota_limit=mps_active,
-                            rollout_on_gpu=not cfg.rollout_on_host,
-                            sim_on_gpu=cfg.sim.backend != 'mujoco_cpu')
+  space = autoplan.plan_space(cfg, mps_active, num_groups=candidates, quotas=(100,))  # --plan's, over the candidates
   quotas = cfg.resources.quotas if mps_active else {}
   r = cfg.resources
   replanner = group_replanner.GroupReplanner(space,

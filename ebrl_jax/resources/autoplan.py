@@ -144,14 +144,21 @@ def calibrated_quotas(store) -> Set[float]:
   return set.intersection(*sets)
 
 
-def plan_space(cfg: config_lib.Config, mps_active: bool) -> planner.PlanSpace:
-  """The choices `--plan` searches for this config (and `--replan` re-searches, with the groups pinned)."""
-  choices = group_choices(cfg)
+def plan_space(cfg: config_lib.Config,
+               mps_active: bool,
+               num_groups: Optional[Tuple[int, ...]] = None,
+               quotas: Optional[Tuple[int, ...]] = None) -> planner.PlanSpace:
+  """The choices `--plan` searches for this config (and `--replan` re-searches, with the groups pinned); with
+  `num_groups` and `quotas`, those instead of the config's group choices and the quota grid (`--replan_groups`'
+  candidates at 100 %: controller/group_replan.py)."""
+  choices = group_choices(cfg) if num_groups is None else num_groups
+  if quotas is None:
+    quotas = _QUOTA_GRID if mps_active else (100,)
   return planner.PlanSpace(num_envs=cfg.sim.num_envs,
                            steps_per_iteration=cfg.env_steps_per_iteration // cfg.sim.num_envs,
                            num_groups=choices,
                            group_sizes=tuple(sorted({cfg.sim.num_envs // g for g in choices})),
-                           quotas=_QUOTA_GRID if mps_active else (100,),
+                           quotas=quotas,
                            colocate_generation=cfg.schedule.colocate_generation,
                            quota_limit=mps_active,
                            rollout_on_gpu=not cfg.rollout_on_host,
