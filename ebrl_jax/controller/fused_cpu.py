@@ -21,7 +21,6 @@ from ebrl_jax.generation import stages as gen_stages
 from ebrl_jax.rollout import cpu as cpu_rollout
 from ebrl_jax.rollout import evaluation
 from ebrl_jax.rollout import keys
-from ebrl_jax.trainer import parallel
 from ebrl_jax.trainer import ranks
 from ebrl_jax.trainer import stages as trainer_stages
 
@@ -44,10 +43,7 @@ class CpuFusedLoop:
     train_args = (network, optimizer, cfg.algo, cfg.policy.min_std, cfg.sim.group_size, False)  # no proximal
     self._rank = None  # a cell of several: the step over the ranks, with this rank's stop vote
     if cell is not None and cell.multi:
-      mesh = parallel.rank_mesh()
-      self._rank = ranks.RankStep(parallel.make_data_parallel_train_fn(*train_args, mesh), mesh, vote or
-                                  ranks.StopVote())
-      self._train = self._rank
+      self._rank = self._train = ranks.RankStep.over_ranks(train_args, vote)
     else:
       self._train = trainer_stages.make_train_fn(*train_args)
     self._root_key = keys.root(seed)

@@ -24,7 +24,6 @@ from ebrl_jax.rollout import evaluation
 from ebrl_jax.rollout import keys
 from ebrl_jax.rollout import mjx as rollout
 from ebrl_jax.sim import stages as sim_stages
-from ebrl_jax.trainer import parallel
 from ebrl_jax.trainer import ranks
 from ebrl_jax.trainer import stages as trainer_stages
 
@@ -81,10 +80,8 @@ class MjxFusedLoop:
                                                 network)
     self._rank = None  # a cell of several: the step over the ranks, with this rank's stop vote
     if cell is not None and cell.multi:
-      mesh = parallel.rank_mesh()
-      train_fn = parallel.make_data_parallel_train_fn(network, optimizer, cfg.algo, cfg.policy.min_std,
-                                                      cfg.sim.group_size, False, mesh)  # no proximal, as the chunk's
-      self._rank = ranks.RankStep(train_fn, mesh, vote or ranks.StopVote())
+      train_args = (network, optimizer, cfg.algo, cfg.policy.min_std, cfg.sim.group_size, False)  # as the chunk's
+      self._rank = ranks.RankStep.over_ranks(train_args, vote)
       self._collect = jax.jit(functools.partial(_collect, cfg, self._env, network),
                               donate_argnums=(2,))  # (params, iteration, env_state, key)
 

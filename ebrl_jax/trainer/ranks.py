@@ -67,6 +67,13 @@ class RankStep:
     self._stop = None
     self._compiled = False
 
+  @classmethod
+  def over_ranks(cls, train_args: tuple, vote: Optional[StopVote] = None) -> 'RankStep':
+    """The step of `stages.make_train_fn(*train_args)`'s arguments (network, optimizer, algo, min_std, group_size,
+    recompute_proximal) over every rank (`parallel.rank_mesh`), with `vote` (None: a vote that never asks)."""
+    mesh = parallel.rank_mesh()
+    return cls(parallel.make_data_parallel_train_fn(*train_args, mesh), mesh, vote or StopVote())
+
   def probe(self, params) -> None:
     """Times the all-reduce of the gradients' size (every rank at the same point)."""
     seconds, self._allreduce_bytes = parallel.allreduce_seconds(self._mesh, params)

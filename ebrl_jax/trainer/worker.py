@@ -32,7 +32,6 @@ from ebrl_jax.runtime import metrics as metrics_lib
 from ebrl_jax.runtime import startup
 from ebrl_jax.runtime import tracing
 from ebrl_jax.trainer import driver
-from ebrl_jax.trainer import parallel
 from ebrl_jax.trainer import ranks
 from ebrl_jax.trainer import remote_eval
 from ebrl_jax.trainer import stages as trainer_stages
@@ -76,8 +75,7 @@ class ChannelSource:
       interrupt = channels.interrupt
       vote = ranks.StopVote(cfg.schedule.max_wall_s, cfg.start.unix if cfg.start else None, lambda: 'SIGINT'
                             if interrupt is not None and interrupt.is_set() else None)
-      mesh = parallel.rank_mesh()
-      self._rank = ranks.RankStep(parallel.make_data_parallel_train_fn(*train_args, mesh), mesh, vote)
+      self._rank = ranks.RankStep.over_ranks(train_args, vote)
     self._train = self._rank or trainer_stages.make_train_fn(*train_args)
     self._root_key = keys.root(cfg.schedule.seed)
     self._evaluator = None  # the evaluator process evaluates: the trainer builds and compiles no evaluation
