@@ -108,7 +108,7 @@ class MjxFusedLoop:
       program_future = pool.submit(program.compile)
       eval_future = pool.submit(self._evaluator.lower_and_compile, train_state.params)
       if self._rank is not None:
-        shapes = jax.eval_shape(self._collect, *args)[1]
+        shapes = program.out_info[1]  # the batch's shapes, from the lowering (no second trace)
         batch = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), shapes)
         self._rank.compile(train_state, batch, keys.train_key(self._root_key, 0))
         self._collect = program_future.result()
