@@ -168,8 +168,9 @@ def plan_space(cfg: config_lib.Config,
 def _profiles(cfg: config_lib.Config, mps_active: bool, worker_env, cannot_win: Optional[Callable] = None):
   """(profile store, its path, the calibration's record): this machine and workload's stage profiles, calibrated
   first at the quotas they lack, 100 % first. `cannot_win(store)` (--schedule=auto) is asked once the store holds
-  the 100 % profile: a reason (str) skips the lower quotas. The record: calibrated_s (None: nothing calibrated),
-  the quotas calibrated, each one's process_s and phase_s, and what was skipped and why (or None)."""
+  the 100 % profile: a reason (str) skips the lower quotas. The record, as the plan's record keeps it:
+  calibrated_s (None: nothing calibrated), calibration_quotas (those calibrated), calibration_process_s and
+  calibration_phase_s per quota, and calibration_skipped (what was skipped and why, or None)."""
   machine, workload = machine_key(), workload_key(cfg)
   path = store_path(cfg, machine, workload)
   store = profiles.ProfileStore.load(path, machine, workload)
@@ -201,14 +202,14 @@ def _profiles(cfg: config_lib.Config, mps_active: bool, worker_env, cannot_win: 
     store.save(path)
   return store, path, {
       'calibrated_s': sum(p['process_s'] for p in runs) if runs else None,
-      'quotas': [p['quota'] for p in runs],
-      'process_s': {
+      'calibration_quotas': [p['quota'] for p in runs],
+      'calibration_process_s': {
           str(p['quota']): p['process_s'] for p in runs
       },
-      'phase_s': {
+      'calibration_phase_s': {
           str(p['quota']): p.get('phase_s', {}) for p in runs
       },
-      'skipped': skipped
+      'calibration_skipped': skipped
   }
 
 
@@ -224,16 +225,6 @@ def _apply(cfg: config_lib.Config, chosen: planner.Plan, mps_active: bool, sched
   return dataclasses.replace(cfg, schedule=schedule_cfg, resources=resources_cfg)
 
 
-def _calibration_record(calibration: dict) -> dict:
-  return {
-      'calibrated_s': calibration['calibrated_s'],
-      'calibration_quotas': calibration['quotas'],
-      'calibration_process_s': calibration['process_s'],
-      'calibration_phase_s': calibration['phase_s'],
-      'calibration_skipped': calibration['skipped']
-  }
-
-
 def _record(chosen: planner.Plan, mps_active: bool, store, path: str, calibration: dict) -> dict:
   return {
       'num_groups': chosen.num_groups,
@@ -246,7 +237,7 @@ def _record(chosen: planner.Plan, mps_active: bool, store, path: str, calibratio
       'predicted_train_s': chosen.train_s,
       'reason': chosen.reason,
       'mps': mps_active,
-      **_calibration_record(calibration), 'profile_store': path,
+      **calibration, 'profile_store': path,
       'fits': {
           name: store[name].fit_note for name in sorted(store)
       }
@@ -331,7 +322,7 @@ def plan_auto(cfg: config_lib.Config, mps_active: bool, worker_env, handoff: flo
   logging.info('--schedule=auto chose %s', choice.reason)
   if choice.plan is None:
     chosen_cfg, dropped = as_fused(cfg)
-    record = {'profile_store': path, **_calibration_record(calibration), 'mps': mps_active, 'dropped': dropped}
+    record = {'profile_store': path, **calibration, 'mps': mps_active, 'dropped': dropped}
   else:
     chosen_cfg = _apply(cfg, choice.plan, mps_active, choice.schedule)
     record = _record(choice.plan, mps_active, store, path, calibration)
