@@ -11,11 +11,10 @@ import math
 from typing import Optional, Tuple
 
 from ebrl_jax.config_cells import LAUNCHERS, CellConfig, check_run_cells
-from ebrl_jax.config_checks import check_choice as _check_choice
-from ebrl_jax.config_checks import check_positive as _check_positive
-from ebrl_jax.config_checks import check_env_slices, check_schedule_options, parse_group_schedule
-from ebrl_jax.config_checks import check_range as _check_range
-from ebrl_jax.config_generation import GENERATION_TRANSPORTS, check_generation
+from ebrl_jax.config_checks import check_choice as _check_choice, check_positive as _check_positive
+from ebrl_jax.config_checks import check_env_slices, check_range as _check_range, check_schedule_options
+from ebrl_jax.config_checks import parse_group_schedule
+from ebrl_jax.config_generation import CRITICS, GENERATION_TRANSPORTS, check_critic, check_generation
 from ebrl_jax.config_randomize import RANDOMIZE_PARAMS, RandomizationConfig, parse_randomize
 from ebrl_jax.config_resources import EVALUATOR_QUOTA, QUOTA_ROLES, ResourceConfig
 from ebrl_jax.config_vision import OBS_MODES, check_policy_vision, check_run_pixels, check_sim_obs, pixel_shape
@@ -109,6 +108,7 @@ class PolicyConfig:
   # Transformer and token policies: dtype of the trunk's activations; params, optimizer state, logits and
   # log-probs stay float32.
   compute_dtype: str = 'float32'
+  critic: str = 'auto'  # transformer/token: the value network (config_generation.critic_of says which 'auto' is)
   vision_encoder: str = 'cnn'  # --obs=pixels (config_vision): cnn or patches; the CNN's widths, blocks; ViT patch
   cnn_channels: Tuple[int, ...] = (16, 32, 32)
   cnn_blocks: int = 2
@@ -118,6 +118,7 @@ class PolicyConfig:
     _check_choice('policy', self.kind, POLICIES)
     check_policy_vision(self)
     _check_choice('compute_dtype', self.compute_dtype, COMPUTE_DTYPES)
+    check_critic(self)
     for name in ('d_model', 'num_layers', 'num_heads', 'mlp_ratio', 'obs_token_size', 'action_chunk'):
       _check_positive(name, getattr(self, name))
     # Token ids travel as float32 (Transition.raw_action), exact only below 2^24.

@@ -8,14 +8,45 @@ simulation stage on the device and hand each step's observations over by `--gene
   cuda_ipc  one device buffer per env group, opened by the generation worker through CUDA IPC and read zero-copy
             by JAX through DLPack; only the small request / reply records cross the host (needs CuPy, the `ipc`
             extra, and a CUDA GPU);
-  auto      host for now. The CUDA IPC path has not yet run on a GPU (its check, experiments/ipc_generation_check.py,
-            is written but unrun), so it is taken only when asked for by name; once the check passes on a GPU,
-            AUTO_PICKS_IPC makes auto choose cuda_ipc where CuPy is installed and the run is on a GPU.
+  auto      host for now. The CUDA IPC path is right on the H200 (experiments/ipc_generation_check.py: 0 of 2200
+            replies differ, its round trip 3.1x faster than host's), but a W1 run over it was slower than over host
+            (0.33x vs 0.61x of co-located, without MPS; ipc_generation_check_h200.json), so it is taken only when
+            asked for by name; AUTO_PICKS_IPC makes auto choose it where CuPy is installed and the run is on a GPU.
+
+The value network of the transformer and token policies (`--critic`, `critic_of`):
+  shared    a value head on the policy's own trunk (the value token / the BOS position);
+  mlp       a separate Brax-style MLP critic (`--value_hidden_sizes`) on the normalised state observation, so the
+            value loss moves none of the policy's parameters;
+  auto      mlp for state observations, shared with camera observations (a state-only critic cannot see what the
+            camera sees). Why mlp: with a shared trunk the value loss's gradient (targets of tens to hundreds after
+            --reward_scaling) outweighs the normalised-advantage policy loss's in every trunk parameter
+            (experiments/critic_gradients.py measures it), and W2's 25 M transformer did not learn to move.
 """
 from __future__ import annotations
 
 GENERATION_TRANSPORTS = ('auto', 'host', 'cuda_ipc')
-AUTO_PICKS_IPC = False  # see the module doc: not until the IPC path is verified on a GPU
+AUTO_PICKS_IPC = False  # see the module doc: not while runs over IPC measure slower than over host
+CRITICS = ('auto', 'shared', 'mlp')
+
+
+def check_critic(policy) -> None:
+  """`--critic` of a `PolicyConfig`: a choice of CRITICS; the MLP policy's critic is always its own MLP."""
+  if policy.critic not in CRITICS:
+    raise ValueError(f'--critic={policy.critic!r} is not valid; allowed values: {", ".join(CRITICS)}.')
+  if policy.kind == 'mlp' and policy.critic == 'shared':
+    raise ValueError('--critic=shared needs --policy=transformer or token (the MLP policy has no trunk to share: '
+                     'its critic is its own MLP).')
+
+
+def critic_of(policy, pixels: bool) -> str:
+  """'shared' or 'mlp': the value network `policy` (a `PolicyConfig`) gets (the module doc); with camera
+  observations only 'shared' is built."""
+  if policy.critic == 'mlp' and pixels and policy.kind != 'mlp':
+    raise ValueError('--critic=mlp with --obs=pixels is not built yet (a state-only critic cannot see the camera); '
+                     'use --critic=shared or auto.')
+  if policy.critic == 'auto':
+    return 'shared' if pixels else 'mlp'
+  return policy.critic
 
 
 def check_generation(cfg) -> None:

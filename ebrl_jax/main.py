@@ -94,6 +94,9 @@ _HELP = {
         'Token policy: discrete bins per action dimension (bin centres span [-1, 1]).',
     'compute_dtype': (f'Activation dtype of the transformer and token policies: {", ".join(config_lib.COMPUTE_DTYPES)} '
                       '(params, optimizer state and log-probs stay float32).'),
+    'critic': (f'Value network of the transformer and token policies: {", ".join(config_lib.CRITICS)} (shared: a value '
+               'head on the policy trunk; mlp: a separate MLP of --value_hidden_sizes on the state; auto: mlp, or '
+               'shared with --obs=pixels).'),
     'algo':
         f'Algorithm: {", ".join(config_lib.ALGORITHMS)}.',
     'schedule':
@@ -148,9 +151,10 @@ _HELP = {
         'Seconds of silence after which the ranks declare a cell dead.',
     'colocate_generation': ('sync/async: act inside each rollout worker (True) or in one generation worker that '
                             'batches every group\'s requests (False; native MuJoCo or MJX groups).'),
-    'generation_transport': ('MJX groups with --nocolocate_generation: how observations and actions cross: host '
-                             '(shared-memory mailbox), cuda_ipc (device buffers through CUDA IPC; needs CuPy and a '
-                             'GPU; not yet run on one) or auto (host until the IPC path is verified on a GPU).'),
+    'generation_transport':
+        ('MJX groups with --nocolocate_generation: how observations and actions cross: host '
+         '(shared-memory mailbox), cuda_ipc (device buffers through CUDA IPC; needs CuPy and a '
+         'GPU; right on the H200 but slower in a run) or auto (host, while IPC runs measure slower).'),
     'plan_generation': ('With --plan or --schedule=auto on MJX: also choose co-located or separate generation from '
                         'the profiles (the reason goes to summary.extra).'),
 }

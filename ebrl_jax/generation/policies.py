@@ -4,8 +4,9 @@
 
 * `MLPActorCritic`: Brax's PPO networks (separate policy and value MLPs, swish, lecun-uniform kernels, zero
   biases); K = 1.
-* `TransformerActorCritic`: a VLA-style encoder: observation tokens, K action-query tokens and a value token
-  through pre-LayerNorm blocks; ~1M to ~100M parameters via `d_model` and `num_layers`.
+* `TransformerActorCritic`: a VLA-style encoder: observation tokens, K action-query tokens (and a value token,
+  `--critic=shared`) through pre-LayerNorm blocks; ~1M to ~100M parameters via `d_model` and `num_layers`. Its
+  critic is a separate MLP by default (`--critic`, config_generation).
 
 `make_network` also builds `token_policy.TokenPolicy` (`--policy=token`), which emits categorical action tokens
 instead of `dist_params`; `generation.stages` tells the two contracts apart (`stages.head_of`). With camera
@@ -21,6 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ebrl_jax import config_generation
 from ebrl_jax.config import POLICIES, PolicyConfig
 from ebrl_jax.generation import layers
 from ebrl_jax.generation import token_policy
@@ -70,11 +72,16 @@ class TransformerActorCritic(nn.Module):
   action_dim: int
   action_chunk: int = 1
   dtype: Dtype = jnp.float32
+  # 'shared': the value token's head on the trunk; 'mlp': a separate MLP critic of `value_hidden_sizes` on the
+  # observation (no value token), so the value loss moves no policy parameter (config_generation, --critic).
+  critic: str = 'shared'
+  value_hidden_sizes: Sequence[int] = (256, 256, 256, 256, 256)
 
   @nn.compact
   def __call__(self, obs: Array) -> Tuple[Array, Array]:
     """obs [B, O] -> (dist_params [B, K, 2A], value [B])."""
     chex.assert_rank(obs, 2)
+    shared = self.critic == 'shared'
     batch, obs_dim = obs.shape
     num_tokens = -(-obs_dim // self.obs_token_size)
     pad = num_tokens * self.obs_token_size - obs_dim
@@ -82,17 +89,20 @@ class TransformerActorCritic(nn.Module):
     embed_init = nn.initializers.normal(0.02)
     x = nn.Dense(self.d_model, dtype=self.dtype, name='obs_embed')(tokens.astype(self.dtype))
     x = x + self.param('obs_pos_embed', embed_init, (num_tokens, self.d_model)).astype(self.dtype)
-    queries = self.param('action_queries', embed_init, (self.action_chunk, self.d_model))
-    value_token = self.param('value_token', embed_init, (1, self.d_model))
-    extra = jnp.broadcast_to(
-        jnp.concatenate([queries, value_token], 0)[None], (batch, self.action_chunk + 1, self.d_model))
-    x = jnp.concatenate([x, extra.astype(self.dtype)], axis=1)  # [B, N + K + 1, D]
+    extra = self.param('action_queries', embed_init, (self.action_chunk, self.d_model))
+    if shared:
+      extra = jnp.concatenate([extra, self.param('value_token', embed_init, (1, self.d_model))], 0)
+    extra = jnp.broadcast_to(extra[None], (batch,) + extra.shape)
+    x = jnp.concatenate([x, extra.astype(self.dtype)], axis=1)  # [B, N + K (+ 1), D]
     for i in range(self.num_layers):
       x = EncoderBlock(self.num_heads, self.mlp_ratio, self.dtype, name=f'block_{i}')(x)
     x = nn.LayerNorm(dtype=jnp.float32, name='ln_final')(x[:, num_tokens:].astype(jnp.float32))
     head_init = nn.initializers.variance_scaling(0.01, 'fan_in', 'truncated_normal')
-    dist_params = nn.Dense(2 * self.action_dim, kernel_init=head_init, name='action_head')(x[:, :-1])
-    value = nn.Dense(1, kernel_init=head_init, name='value_head')(x[:, -1])
+    dist_params = nn.Dense(2 * self.action_dim, kernel_init=head_init, name='action_head')(x[:, :self.action_chunk])
+    if shared:
+      value = nn.Dense(1, kernel_init=head_init, name='value_head')(x[:, -1])
+    else:
+      value = MLP(tuple(self.value_hidden_sizes) + (1,), name='value')(obs.astype(jnp.float32))
     chex.assert_shape(dist_params, (batch, self.action_chunk, 2 * self.action_dim))
     return dist_params, value[:, 0]
 
@@ -104,6 +114,7 @@ def make_network(policy_config: PolicyConfig, obs_dim: int, action_dim: int, pix
   float32); the token policy cuts the state into `obs_token_size` tokens with `token_policy.StateTokenizer`.
   With `pixel_shape` (`--obs=pixels`) the network takes a `types.PixelObs`: see `_make_pixel_network`."""
   del obs_dim
+  critic = config_generation.critic_of(policy_config, pixels=bool(pixel_shape))
   if pixel_shape:
     return _make_pixel_network(policy_config, action_dim)
   dtype = jnp.dtype(policy_config.compute_dtype)
@@ -120,9 +131,11 @@ def make_network(policy_config: PolicyConfig, obs_dim: int, action_dim: int, pix
                                   obs_token_size=policy_config.obs_token_size,
                                   action_dim=action_dim,
                                   action_chunk=policy_config.action_chunk,
-                                  dtype=dtype)
+                                  dtype=dtype,
+                                  critic=critic,
+                                  value_hidden_sizes=tuple(policy_config.value_hidden_sizes))
   if policy_config.kind == 'token':
-    return _token_policy(policy_config, action_dim, token_policy.StateTokenizer(policy_config.obs_token_size))
+    return _token_policy(policy_config, action_dim, token_policy.StateTokenizer(policy_config.obs_token_size), critic)
   raise ValueError(f'--policy={policy_config.kind!r} is not valid; allowed values: {", ".join(POLICIES)}.')
 
 
@@ -159,8 +172,9 @@ def _make_pixel_network(p: PolicyConfig, action_dim: int) -> nn.Module:
   raise ValueError(f'--policy={p.kind!r} is not valid; allowed values: {", ".join(POLICIES)}.')
 
 
-def _token_policy(p: PolicyConfig, action_dim: int, tokenizer: nn.Module) -> nn.Module:
-  """`token_policy.TokenPolicy` of `p`'s sizes over the observation tokens `tokenizer` makes."""
+def _token_policy(p: PolicyConfig, action_dim: int, tokenizer: nn.Module, critic: str = 'shared') -> nn.Module:
+  """`token_policy.TokenPolicy` of `p`'s sizes over the observation tokens `tokenizer` makes, with `critic`'s value
+  network (config_generation.critic_of)."""
   return token_policy.TokenPolicy(action_dim=action_dim,
                                   action_chunk=p.action_chunk,
                                   num_bins=p.num_bins,
@@ -169,4 +183,6 @@ def _token_policy(p: PolicyConfig, action_dim: int, tokenizer: nn.Module) -> nn.
                                   num_heads=p.num_heads,
                                   mlp_ratio=p.mlp_ratio,
                                   dtype=jnp.dtype(p.compute_dtype),
-                                  tokenizer=tokenizer)
+                                  tokenizer=tokenizer,
+                                  critic=critic,
+                                  value_hidden_sizes=tuple(p.value_hidden_sizes))

@@ -7,7 +7,8 @@ Sequence layout (positions along the decoder's time axis T):
 t_m is the token of chunk step k = m // A, action dimension a = m % A (row-major over [K, A]). The output at
 position P - 1 + m predicts t_m: BOS predicts t_0, t_m's own position predicts t_{m+1}; the output at
 t_{M-1}'s position is unused (it is fed anyway, so decoding and the teacher-forced pass see the same sequence
-of length P + M). The value head reads the BOS output, which sees the whole observation and no action.
+of length P + M). The value head reads the BOS output, which sees the whole observation and no action
+(`critic='shared'`), or a separate MLP critic reads the normalised state (`critic='mlp'`, config_generation).
 
 Attention is prefix-LM: query i sees key j when j <= i or j < P, i.e. observation tokens (and BOS) attend to
 each other both ways (patch tokens have no natural order), action tokens are causal. Decoding prefills the
@@ -32,13 +33,15 @@ Axis names: B batch, N obs tokens, P prefix, M = K * A action tokens, L layers, 
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, NamedTuple, Optional, Tuple
+from typing import Any, ClassVar, NamedTuple, Optional, Sequence, Tuple
 
 import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ebrl_jax import types
+from ebrl_jax.generation import layers
 from ebrl_jax.generation import stages
 from ebrl_jax.types import ActOutput, Array, Params, PRNGKey
 
@@ -215,6 +218,8 @@ class TokenPolicy(nn.Module):
   mlp_ratio: int = 4
   dtype: Dtype = jnp.float32
   tokenizer: Optional[nn.Module] = None
+  critic: str = 'shared'  # or 'mlp': a separate MLP of `value_hidden_sizes` on the state (module doc)
+  value_hidden_sizes: Sequence[int] = (256, 256, 256, 256, 256)
 
   @property
   def num_action_tokens(self) -> int:
@@ -229,7 +234,16 @@ class TokenPolicy(nn.Module):
     self.blocks = [DecoderBlock(self.num_heads, self.mlp_ratio, self.dtype) for _ in range(self.num_layers)]
     self.ln_final = nn.LayerNorm(dtype=jnp.float32)
     self.action_head = nn.Dense(self.num_bins, kernel_init=_HEAD_INIT)
-    self.value_head = nn.Dense(1, kernel_init=_HEAD_INIT)
+    if self.critic == 'shared':
+      self.value_head = nn.Dense(1, kernel_init=_HEAD_INIT)
+    else:
+      self.value_mlp = layers.MLP(tuple(self.value_hidden_sizes) + (1,))
+
+  def _value(self, h_bos: Array, obs) -> Array:
+    """value [B] float32: the shared head on BOS's output h_bos [B, D], or the MLP critic on obs's state."""
+    if self.critic == 'shared':
+      return self.value_head(h_bos)[:, 0]
+    return self.value_mlp(types.proprioception(obs).astype(jnp.float32))[:, 0]
 
   def _prefix(self, obs) -> Array:
     tokens = obs if self.tokenizer is None else self.tokenizer(obs)
@@ -264,7 +278,7 @@ class TokenPolicy(nn.Module):
     x = jnp.concatenate([x, self._embed_tokens(tokens.reshape(batch, -1), 0)], axis=1)  # [B, P + M, D]
     h, _ = self._trunk(x, p, None)
     logits = self.action_head(h[:, p - 1:-1])
-    return logits, self.value_head(h[:, p - 1])[:, 0]
+    return logits, self._value(h[:, p - 1], obs)
 
   def prefill(self, obs) -> Tuple[Array, Array, KVCache]:
     """obs -> (logits of t_0 [B, num_bins], value [B], cache holding the P prefix positions of P + M)."""
@@ -273,7 +287,7 @@ class TokenPolicy(nn.Module):
     shape = (self.num_layers, batch, self.num_heads, p + self.num_action_tokens, self.d_model // self.num_heads)
     empty = KVCache(k=jnp.zeros(shape, self.dtype), v=jnp.zeros(shape, self.dtype), length=jnp.zeros((), jnp.int32))
     h, cache = self._trunk(x, p, empty)
-    return self.action_head(h[:, -1]), self.value_head(h[:, -1])[:, 0], cache
+    return self.action_head(h[:, -1]), self._value(h[:, -1], obs), cache
 
   def step(self, token: Array, slot: Array, cache: KVCache) -> Tuple[Array, KVCache]:
     """Feeds t_slot (token [B] int) at position cache.length -> (logits of t_{slot+1} [B, num_bins], cache)."""
@@ -283,9 +297,11 @@ class TokenPolicy(nn.Module):
 
   def value(self, obs) -> Array:
     """obs -> value [B] from the prefix alone (the bootstrap value; no action tokens needed)."""
+    if self.critic != 'shared':
+      return self._value(None, obs)  # the MLP critic needs no trunk pass
     x = self._prefix(obs)
     h, _ = self._trunk(x, x.shape[1], None)
-    return self.value_head(h[:, -1])[:, 0]
+    return self._value(h[:, -1], obs)
 
 
 def init(policy: TokenPolicy, key: PRNGKey, obs) -> Params:

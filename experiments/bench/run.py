@@ -13,7 +13,9 @@ invocation can compare variants of one schedule (`--schedules=async,async_q=asyn
 
 Runs go one after another. With `--gpus=0,1,...` they run concurrently, one per GPU (each run sees only its GPU,
 named by UUID so an MPS daemon a run starts serves that GPU alone); on identical GPUs this only shortens the
-benchmark, and the JSON records which GPU each run had. Where NVML sees a GPU, device-wide SM activity and
+benchmark, and the JSON records which GPU each run had. A GPU named several times (`--gpus=0,0,0`) runs that
+many at once on it: a learning screen whose runs share the GPU (set XLA_PYTHON_CLIENT_MEM_FRACTION so they fit;
+their throughputs are not each schedule's own). Where NVML sees a GPU, device-wide SM activity and
 occupancy (GPM) of each run's GPU are sampled every 100 ms during the run (`ebrl_jax.resources.telemetry`).
 Per label the JSON holds every seed's figures and their mean; ratios are against the first label.
 `python -m experiments.bench.report <json> ...` turns results into a table and plots.
@@ -608,7 +610,7 @@ def main(argv):
   os.makedirs(run_root, exist_ok=True)
   # Device-wide figures only (no pids), one sampler per GPU: each run's own telemetry covers its processes.
   tels = {}
-  for slot in slots:
+  for slot in dict.fromkeys(slots):  # one sampler per GPU, also where --gpus names one GPU several times
     device = slot[1] if slot else None
     name = f'telemetry_gpu{slot[0]}' if slot else 'telemetry'
     tels[slot] = telemetry.Telemetry(run_root, dict, period=0.1, device=device, name=name).start()

@@ -48,18 +48,45 @@ def test_mlp_init_is_lecun_uniform_with_zero_bias():
         # ~100M: blocks 8*(12*1024^2 + 13*1024) = 100,769,792; + 5120 + 7168 + 8192 + 1024 + 2048 + 16400 + 1025.
         (1024, 8, 8, 100_810_769),
     ])
-def test_transformer_param_counts(d, layers, k, expected):
+@pytest.mark.parametrize('critic', ['shared', 'mlp', 'auto'])
+def test_transformer_param_counts(d, layers, k, expected, critic):
   cfg = PolicyConfig(kind='transformer',
                      d_model=d,
                      num_layers=layers,
                      num_heads=8,
                      mlp_ratio=4,
                      obs_token_size=4,
-                     action_chunk=k)
+                     action_chunk=k,
+                     critic=critic)
   net = policies.make_network(cfg, OBS, ACT)
   shapes = jax.eval_shape(net.init, jax.random.PRNGKey(0), jnp.zeros((1, OBS)))  # no allocation
   assert transformer_param_count(d, layers, 4, 4, OBS, k, ACT) == expected
+  if critic != 'shared':  # auto is mlp on state: no value token (d) or value head (d + 1); Brax's 5x256 value MLP
+    expected += -d - (d + 1) + 270593
+    assert 'value_token' not in shapes['params'] and 'value' in shapes['params']
   assert policies.count_params(shapes) == expected
+
+
+def test_transformer_mlp_critic_value_loss_moves_no_policy_parameter():
+  """--critic=mlp: the value depends on the critic's own params only; the policy's outputs on none of them."""
+  net = policies.make_network(PolicyConfig(kind='transformer', d_model=32, num_layers=2, critic='mlp'), OBS, ACT)
+  obs = jax.random.normal(jax.random.PRNGKey(1), (6, OBS))
+  params = jax.jit(net.init)(jax.random.PRNGKey(0), obs[:1])
+  value_grads = jax.grad(lambda p: jnp.sum(net.apply(p, obs)[1]))(params)['params']
+  policy_grads = jax.grad(lambda p: jnp.sum(net.apply(p, obs)[0]))(params)['params']
+  for name, tree in value_grads.items():
+    norm = sum(float(jnp.sum(jnp.abs(x))) for x in jax.tree_util.tree_leaves(tree))
+    assert (norm > 0) == (name == 'value'), (name, norm)
+  assert not any(np.any(x) for x in jax.tree_util.tree_leaves(policy_grads['value']))
+
+
+def test_critic_flag_checks():
+  with pytest.raises(ValueError, match='--critic=shared needs --policy=transformer or token'):
+    PolicyConfig(kind='mlp', critic='shared')
+  with pytest.raises(ValueError, match="--critic='big' is not valid; allowed values: auto, shared, mlp"):
+    PolicyConfig(kind='transformer', critic='big')
+  with pytest.raises(ValueError, match='--critic=mlp with --obs=pixels is not built yet'):
+    policies.make_network(PolicyConfig(kind='transformer', critic='mlp'), OBS, ACT, pixel_shape=(16, 16, 3))
 
 
 def test_transformer_shapes_and_bf16_compute():

@@ -210,6 +210,6 @@ def test_token_policy_train_step_runs_and_moves_the_params(algo_name):
   assert float(metrics['entropy']) > 0.0  # categorical entropy over 16 bins, K x A tokens per step
   head = state.params.network['params']['action_head']['kernel']
   assert not np.array_equal(np.asarray(head), before['params']['action_head']['kernel'])
-  value_head = state.params.network['params']['value_head']['kernel']
-  moved = not np.array_equal(np.asarray(value_head), before['params']['value_head']['kernel'])
-  assert moved == (algo_name == 'ppo')  # GRPO trains no critic; PPO's value loss moves the value head
+  value_head = state.params.network['params']['value_mlp']['hidden_0']['kernel']  # --critic=auto: the MLP critic
+  moved = not np.array_equal(np.asarray(value_head), before['params']['value_mlp']['hidden_0']['kernel'])
+  assert moved == (algo_name == 'ppo')  # GRPO trains no critic; PPO's value loss moves the critic
