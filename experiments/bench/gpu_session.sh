@@ -32,6 +32,12 @@
 # autocal issue 14: what --schedule=auto's calibration costs on W2 (2 groups, MPS, quotas 25/50/100) on a fresh
 #         machine (cold XLA cache) and then with the cache it left (warm), per quota and phase
 #         (experiments/calibration_cost.py; before this change the first quota alone took 155 s, w2_auto_1gpu.json).
+# w2screen issue 13 item 7: why W2's transformer does not learn, a screen of 4 variants at once on the one GPU
+#         (XLA_PYTHON_CLIENT_MEM_FRACTION=0.22 each; their throughputs are shared, not each one's own), fused, bf16,
+#         up to 50 M env steps or 480 s: the trunk-shared critic (what W2 ran), the separate MLP critic
+#         (--critic=auto), and the MLP critic with Brax's Ant optimiser settings (lr 3e-4, clip 0.3, grad norm 1),
+#         with 2 and 4 epochs per batch.
+# w2learn issue 13 item 7: W2 as its flagfile now says, alone on the GPU, fused, to its target (3000) or 50 M steps.
 # w2x     W2 fused seed 1 again (cut by its limit at 11.5 M in the w2s_fused call), then the quota-change run
 #         (rollout 20 -> 25 % at iteration 10 of 48, 3 M steps) whose whole output is kept.
 # The device tool brings back a limited number of files: write OUT_DIR outside $OUT and tar it into $OUT
@@ -166,6 +172,18 @@ case $PART in
       --flagfile=experiments/w2_transformer.flags --num_groups=2 --use_mps \
       --calibration_out=$ROOT/calibration_cost_w2_h200.json --calibration_label=after > $ROOT/autocal.log 2>&1
     echo "[autocal] exit $?" ;;
+  w2screen)
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.22
+    bench w2_learn_screen 0-15 --bench_flagfile=experiments/w2_transformer.flags --gpus=0,0,0,0 \
+      --schedules=shared=fused,mlp=fused,mlp_lr=fused,mlp_lr_u4=fused --extra=--compute_dtype=bfloat16 \
+      --extra=--num_timesteps=50000000 --extra=--num_evals=25 --extra=--max_wall_s=480 --extra=--target_return=3000 \
+      --only=shared:--critic=shared --only=mlp_lr:--learning_rate=3e-4 --only=mlp_lr:--clip_epsilon=0.3 \
+      --only=mlp_lr:--max_grad_norm=1.0 --only=mlp_lr_u4:--learning_rate=3e-4 --only=mlp_lr_u4:--clip_epsilon=0.3 \
+      --only=mlp_lr_u4:--max_grad_norm=1.0 --only=mlp_lr_u4:--num_updates_per_batch=4 --timeout_s=540 ;;
+  w2learn)
+    bench w2_learn 0-15 --bench_flagfile=experiments/w2_transformer.flags --gpus=0 --schedules=fused \
+      --extra=--num_timesteps=50000000 --extra=--num_evals=25 --extra=--max_wall_s=${W2LEARN_WALL_S:-540} \
+      --timeout_s=570 ${W2LEARN_EXTRA:-} ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
 for c in $(find /tmp $ROOT runs -name control -type p 2>/dev/null); do
