@@ -12,7 +12,8 @@ from typing import Optional, Tuple
 
 from ebrl_jax.config_cells import LAUNCHERS, CellConfig, check_run_cells
 from ebrl_jax.config_checks import check_choice as _check_choice, check_positive as _check_positive
-from ebrl_jax.config_checks import check_env_slices, check_range as _check_range, check_schedule_options
+from ebrl_jax.config_checks import check_env_slices, check_host_rollout_quotas, check_range as _check_range
+from ebrl_jax.config_checks import check_schedule_options
 from ebrl_jax.config_checks import parse_group_schedule
 from ebrl_jax.config_generation import CRITICS, GENERATION_TRANSPORTS, check_critic, check_generation
 from ebrl_jax.config_randomize import RANDOMIZE_PARAMS, RandomizationConfig, parse_randomize
@@ -264,10 +265,20 @@ class ScheduleConfig:
     return parse_group_schedule(self.group_schedule)  # ((trainer iteration, groups), ...), in iteration order
 
   @property
+  def group_counts(self) -> Tuple[int, ...]:
+    """Every env-group count the run may take: --num_groups, then --group_schedule's and --replan_groups'."""
+    return (self.num_groups, *(g for _, g in self.group_changes), *self.replan_groups)
+
+  @property
+  def relaid(self) -> bool:
+    """The env groups may change while the run goes on (--group_schedule or --replan_groups)."""
+    return bool(self.group_changes or self.replan_groups)
+
+  @property
   def block_count(self) -> int:
     """Records per iteration: one per group, or with --group_schedule / --replan_groups one per env block
     (num_envs / lcm of every layout's group count envs: every layout's groups hold whole blocks)."""
-    return math.lcm(self.num_groups, *(g for _, g in self.group_changes), *self.replan_groups)
+    return math.lcm(*self.group_counts)
 
   @property
   def staleness_bound(self) -> int:
@@ -303,29 +314,12 @@ class Config:
     if self.schedule.name != 'fused' and (self.sim.num_envs // self.schedule.num_groups) % self.sim.group_size:
       raise ValueError(f'each env group ({self.sim.num_envs} / --num_groups={self.schedule.num_groups}) must hold '
                        f'whole GRPO groups of --group_size={self.sim.group_size}.')
-    if self.resources.plan and self.schedule.name == 'fused':
-      raise ValueError('--plan chooses env groups and SM quotas for the process schedules; it needs '
-                       '--schedule=sync or --schedule=async (or --schedule=overlap).')
-    if self.resources.quota_schedule and self.schedule.name == 'fused':
-      raise ValueError(f'--quota_schedule={self.resources.quota_schedule} swaps rollout workers; it needs '
-                       '--schedule=sync or --schedule=async (or --schedule=overlap).')
-    if self.resources.slack_quotas and self.schedule.name == 'fused':
-      raise ValueError('--slack_quotas changes the rollout workers\' quota; it needs a process schedule (sync, '
-                       'async or overlap).')
     check_generation(self)
     check_env_slices(self)
     check_schedule_options(self)
     check_run_pixels(self)
     check_run_cells(self, self.cells.num_processes)
-    if self.rollout_on_host:
-      hint = ('the rollout workers simulate on CPU cores and the separate generation worker acts for them, so '
-              'they hold no GPU context and have no SM quota')
-      if 'rollout' in self.resources.quotas:
-        raise ValueError(f'--sm_quotas={self.resources.sm_quotas} gives the rollout workers a quota, but {hint}; '
-                         'give --sm_quotas=generation=...,trainer=... instead.')
-      if self.resources.quota_schedule or self.resources.replan or self.resources.slack_quotas:
-        raise ValueError(f'--quota_schedule / --replan / --slack_quotas change the rollout workers\' quota, but '
-                         f'{hint}.')
+    check_host_rollout_quotas(self)
     if self.algo.unroll_length % self.policy.action_chunk:
       raise ValueError(f'--unroll_length={self.algo.unroll_length} must be a multiple of '
                        f'--action_chunk={self.policy.action_chunk}.')

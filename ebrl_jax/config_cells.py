@@ -50,7 +50,7 @@ def check_run_cells(cfg, num_cells: int) -> None:
                      f'for sync/async, its own rollout workers); got --schedule={name}.')
   if name == 'fused':
     return
-  if cfg.schedule.group_changes or cfg.schedule.replan_groups:
+  if cfg.schedule.relaid:
     raise ValueError(f'{what} cannot change their env groups during the run (--group_schedule, --replan_groups) yet; '
                      'drop it.')
   if cfg.schedule.evaluator == 'process' and cfg.schedule.target_return is not None:

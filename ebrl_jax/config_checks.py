@@ -43,11 +43,34 @@ def _live_quota_changes(resources) -> list:
   return [f'--{name}' for name in ('quota_schedule', 'replan', 'slack_quotas') if getattr(resources, name)]
 
 
+def check_host_rollout_quotas(cfg) -> None:
+  """A `Config` whose rollout workers simulate on the host (`cfg.rollout_on_host`) gives them no SM quota."""
+  if not cfg.rollout_on_host:
+    return
+  resources = cfg.resources
+  hint = ('the rollout workers simulate on CPU cores and the separate generation worker acts for them, so they hold '
+          'no GPU context and have no SM quota')
+  if 'rollout' in resources.quotas:
+    raise ValueError(f'--sm_quotas={resources.sm_quotas} gives the rollout workers a quota, but {hint}; give '
+                     '--sm_quotas=generation=...,trainer=... instead.')
+  if _live_quota_changes(resources):
+    raise ValueError(f'--quota_schedule / --replan / --slack_quotas change the rollout workers\' quota, but {hint}.')
+
+
 def check_schedule_options(cfg) -> None:
-  """`--schedule=auto`, `--deterministic`, `--group_schedule` and `--replan_groups` of a `Config` against what they
-  cannot be combined with."""
+  """`--plan`, `--quota_schedule`, `--slack_quotas` (process schedules only), `--schedule=auto`, `--deterministic`,
+  `--group_schedule` and `--replan_groups` of a `Config` against what they cannot be combined with."""
   schedule, resources = cfg.schedule, cfg.resources
-  if schedule.group_changes or schedule.replan_groups:
+  if resources.plan and schedule.name == 'fused':
+    raise ValueError('--plan chooses env groups and SM quotas for the process schedules; it needs --schedule=sync or '
+                     '--schedule=async (or --schedule=overlap).')
+  if resources.quota_schedule and schedule.name == 'fused':
+    raise ValueError(f'--quota_schedule={resources.quota_schedule} swaps rollout workers; it needs --schedule=sync or '
+                     '--schedule=async (or --schedule=overlap).')
+  if resources.slack_quotas and schedule.name == 'fused':
+    raise ValueError('--slack_quotas changes the rollout workers\' quota; it needs a process schedule (sync, async or '
+                     'overlap).')
+  if schedule.relaid:
     _check_group_schedule(cfg)
   if schedule.name == 'auto':
     live = _live_quota_changes(resources) + (['--group_schedule'] if schedule.group_schedule else [])

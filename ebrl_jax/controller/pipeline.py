@@ -236,7 +236,7 @@ def run(cfg: config_lib.Config,
                                         evaluation)
     if cfg.resources.slack_quotas:
       changer = slack_quotas.make_changer(cfg, workers, mps_daemon is not None)
-    elif cfg.schedule.group_changes or cfg.schedule.replan_groups:
+    elif cfg.schedule.relaid:
       changer = relayout.make_changer(cfg, workers, plan_record, mps_daemon is not None)
     else:
       changer = replan.make_changer(cfg, workers, plan_record, mps_daemon is not None)

@@ -241,9 +241,8 @@ def make_topology(cfg: config_lib.Config, cell: Optional[cells_lib.Cell] = None)
   # Native-MuJoCo rollout workers served by a generation worker hold no GPU context.
   gpu_roles = tuple(r for r in feeders + cpu_roles if not (cfg.rollout_on_host and r.startswith('rollout/')))
   planned = gpu_roles
-  most = max([cfg.schedule.num_groups] + [g for _, g in cfg.schedule.group_changes] + list(cfg.schedule.replan_groups))
-  relaid = cfg.schedule.group_changes or cfg.schedule.replan_groups
-  if relaid and 'rollout/0' in gpu_roles:  # every layout's workers, and their standbys
+  most = max(cfg.schedule.group_counts)
+  if cfg.schedule.relaid and 'rollout/0' in gpu_roles:  # every layout's workers, and their standbys
     planned += tuple(f'rollout/{g}' for g in range(cfg.schedule.num_groups, most))
     planned += tuple(f'standby/{g}' for g in range(most))
   if (cfg.resources.quota_schedule or cfg.resources.replan or cfg.resources.slack_quotas) and 'rollout/0' in gpu_roles:

@@ -40,7 +40,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -72,18 +72,23 @@ def peak_bytes_in_use() -> Optional[int]:
   return None if value is None else int(value)
 
 
-def _timed(fn: Callable[[], object], repeats: int, warmups: Optional[List[float]] = None) -> List[float]:
-  """`repeats` timed calls after one warm-up call (which compiles; its seconds are appended to `warmups`)."""
+class Timed(NamedTuple):
+  """What `_timed` measured: the warm-up call's seconds (it compiles) and each timed call's."""
+  warmup_s: float
+  samples_s: List[float]
+
+
+def _timed(fn: Callable[[], object], repeats: int) -> Timed:
+  """`repeats` timed calls after one warm-up call."""
   t0 = time.perf_counter()
   fn()
-  if warmups is not None:
-    warmups.append(time.perf_counter() - t0)
+  warmup = time.perf_counter() - t0
   out = []
   for _ in range(repeats):
     t0 = time.perf_counter()
     fn()
     out.append(time.perf_counter() - t0)
-  return out
+  return Timed(warmup, out)
 
 
 class _Phases:
@@ -113,8 +118,8 @@ def _mjx_reset(cfg, env, sizes: Sequence[int]):
   return lambda e: reset(env, jax.random.PRNGKey(0), e, cfg.sim.group_size)
 
 
-def _mjx_sim_gen(cfg, network, params, state, repeats: int, env, warmups: dict) -> dict:
-  """{'sim': samples, 'generation': samples, 'obs': the observations [E, O] the last timed unroll ended on}, from
+def _mjx_sim_gen(cfg, network, params, state, repeats: int, env) -> dict:
+  """{'sim': Timed, 'generation': Timed, 'obs': the observations [E, O] the last timed unroll ended on}, from
   `state` (E envs just reset)."""
   from ebrl_jax.sim import stages as sim_stages  # lazy: brax and MJX load only when a calibration runs
   k = cfg.policy.action_chunk
@@ -150,13 +155,12 @@ def _mjx_sim_gen(cfg, network, params, state, repeats: int, env, warmups: dict) 
     box['state'], rewards = sim_unroll(box['state'], actions)
     jax.block_until_ready(rewards)
 
-  sim_samples = _timed(run_sim, repeats, warmups.setdefault('sim', []))
-  gen = _timed(lambda: jax.block_until_ready(gen_unroll(params, obs, jax.random.PRNGKey(2))), repeats,
-               warmups.setdefault('generation', []))
-  return {'sim': sim_samples, 'generation': gen, 'obs': np.asarray(box['state'].brax_state.obs)}
+  sim_timed = _timed(run_sim, repeats)
+  gen = _timed(lambda: jax.block_until_ready(gen_unroll(params, obs, jax.random.PRNGKey(2))), repeats)
+  return {'sim': sim_timed, 'generation': gen, 'obs': np.asarray(box['state'].brax_state.obs)}
 
 
-def _cpu_sim_gen(cfg, act, params, envs: int, repeats: int, threads: int, warmups: dict) -> dict:
+def _cpu_sim_gen(cfg, act, params, envs: int, repeats: int, threads: int) -> dict:
   """As `_mjx_sim_gen`, for native MuJoCo: the pool's steps, then the policy on its last observations."""
   k = cfg.policy.action_chunk
   steps = cfg.algo.unroll_length // k
@@ -175,7 +179,7 @@ def _cpu_sim_gen(cfg, act, params, envs: int, repeats: int, threads: int, warmup
       for t in range(steps):
         box['obs'] = pool.step(actions[t]).obs
 
-    sim_samples = _timed(run_sim, repeats, warmups.setdefault('sim', []))
+    sim_timed = _timed(run_sim, repeats)
   key = jax.random.PRNGKey(2)
   obs = box['obs']
 
@@ -184,8 +188,7 @@ def _cpu_sim_gen(cfg, act, params, envs: int, repeats: int, threads: int, warmup
       out = act(params, obs, key, t)
       np.asarray(out.actions)  # the host copy the sim worker waits for
 
-  gen = _timed(run_gen, repeats, warmups.setdefault('generation', []))
-  return {'sim': sim_samples, 'generation': gen, 'obs': np.asarray(obs)}
+  return {'sim': sim_timed, 'generation': _timed(run_gen, repeats), 'obs': np.asarray(obs)}
 
 
 def train_batch(cfg, spec: types.EnvSpec, act, params, version, obs: np.ndarray) -> types.Transition:
@@ -218,7 +221,7 @@ def train_batch(cfg, spec: types.EnvSpec, act, params, version, obs: np.ndarray)
                       template)
 
 
-def _train(cfg, network, optimizer, train_state, batch, repeats: int, warmups: list) -> List[float]:
+def _train(cfg, network, optimizer, train_state, batch, repeats: int) -> Timed:
   """train_step on `batch` (`train_batch`); donates `train_state`."""
   step = jax.jit(trainer_stages.train_step,
                  static_argnums=(0, 1, 2, 3),
@@ -238,48 +241,50 @@ def _train(cfg, network, optimizer, train_state, batch, repeats: int, warmups: l
                                  recompute_proximal=cfg.schedule.name == 'async')
     jax.block_until_ready(metrics)
 
-  return _timed(run, repeats, warmups)
+  return _timed(run, repeats)
 
 
-def _stage(samples: List[float], env_steps: int, warmup: float) -> dict:
-  med = statistics.median(samples)
+def _stage(timed: Timed, env_steps: int) -> dict:
+  med = statistics.median(timed.samples_s)
   return {
-      'samples_s': samples,
+      'samples_s': timed.samples_s,
       'median_s': med,
       'per_env_step_s': med / env_steps,
       'env_steps': env_steps,
-      'warmup_s': warmup
+      'warmup_s': timed.warmup_s
   }
 
 
 def _mjx_env(cfg):
+  """The env the run steps (its randomisation included: the profile times what the run runs), state observations
+  only (calibration refuses pixels, `train_batch`)."""
   from ebrl_jax.sim import stages as sim_stages  # lazy: brax and MJX load only when an MJX calibration runs
   return sim_stages.make_mjx_env(cfg.sim.task,
                                  cfg.sim.episode_length,
                                  cfg.sim.action_repeat,
                                  auto_reset=not cfg.algo.episodic,
-                                 impl=sim_stages.impl_for_backend(cfg.sim.backend))
+                                 impl=sim_stages.impl_for_backend(cfg.sim.backend),
+                                 randomization=cfg.sim.randomization)
 
 
 def _time_groups(cfg, network, act, params, envs_per_group, repeats, all_groups_threads, mjx_env, phases):
-  """Sim and generation at each group size, smallest first (so each peak bounds its own size's): (samples, peaks,
-  sim threads (native MuJoCo), warm-up seconds, per size; the largest size's last observations)."""
-  times, peaks, threads, warmups = {}, {}, {}, {}
+  """Sim and generation at each group size, smallest first (so each peak bounds its own size's): ({'sim': Timed,
+  'generation': Timed}, peaks, sim threads (native MuJoCo), per size; the largest size's last observations)."""
+  times, peaks, threads = {}, {}, {}
   sizes = sorted({int(e) for e in envs_per_group})
   reset = _mjx_reset(cfg, mjx_env, sizes) if mjx_env is not None else None
   for e in sizes:
-    warmups[e] = {}
     if mjx_env is not None:
-      times[e] = _mjx_sim_gen(cfg, network, params, reset(e), repeats, mjx_env, warmups[e])
+      times[e] = _mjx_sim_gen(cfg, network, params, reset(e), repeats, mjx_env)
     else:
       threads[e] = cfg.sim.num_threads * (max(1, e // cfg.group_envs) if all_groups_threads else 1)
-      times[e] = _cpu_sim_gen(cfg, act, params, e, repeats, threads[e], warmups[e])
+      times[e] = _cpu_sim_gen(cfg, act, params, e, repeats, threads[e])
     peaks[e] = peak_bytes_in_use()
     phases.lap(f'group_size_{e}')
   last_obs = times[max(times)]['obs']  # the largest size's: the most distinct envs
   for entry in times.values():
     del entry['obs']
-  return times, peaks, threads, warmups, last_obs
+  return times, peaks, threads, last_obs
 
 
 def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5, all_groups_threads: bool = False) -> dict:
@@ -323,21 +328,16 @@ def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5, all_gro
   if cfg.sim.backend != 'mujoco_cpu':  # one MJX env serves every group size
     mjx_env = _mjx_env(cfg)
     phases.lap('env_build')
-  times, peaks, threads, warmups, last_obs = _time_groups(cfg, network, act, train_state.params, envs_per_group,
-                                                          repeats, all_groups_threads, mjx_env, phases)
+  times, peaks, threads, last_obs = _time_groups(cfg, network, act, train_state.params, envs_per_group, repeats,
+                                                 all_groups_threads, mjx_env, phases)
   batch = train_batch(cfg, spec, act, train_state.params, train_state.policy_version, last_obs)
   phases.lap('train_batch')
-  train_warmup = []
-  train = _stage(_train(cfg, network, optimizer, train_state, batch, repeats, train_warmup), iteration_steps,
-                 train_warmup[0])  # donates train_state
+  train = _stage(_train(cfg, network, optimizer, train_state, batch, repeats), iteration_steps)  # donates train_state
   train['peak_bytes_in_use'] = peak_bytes_in_use()
   phases.lap('train')
   out['train'] = train
   for e in envs_per_group:
-    entry = {
-        name: _stage(samples,
-                     int(e) * unroll_steps, warmups[int(e)][name][0]) for name, samples in times[int(e)].items()
-    }
+    entry = {name: _stage(timed, int(e) * unroll_steps) for name, timed in times[int(e)].items()}
     entry['peak_bytes_in_use'] = peaks[int(e)]
     if threads:
       entry['sim_threads'] = threads[int(e)] or None  # None: one per available core
