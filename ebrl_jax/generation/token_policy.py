@@ -243,7 +243,8 @@ class TokenPolicy(nn.Module):
     """value [B] float32: the shared head on BOS's output h_bos [B, D], or the MLP critic on obs's state."""
     if self.critic == 'shared':
       return self.value_head(h_bos)[:, 0]
-    return self.value_mlp(types.proprioception(obs).astype(jnp.float32))[:, 0]
+    state = types.proprioception(obs)  # [B, O] (or pre-cut tokens [B, N, S] without a tokenizer)
+    return self.value_mlp(state.reshape(state.shape[0], -1).astype(jnp.float32))[:, 0]
 
   def _prefix(self, obs) -> Array:
     tokens = obs if self.tokenizer is None else self.tokenizer(obs)
