@@ -76,10 +76,9 @@ def check_run_pixels(cfg) -> None:
   if not cfg.schedule.colocate_generation:
     raise ValueError('--obs=pixels with --nocolocate_generation (a separate generation worker) is not built yet: '
                      'act requests carry state only; keep --colocate_generation.')
-  if cfg.resources.plan or cfg.schedule.name == 'auto':
-    flag = '--plan' if cfg.resources.plan else '--schedule=auto'
-    raise ValueError(f'{flag} with --obs=pixels is not built yet (the calibration it runs times state observations '
-                     'only); choose --schedule and --num_groups (and --sm_quotas) by hand.')
+  if cfg.resources.plan_generation and (cfg.resources.plan or cfg.schedule.name == 'auto'):
+    raise ValueError('--plan_generation with --obs=pixels would weigh a separate generation worker, which the pixel '
+                     'path does not have yet (act requests carry state only); drop --plan_generation.')
   if policy.kind == 'mlp' and policy.vision_encoder != 'cnn':
     raise ValueError(f'--vision_encoder={policy.vision_encoder} gives tokens, which --policy=mlp cannot take: use '
                      '--vision_encoder=cnn, or --policy=transformer or token.')

@@ -240,6 +240,8 @@ HEAVY = frozenset({
 # Measured over ~5 s on the 2-core CPU machine: (file basename, test function name) marks every parametrisation,
 # (file basename, test id with its parameters) one of them.
 SLOW = frozenset({
+    # 6.4 s on the 2-core machine alone: a whole calibration with push_cube's camera rendering (a CNN compiled)
+    ('test_calibrate.py', 'test_profile_stages_with_pixels_renders_and_trains_on_camera_observations'),
     # ~40-50 s each on Warp's CPU kernels (EBRL_WARP_ALLOW_CPU=1); skipped without a CUDA GPU or that variable
     ('test_warp_pixels.py', 'test_warp_frames_stack_through_reset_chunks_and_episode_ends'),
     ('test_randomize.py', 'test_warp_draws_reach_the_physics_the_camera_and_the_renderer'),

@@ -55,14 +55,24 @@ def test_policy_vision_errors_name_the_flag(policy, pattern):
           patch_size=5), {}, r'--image_size=32 must be a multiple of --patch_size=5'),
     ({}, dict(name='async',
               colocate_generation=False), r'--obs=pixels with --nocolocate_generation .* is not built yet'),
-    ({}, dict(name='auto'), r'--schedule=auto with --obs=pixels is not built yet'),
+    ({}, dict(name='auto'), r'--plan_generation with --obs=pixels would weigh a separate generation worker'),
 ])
 def test_run_level_pixel_errors_name_the_flags(policy, schedule, pattern):
   with pytest.raises(ValueError, match=pattern):
     config_lib.Config(sim=config_lib.SimConfig(**_pixels(num_envs=4)),
                       policy=config_lib.PolicyConfig(**policy),
                       algo=config_lib.AlgoConfig(batch_size=4, num_minibatches=1),
-                      schedule=config_lib.ScheduleConfig(**schedule))
+                      schedule=config_lib.ScheduleConfig(**schedule),
+                      resources=config_lib.ResourceConfig(plan_generation=schedule.get('name') == 'auto'))
+
+
+def test_plan_and_auto_take_pixels():  # their calibration renders as the run does (resources/calibrate)
+  for schedule, resources in ((dict(name='auto'), {}), (dict(name='async'), dict(plan=True))):
+    cfg = config_lib.Config(sim=config_lib.SimConfig(**_pixels(num_envs=4)),
+                            algo=config_lib.AlgoConfig(batch_size=4, num_minibatches=1),
+                            schedule=config_lib.ScheduleConfig(num_groups=1, **schedule),
+                            resources=config_lib.ResourceConfig(**resources))
+    assert cfg.sim.obs == 'pixels'
 
 
 def test_flags_default_from_the_fields_and_build_the_pixel_config():

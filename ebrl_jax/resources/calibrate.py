@@ -7,6 +7,10 @@ What is timed (one "call" of each stage, the unit the pipeline hands around):
               (MJX), or `generation.stages.make_act` per policy step with host<->device copies (native MuJoCo);
   train       one `trainer.stages.train_step` on a whole iteration's batch (`train_batch` below).
 
+With camera observations (`--obs=pixels`) the sim stage renders as the run's does (the native pool with its camera,
+`rollout.cpu.make_pool`; the MJX-Warp env of `rollout.mjx.make_env`, whose step renders), generation and training
+take the `types.PixelObs` it ended on.
+
 `per_env_step` divides each by the env steps it stands for (E * unroll_length for sim and generation, the
 iteration's env steps for train): t_sim, t_gen, t_train of docs/benchmarks.md. Sequential floor 1 / (t_sim + t_gen +
 t_train) and perfect-overlap ceiling 1 / max(...) follow. Each call is run `repeats` times after one warm-up
@@ -37,6 +41,7 @@ cut from so that reset compiles once), so it is an upper bound of the stage's ow
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import time
@@ -47,13 +52,14 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from ebrl_jax import config as config_lib
 from ebrl_jax import sim
 from ebrl_jax import types
 from ebrl_jax.generation import policies
 from ebrl_jax.generation import stages as gen_stages
 from ebrl_jax.runtime import startup
 from ebrl_jax.runtime import storage
-from ebrl_jax.sim import cpu_env
+from ebrl_jax.rollout import cpu as cpu_rollout
 from ebrl_jax.trainer import stages as trainer_stages
 
 
@@ -119,8 +125,8 @@ def _mjx_reset(cfg, env, sizes: Sequence[int]):
 
 
 def _mjx_sim_gen(cfg, network, params, state, repeats: int, env) -> dict:
-  """{'sim': Timed, 'generation': Timed, 'obs': the observations [E, O] the last timed unroll ended on}, from
-  `state` (E envs just reset)."""
+  """{'sim': Timed, 'generation': Timed, 'obs': the observations of E envs the last timed unroll ended on (a
+  `types.PixelObs` with a camera: the sim stage renders), from `state` (E envs just reset)."""
   from ebrl_jax.sim import stages as sim_stages  # lazy: brax and MJX load only when a calibration runs
   k = cfg.policy.action_chunk
   steps = cfg.algo.unroll_length // k
@@ -137,16 +143,17 @@ def _mjx_sim_gen(cfg, network, params, state, repeats: int, env) -> dict:
 
     return jax.lax.scan(body, state, actions)
 
-  obs = state.brax_state.obs
+  obs = sim_stages.observation(state)
 
   @jax.jit
   def gen_unroll(params, obs, key):
 
-    def body(acc, step_key):
-      out = gen_stages.act(network, params, obs + acc[:, None] * 0.0, step_key, min_std=cfg.policy.min_std)
+    def body(acc, step_key):  # every input depends on the carry, so XLA cannot hoist any of act out of the loop
+      step_obs = jax.tree.map(lambda x: x + (acc.reshape((-1,) + (1,) * (x.ndim - 1)) * 0.0).astype(x.dtype), obs)
+      out = gen_stages.act(network, params, step_obs, step_key, min_std=cfg.policy.min_std)
       return acc + out.log_probs, None
 
-    acc, _ = jax.lax.scan(body, jnp.zeros(obs.shape[0]), jax.random.split(key, steps))
+    acc, _ = jax.lax.scan(body, jnp.zeros(envs), jax.random.split(key, steps))
     return acc
 
   box = {'state': state}
@@ -157,27 +164,24 @@ def _mjx_sim_gen(cfg, network, params, state, repeats: int, env) -> dict:
 
   sim_timed = _timed(run_sim, repeats)
   gen = _timed(lambda: jax.block_until_ready(gen_unroll(params, obs, jax.random.PRNGKey(2))), repeats)
-  return {'sim': sim_timed, 'generation': gen, 'obs': np.asarray(box['state'].brax_state.obs)}
+  return {'sim': sim_timed, 'generation': gen, 'obs': jax.tree.map(np.asarray, sim_stages.observation(box['state']))}
 
 
 def _cpu_sim_gen(cfg, act, params, envs: int, repeats: int, threads: int) -> dict:
-  """As `_mjx_sim_gen`, for native MuJoCo: the pool's steps, then the policy on its last observations."""
+  """As `_mjx_sim_gen`, for native MuJoCo: the pool's steps (rendering with a camera, as the run's pool does:
+  `rollout.cpu.make_pool`), then the policy on its last observations."""
   k = cfg.policy.action_chunk
   steps = cfg.algo.unroll_length // k
   rng = np.random.default_rng(0)
-  with cpu_env.CpuEnvPool(cfg.sim.task,
-                          envs,
-                          cfg.sim.episode_length,
-                          cfg.sim.action_repeat,
-                          num_threads=threads or cfg.sim.num_threads,
-                          seed=0) as pool:
-    box = {'obs': pool.reset()}
+  sim = dataclasses.replace(cfg.sim, num_threads=threads or cfg.sim.num_threads)
+  with cpu_rollout.make_pool(sim, envs, seed=0, auto_reset=True) as pool:
+    box = {'obs': cpu_rollout.observe(pool, pool.reset())}
     spec = pool.spec
     actions = rng.uniform(-1.0, 1.0, (steps, envs, k, spec.action_dim)).astype(np.float32)
 
     def run_sim():
       for t in range(steps):
-        box['obs'] = pool.step(actions[t]).obs
+        box['obs'] = cpu_rollout.observe(pool, pool.step(actions[t]).obs)
 
     sim_timed = _timed(run_sim, repeats)
   key = jax.random.PRNGKey(2)
@@ -188,19 +192,23 @@ def _cpu_sim_gen(cfg, act, params, envs: int, repeats: int, threads: int) -> dic
       out = act(params, obs, key, t)
       np.asarray(out.actions)  # the host copy the sim worker waits for
 
-  return {'sim': sim_timed, 'generation': _timed(run_gen, repeats), 'obs': np.asarray(obs)}
+  return {'sim': sim_timed, 'generation': _timed(run_gen, repeats), 'obs': jax.tree.map(np.asarray, obs)}
 
 
-def train_batch(cfg, spec: types.EnvSpec, act, params, version, obs: np.ndarray) -> types.Transition:
-  """One iteration's training batch [T, S] (the module doc): `obs` [E, O] repeated to the run's envs, the policy's
-  actions and log-probs for them (`act`, a `make_act`), repeated over the iteration's T steps and unrolls."""
-  if spec.pixel_shape:
-    raise ValueError('calibration times state observations; --obs=pixels is not supported by it.')
+def train_batch(cfg, spec: types.EnvSpec, act, params, version, obs) -> types.Transition:
+  """One iteration's training batch [T, S] (the module doc): `obs` of E envs ([E, O], or a `types.PixelObs` with
+  a camera) repeated to the run's envs, the policy's actions and log-probs for them (`act`, a `make_act`),
+  repeated over the iteration's T steps and unrolls."""
   unrolls, steps = cfg.segment_shape
   n = cfg.sim.num_envs
-  rows = np.resize(np.asarray(obs, np.float32), (n, spec.obs_dim))  # the observed envs, repeated in order
-  out = act(params, jnp.asarray(rows), jax.random.PRNGKey(4), 0)
-  template = types.transition_template(steps, unrolls * n, spec.obs_dim, cfg.policy.action_chunk, spec.action_dim)
+  template = types.transition_template(steps, unrolls * n, spec.obs_dim, cfg.policy.action_chunk, spec.action_dim,
+                                       spec.pixel_shape)
+  if jax.tree.structure(obs) != jax.tree.structure(template.obs):
+    raise ValueError(f'observations {jax.tree.structure(obs)} do not match the env spec\'s '
+                     f'{jax.tree.structure(template.obs)} (pixel_shape {spec.pixel_shape}).')
+  # The observed envs, repeated in order to the run's n envs.
+  rows = jax.tree.map(lambda x, t: np.resize(np.asarray(x, t.dtype), (n,) + t.shape[2:]), obs, template.obs)
+  out = act(params, jax.tree.map(jnp.asarray, rows), jax.random.PRNGKey(4), 0)
 
   def per_segment(x):  # [n, ...] -> [T, U * n, ...]: env e's value in every unroll and step
     x = np.asarray(x)
@@ -208,12 +216,12 @@ def train_batch(cfg, spec: types.EnvSpec, act, params, version, obs: np.ndarray)
 
   shape = (steps, unrolls * n)
   rewards = np.random.default_rng(4).normal(size=shape)
-  values = types.Transition(obs=per_segment(rows),
+  values = types.Transition(obs=jax.tree.map(per_segment, rows),
                             raw_action=per_segment(out.raw_actions),
                             reward=rewards,
                             termination=np.zeros(shape),
                             truncation=np.zeros(shape),
-                            next_obs=per_segment(rows),
+                            next_obs=jax.tree.map(per_segment, rows),
                             behaviour_log_prob=per_segment(out.log_probs),
                             mask=np.ones(shape),
                             policy_version=np.full(shape, int(version)))
@@ -256,15 +264,10 @@ def _stage(timed: Timed, env_steps: int) -> dict:
 
 
 def _mjx_env(cfg):
-  """The env the run steps (its randomisation included: the profile times what the run runs), state observations
-  only (calibration refuses pixels, `train_batch`)."""
-  from ebrl_jax.sim import stages as sim_stages  # lazy: brax and MJX load only when an MJX calibration runs
-  return sim_stages.make_mjx_env(cfg.sim.task,
-                                 cfg.sim.episode_length,
-                                 cfg.sim.action_repeat,
-                                 auto_reset=not cfg.algo.episodic,
-                                 impl=sim_stages.impl_for_backend(cfg.sim.backend),
-                                 randomization=cfg.sim.randomization)
+  """The env the run steps (`rollout.mjx.make_env`, memoised: its randomisation and camera included, so the
+  profile times what the run runs)."""
+  from ebrl_jax.rollout import mjx as mjx_rollout  # lazy: brax and MJX load only when an MJX calibration runs
+  return mjx_rollout.make_env(cfg.sim, auto_reset=not cfg.algo.episodic)
 
 
 def _time_groups(cfg, network, act, params, envs_per_group, repeats, all_groups_threads, mjx_env, phases):
@@ -306,11 +309,11 @@ def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5, all_gro
     if e <= 0:
       raise ValueError(f'calibration batch size {e} must be > 0.')
   phases = _Phases()
-  spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
-  network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
+  spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat, config_lib.pixel_shape(cfg.sim))
+  network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim, spec.pixel_shape)
   optimizer = trainer_stages.make_optimizer(cfg.algo)
   train_state = trainer_stages.init_train_state(network, optimizer, jax.random.PRNGKey(cfg.schedule.seed), spec.obs_dim,
-                                                cfg.policy.normalize_observations)
+                                                cfg.policy.normalize_observations, spec.pixel_shape)
   act = gen_stages.make_act(network, cfg.policy.min_std)
   unroll_steps = cfg.algo.unroll_length * cfg.sim.action_repeat  # env steps per env in one sim/gen call
   iteration_steps = cfg.env_steps_per_iteration

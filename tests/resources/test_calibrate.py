@@ -51,7 +51,7 @@ def test_the_training_batch_is_the_policys_output_on_the_observed_envs_in_the_it
       np.testing.assert_allclose(batch.behaviour_log_prob[t, segment], out.log_probs)
   assert np.all(batch.mask == 1) and np.all(batch.termination == 0) and np.all(batch.policy_version == 0)
   assert np.all(np.isfinite(batch.reward)) and np.std(batch.reward) > 0.5
-  with pytest.raises(ValueError, match='--obs=pixels'):
+  with pytest.raises(ValueError, match='do not match the env spec'):  # state rows for a camera spec
     calibrate.train_batch(cfg, spec._replace(pixel_shape=(8, 8, 3)), act, state.params, 0, observed)
 
 
@@ -67,3 +67,44 @@ def test_profile_stages_on_native_mujoco_times_every_stage_and_says_where_its_ti
   store = profiles.ProfileStore('machine', 'workload')
   calibrate.add_to_store(store, profile)
   assert sorted({b for b, _, _ in store['sim'].samples}) == [4, 8] and len(store['train'].samples) == 2
+
+
+def test_profile_stages_with_pixels_renders_and_trains_on_camera_observations():
+  """--obs=pixels (push_cube on native MuJoCo): the sim stage is timed with the pool rendering as the run's does,
+  generation on the `PixelObs` it ended on, and training on a batch of those observations."""
+  cfg = config_lib.Config(sim=config_lib.SimConfig(task='push_cube',
+                                                   obs='pixels',
+                                                   image_size=16,
+                                                   frame_stack=2,
+                                                   num_envs=4,
+                                                   num_eval_envs=2,
+                                                   num_threads=1),
+                          policy=config_lib.PolicyConfig(policy_hidden_sizes=(8,),
+                                                         value_hidden_sizes=(8,),
+                                                         d_model=8,
+                                                         cnn_channels=(4,),
+                                                         cnn_blocks=0),
+                          algo=config_lib.AlgoConfig(unroll_length=2,
+                                                     batch_size=4,
+                                                     num_minibatches=1,
+                                                     num_updates_per_batch=1),
+                          schedule=config_lib.ScheduleConfig(name='fused', compilation_cache_dir=''))
+  spec = sim.env_spec('push_cube', cfg.sim.episode_length, 1, config_lib.pixel_shape(cfg.sim))
+  network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim, spec.pixel_shape)
+  state = trainer_stages.init_train_state(network, trainer_stages.make_optimizer(cfg.algo), jax.random.PRNGKey(0),
+                                          spec.obs_dim, True, spec.pixel_shape)
+  act = gen_stages.make_act(network, cfg.policy.min_std)
+  timed = calibrate._cpu_sim_gen(cfg, act, state.params, 4, repeats=1, threads=1)  # pylint: disable=protected-access
+  obs = timed['obs']
+  assert isinstance(obs, types.PixelObs) and obs.pixels.shape == (4, 16, 16, 6) and obs.pixels.dtype == np.uint8
+  assert obs.pixels.std() > 0  # rendered frames, not zeros
+  batch = calibrate.train_batch(cfg, spec, act, state.params, 0, obs)
+  assert batch.obs.pixels.shape == (2, 4, 16, 16, 6) and batch.next_obs.pixels.dtype == np.uint8  # [T, S, ...]
+  for t in range(2):
+    np.testing.assert_array_equal(batch.obs.pixels[t], obs.pixels)
+    np.testing.assert_array_equal(batch.obs.state[t], obs.state)
+  with pytest.raises(ValueError, match='do not match the env spec'):
+    calibrate.train_batch(cfg, spec, act, state.params, 0, obs.state)
+  profile = calibrate.profile_stages(cfg, [4], repeats=1)
+  for entry in (profile['train'], profile['groups']['4']['sim'], profile['groups']['4']['generation']):
+    assert entry['median_s'] > 0 and entry['warmup_s'] > 0
