@@ -21,7 +21,8 @@ hands the trainer) and is made of the stages' own output, not of a collection pr
 observations the sim stage's last timed unroll ended on (its largest group size; repeated over envs when the run
 has more), the actions and behaviour log-probs the policy (`generation.stages.make_act`) gives for them, so PPO's
 ratios start at 1 as on a real first epoch, repeated over the iteration's steps and unrolls; rewards are seeded
-normal draws, no episode ends, every mask 1, the train state's policy version. train_step is dense arithmetic
+normal draws, no episode ends, every mask 1, the train state's policy version. With --algo=grpo the iteration's
+shapes are one whole episode per env (`Config.segment_shape`) and the train step takes the run's GRPO groups. train_step is dense arithmetic
 (no branch or loop on the data), so its time depends on these shapes, not on the values. Earlier versions
 compiled the fused MJX collection program (and for native MuJoCo an MJX env) only to make this batch: most of a
 native-MuJoCo calibration's time on the CPU (experiments/results/calibration_cost_cpu.json).
@@ -303,8 +304,6 @@ def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5, all_gro
   group stepping at once, the overlap ceiling's case); otherwise with --num_threads, one group's (the planner's
   case: a group's time at each group size it may choose). The count is recorded per size as 'sim_threads'.
   """
-  if cfg.algo.episodic:
-    raise ValueError('calibration times PPO unrolls; --algo=grpo is not supported by it yet.')
   for e in envs_per_group:
     if e <= 0:
       raise ValueError(f'calibration batch size {e} must be > 0.')

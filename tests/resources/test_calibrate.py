@@ -1,6 +1,8 @@
 """The calibration in this process on native MuJoCo at tiny sizes: the training batch made of the stages' own output
 (shapes, rows, the policy's log-probs), and a whole `profile_stages` with its phases and warm-up seconds. The
 calibration process of a real run (spawned, then a run on the plan) is test_autoplan's opt-in e2e test."""
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -53,6 +55,26 @@ def test_the_training_batch_is_the_policys_output_on_the_observed_envs_in_the_it
   assert np.all(np.isfinite(batch.reward)) and np.std(batch.reward) > 0.5
   with pytest.raises(ValueError, match='do not match the env spec'):  # state rows for a camera spec
     calibrate.train_batch(cfg, spec._replace(pixel_shape=(8, 8, 3)), act, state.params, 0, observed)
+
+
+def test_grpo_training_batch_is_one_whole_episode_per_env_and_trains():
+  """--algo=grpo (auto and --plan calibrate it too): the batch is the iteration's [episode steps, envs], and
+  train_step takes it with the run's GRPO groups."""
+  base = _cfg()
+  cfg = dataclasses.replace(base,
+                            sim=dataclasses.replace(base.sim, episode_length=6, group_size=4),
+                            algo=dataclasses.replace(base.algo, name='grpo'))
+  assert cfg.segment_shape == (1, 6)
+  spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
+  network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim)
+  optimizer = trainer_stages.make_optimizer(cfg.algo)
+  state = trainer_stages.init_train_state(network, optimizer, jax.random.PRNGKey(0), spec.obs_dim, True)
+  act = gen_stages.make_act(network, cfg.policy.min_std)
+  observed = np.random.default_rng(0).normal(size=(8, spec.obs_dim)).astype(np.float32)
+  batch = calibrate.train_batch(cfg, spec, act, state.params, state.policy_version, observed)
+  assert batch.reward.shape == (6, 8) and batch.obs.shape == (6, 8, spec.obs_dim)
+  timed = calibrate._train(cfg, network, optimizer, state, batch, repeats=1)  # pylint: disable=protected-access
+  assert timed.warmup_s > 0 and len(timed.samples_s) == 1 and timed.samples_s[0] > 0
 
 
 def test_profile_stages_on_native_mujoco_times_every_stage_and_says_where_its_time_went():
