@@ -17,8 +17,9 @@ The value network of the transformer and token policies (`--critic`, `critic_of`
   shared    a value head on the policy's own trunk (the value token / the BOS position);
   mlp       a separate Brax-style MLP critic (`--value_hidden_sizes`) on the normalised state observation, so the
             value loss moves none of the policy's parameters;
-  auto      mlp for state observations, shared with camera observations (a state-only critic cannot see what the
-            camera sees). Why mlp: with a shared trunk the value loss's gradient (targets of tens to hundreds after
+  auto      mlp for state observations, shared with camera observations (a critic of the state alone sees what
+            the camera sees only where the task's state carries it, as push_cube's 31 values do: there
+            --critic=mlp is an asymmetric critic, the usual choice in robot learning). Why mlp: with a shared trunk the value loss's gradient (targets of tens to hundreds after
             --reward_scaling) outweighs the normalised-advantage policy loss's in every trunk parameter
             (experiments/critic_gradients.py measures it), and W2's 25 M transformer did not learn to move.
 """
@@ -39,11 +40,8 @@ def check_critic(policy) -> None:
 
 
 def critic_of(policy, pixels: bool) -> str:
-  """'shared' or 'mlp': the value network `policy` (a `PolicyConfig`) gets (the module doc); with camera
-  observations only 'shared' is built."""
-  if policy.critic == 'mlp' and pixels and policy.kind != 'mlp':
-    raise ValueError('--critic=mlp with --obs=pixels is not built yet (a state-only critic cannot see the camera); '
-                     'use --critic=shared or auto.')
+  """'shared' or 'mlp': the value network `policy` (a `PolicyConfig`) gets (the module doc). With camera
+  observations 'mlp' is an asymmetric critic: it reads the state beside the pixels, never the pixels."""
   if policy.critic == 'auto':
     return 'shared' if pixels else 'mlp'
   return policy.critic

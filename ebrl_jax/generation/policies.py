@@ -116,7 +116,7 @@ def make_network(policy_config: PolicyConfig, obs_dim: int, action_dim: int, pix
   del obs_dim
   critic = config_generation.critic_of(policy_config, pixels=bool(pixel_shape))
   if pixel_shape:
-    return _make_pixel_network(policy_config, action_dim)
+    return _make_pixel_network(policy_config, action_dim, critic)
   dtype = jnp.dtype(policy_config.compute_dtype)
   if policy_config.kind == 'mlp':
     return MLPActorCritic(policy_hidden_sizes=tuple(policy_config.policy_hidden_sizes),
@@ -139,7 +139,7 @@ def make_network(policy_config: PolicyConfig, obs_dim: int, action_dim: int, pix
   raise ValueError(f'--policy={policy_config.kind!r} is not valid; allowed values: {", ".join(POLICIES)}.')
 
 
-def _make_pixel_network(p: PolicyConfig, action_dim: int) -> nn.Module:
+def _make_pixel_network(p: PolicyConfig, action_dim: int, critic: str) -> nn.Module:
   """The pixel networks of `vision`: `mlp` -> `CNNActorCritic` (IMPALA features of width d_model beside the
   state, then the MLP heads); `transformer` -> `VisionTransformerActorCritic` and `token` -> `TokenPolicy` over a
   `PixelTokenizer` prefix (image tokens of `vision_encoder`, then state tokens)."""
@@ -164,11 +164,13 @@ def _make_pixel_network(p: PolicyConfig, action_dim: int) -> nn.Module:
                                                dtype=dtype,
                                                encoder=p.vision_encoder,
                                                stage_channels=channels,
-                                               num_blocks=p.cnn_blocks)
+                                               num_blocks=p.cnn_blocks,
+                                               critic=critic,
+                                               value_hidden_sizes=tuple(p.value_hidden_sizes))
   if p.kind == 'token':
     tokenizer = vision.PixelTokenizer(p.patch_size, p.d_model, p.obs_token_size, dtype, p.vision_encoder, channels,
                                       p.cnn_blocks)
-    return _token_policy(p, action_dim, tokenizer)
+    return _token_policy(p, action_dim, tokenizer, critic)
   raise ValueError(f'--policy={p.kind!r} is not valid; allowed values: {", ".join(POLICIES)}.')
 
 

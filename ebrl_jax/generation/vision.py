@@ -183,7 +183,9 @@ class PixelTokenizer(nn.Module):
 
 
 class VisionTransformerActorCritic(nn.Module):
-  """`PixelTokenizer` prefix + K action queries + 1 value token through pre-LN encoder blocks.
+  """`PixelTokenizer` prefix + K action queries + 1 value token through pre-LN encoder blocks; with
+  `critic='mlp'` no value token, but a separate MLP critic on the state beside the pixels (an asymmetric critic:
+  `--critic=mlp`, config_generation).
 
   obs: PixelObs(pixels [B, H, W, C] uint8, state [B, O]) -> (dist_params [B, K, 2A] float32, value [B] float32),
   the same contract as `policies.TransformerActorCritic`, so `distribution` and the losses apply unchanged.
@@ -200,6 +202,8 @@ class VisionTransformerActorCritic(nn.Module):
   encoder: str = 'patches'  # or 'cnn' (see PixelTokenizer)
   stage_channels: Sequence[int] = (16, 32, 32)
   num_blocks: int = 2
+  critic: str = 'shared'
+  value_hidden_sizes: Sequence[int] = (256, 256, 256, 256, 256)
 
   @nn.compact
   def __call__(self, obs: PixelObs) -> Tuple[Array, Array]:
@@ -212,16 +216,20 @@ class VisionTransformerActorCritic(nn.Module):
                        self.num_blocks,
                        name='tokenizer')(obs)
     batch, num_tokens, _ = x.shape
-    queries = self.param('action_queries', _EMBED_INIT, (self.action_chunk, self.d_model))
-    value_token = self.param('value_token', _EMBED_INIT, (1, self.d_model))
-    extra = jnp.broadcast_to(
-        jnp.concatenate([queries, value_token], 0)[None], (batch, self.action_chunk + 1, self.d_model))
-    x = jnp.concatenate([x, extra.astype(self.dtype)], axis=1)  # [B, P + N + K + 1, D]
+    shared = self.critic == 'shared'
+    extra = self.param('action_queries', _EMBED_INIT, (self.action_chunk, self.d_model))
+    if shared:
+      extra = jnp.concatenate([extra, self.param('value_token', _EMBED_INIT, (1, self.d_model))], 0)
+    extra = jnp.broadcast_to(extra[None], (batch,) + extra.shape)
+    x = jnp.concatenate([x, extra.astype(self.dtype)], axis=1)  # [B, P + N + K (+ 1), D]
     for i in range(self.num_layers):
       x = layers.EncoderBlock(self.num_heads, self.mlp_ratio, self.dtype, name=f'block_{i}')(x)
     x = nn.LayerNorm(dtype=jnp.float32, name='ln_final')(x[:, num_tokens:].astype(jnp.float32))
-    dist_params = nn.Dense(2 * self.action_dim, kernel_init=_HEAD_INIT, name='action_head')(x[:, :-1])
-    value = nn.Dense(1, kernel_init=_HEAD_INIT, name='value_head')(x[:, -1])
+    dist_params = nn.Dense(2 * self.action_dim, kernel_init=_HEAD_INIT, name='action_head')(x[:, :self.action_chunk])
+    if shared:
+      value = nn.Dense(1, kernel_init=_HEAD_INIT, name='value_head')(x[:, -1])
+    else:
+      value = layers.MLP(tuple(self.value_hidden_sizes) + (1,), name='value')(obs.state.astype(jnp.float32))
     chex.assert_shape(dist_params, (batch, self.action_chunk, 2 * self.action_dim))
     return dist_params, value[:, 0]
 

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ebrl_jax import types
 from ebrl_jax.config import PolicyConfig
 from ebrl_jax.generation import policies
 
@@ -85,8 +86,29 @@ def test_critic_flag_checks():
     PolicyConfig(kind='mlp', critic='shared')
   with pytest.raises(ValueError, match="--critic='big' is not valid; allowed values: auto, shared, mlp"):
     PolicyConfig(kind='transformer', critic='big')
-  with pytest.raises(ValueError, match='--critic=mlp with --obs=pixels is not built yet'):
-    policies.make_network(PolicyConfig(kind='transformer', critic='mlp'), OBS, ACT, pixel_shape=(16, 16, 3))
+
+
+@pytest.mark.parametrize('critic', ['mlp', 'auto'])
+def test_pixel_transformer_critic_reads_the_state_only_with_mlp(critic):
+  """With --obs=pixels, auto is the shared value token; --critic=mlp an asymmetric critic of the state alone."""
+  cfg = PolicyConfig(kind='transformer',
+                     d_model=16,
+                     num_layers=1,
+                     num_heads=2,
+                     patch_size=8,
+                     critic=critic,
+                     value_hidden_sizes=(8,),
+                     vision_encoder='patches')
+  net = policies.make_network(cfg, OBS, ACT, pixel_shape=(16, 16, 3))
+  obs = types.PixelObs(pixels=jnp.zeros((3, 16, 16, 3), jnp.uint8), state=jnp.ones((3, OBS)))
+  params = jax.jit(net.init)(jax.random.PRNGKey(0), obs)
+  assert ('value_token' in params['params']) == (critic == 'auto')
+  other = obs._replace(pixels=jnp.full((3, 16, 16, 3), 200, jnp.uint8))
+  dist, value = net.apply(params, obs)
+  dist_other, value_other = net.apply(params, other)
+  assert dist.shape == (3, 1, 2 * ACT) and value.shape == (3,)
+  assert not np.allclose(dist, dist_other)  # the policy sees the pixels
+  assert np.allclose(value, value_other) == (critic == 'mlp')  # the MLP critic does not
 
 
 def test_transformer_shapes_and_bf16_compute():
