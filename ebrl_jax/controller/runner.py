@@ -14,6 +14,7 @@ from absl import logging
 import jax
 
 from ebrl_jax import config as config_lib
+from ebrl_jax import config_generation
 from ebrl_jax import config_resources
 from ebrl_jax.controller import auto
 from ebrl_jax.controller import cells as cells_lib
@@ -196,8 +197,11 @@ def _written_by(cfg: config_lib.Config, step: int) -> str:
       run = {'task': saved['sim']['task'], 'policy': saved['policy']['kind']}
     except (OSError, ValueError, KeyError, TypeError):
       return 'by another run'
-  return (f'for --task={run.get("task")} --policy={run.get("policy")} (this run: --task={cfg.sim.task} '
+  text = (f'for --task={run.get("task")} --policy={run.get("policy")} (this run: --task={cfg.sim.task} '
           f'--policy={cfg.policy.kind})')
+  mine = config_generation.critic_of(cfg.policy, cfg.sim.obs == 'pixels')
+  theirs = run.get('critic') or ('shared (checkpoints from before --critic)' if run.get('policy') != 'mlp' else mine)
+  return text if theirs == mine else f'{text} with --critic={theirs} (this run: {mine})'
 
 
 def check_before_start(cfg: config_lib.Config) -> Optional[dict]:

@@ -7,7 +7,9 @@ import jax
 import numpy as np
 import pytest
 
+from ebrl_jax import config as config_lib
 from ebrl_jax.config import AlgoConfig, PolicyConfig
+from ebrl_jax.controller import runner
 from ebrl_jax.generation import policies
 from ebrl_jax.trainer import checkpoint
 from ebrl_jax.trainer import stages
@@ -97,3 +99,20 @@ def test_a_cut_manifest_or_array_metadata_is_found_before_the_restore(tmp_path, 
   with open(path, 'r+b') as f:
     f.truncate(keep)
   assert checkpoint.damage(directory, 2).startswith(path)
+
+
+@pytest.mark.parametrize('saved_critic,named', [('shared', '--critic=shared (this run: mlp)'),
+                                                (None, '--critic=shared (checkpoints from before --critic)'),
+                                                ('mlp', None)])
+def test_the_refusal_names_the_critic_a_checkpoint_was_written_with(tmp_path, saved_critic, named):
+  run = {'task': 'ant', 'policy': 'transformer'}
+  if saved_critic:
+    run['critic'] = saved_critic
+  with checkpoint.Checkpointer(str(tmp_path / 'checkpoints')) as ckpt:
+    ckpt.save(1, _state(), {'env_steps': 100, 'iterations': 1, 'run': run})
+  cfg = config_lib.Config(sim=config_lib.SimConfig(task='ant'),
+                          policy=PolicyConfig(kind='transformer'),
+                          schedule=config_lib.ScheduleConfig(run_dir=str(tmp_path)))
+  text = runner._written_by(cfg, 1)  # pylint: disable=protected-access
+  assert text.startswith('for --task=ant --policy=transformer (this run: --task=ant --policy=transformer)')
+  assert (named in text) if named else '--critic' not in text
