@@ -194,13 +194,8 @@ def _evaluate(cfg, source, train_state, root_key, progress: _Progress, logger, c
 def _save(cfg, checkpointer, train_state, progress: _Progress, spec) -> None:
   if checkpointer is None or not cfg.schedule.checkpoint_every or progress.iterations <= progress.last_saved:
     return
-  run = {
-      'task': cfg.sim.task,
-      'policy': cfg.policy.kind,
-      'obs_dim': spec.obs_dim,
-      'action_dim': spec.action_dim,
-      'critic': config_generation.critic_of(cfg.policy, bool(spec.pixel_shape))
-  }
+  critic = config_generation.critic_of(cfg.policy, bool(spec.pixel_shape))
+  run = dict(task=cfg.sim.task, policy=cfg.policy.kind, obs_dim=spec.obs_dim, action_dim=spec.action_dim, critic=critic)
   checkpointer.save(progress.iterations, train_state, {
       'env_steps': progress.env_steps,
       'iterations': progress.iterations,
