@@ -225,6 +225,7 @@ E2E_FIXTURES = frozenset({'quick_result'})
 
 # Numeric tests of unit files measured at 3-5 s on the 2-core CPU machine: contract (see above), not slow.
 HEAVY = frozenset({
+    ('test_policies.py', 'test_transformer_mlp_critic_value_loss_moves_no_policy_parameter'),  # 4 s: two grads jitted
     ('test_trainer_stages.py', 'test_ppo_train_step_learns_and_keeps_bookkeeping'),
     ('test_trainer_stages.py', 'test_grpo_train_step_leaves_the_critic_alone'),
     ('test_trainer_stages.py', 'test_first_step_is_on_policy'),

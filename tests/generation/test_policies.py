@@ -70,11 +70,13 @@ def test_transformer_param_counts(d, layers, k, expected, critic):
 
 def test_transformer_mlp_critic_value_loss_moves_no_policy_parameter():
   """--critic=mlp: the value depends on the critic's own params only; the policy's outputs on none of them."""
-  net = policies.make_network(PolicyConfig(kind='transformer', d_model=32, num_layers=2, critic='mlp'), OBS, ACT)
+  cfg = PolicyConfig(kind='transformer', d_model=16, num_layers=1, num_heads=2, critic='mlp', value_hidden_sizes=(8,))
+  net = policies.make_network(cfg, OBS, ACT)
   obs = jax.random.normal(jax.random.PRNGKey(1), (6, OBS))
   params = jax.jit(net.init)(jax.random.PRNGKey(0), obs[:1])
-  value_grads = jax.grad(lambda p: jnp.sum(net.apply(p, obs)[1]))(params)['params']
-  policy_grads = jax.grad(lambda p: jnp.sum(net.apply(p, obs)[0]))(params)['params']
+  both = jax.jit(lambda p: (jax.grad(lambda q: jnp.sum(net.apply(q, obs)[1]))
+                            (p), jax.grad(lambda q: jnp.sum(net.apply(q, obs)[0]))(p)))
+  value_grads, policy_grads = (g['params'] for g in both(params))
   for name, tree in value_grads.items():
     norm = sum(float(jnp.sum(jnp.abs(x))) for x in jax.tree_util.tree_leaves(tree))
     assert (norm > 0) == (name == 'value'), (name, norm)
@@ -104,8 +106,9 @@ def test_pixel_transformer_critic_reads_the_state_only_with_mlp(critic):
   params = jax.jit(net.init)(jax.random.PRNGKey(0), obs)
   assert ('value_token' in params['params']) == (critic == 'auto')
   other = obs._replace(pixels=jnp.full((3, 16, 16, 3), 200, jnp.uint8))
-  dist, value = net.apply(params, obs)
-  dist_other, value_other = net.apply(params, other)
+  apply = jax.jit(net.apply)
+  dist, value = apply(params, obs)
+  dist_other, value_other = apply(params, other)
   assert dist.shape == (3, 1, 2 * ACT) and value.shape == (3,)
   assert not np.allclose(dist, dist_other)  # the policy sees the pixels
   assert np.allclose(value, value_other) == (critic == 'mlp')  # the MLP critic does not
