@@ -19,9 +19,10 @@ The value network of the transformer and token policies (`--critic`, `critic_of`
             value loss moves none of the policy's parameters;
   auto      mlp for state observations, shared with camera observations (a critic of the state alone sees what
             the camera sees only where the task's state carries it, as push_cube's 31 values do: there
-            --critic=mlp is an asymmetric critic, the usual choice in robot learning). Why mlp: with a shared trunk the value loss's gradient (targets of tens to hundreds after
-            --reward_scaling) outweighs the normalised-advantage policy loss's in every trunk parameter
-            (experiments/critic_gradients.py measures it), and W2's 25 M transformer did not learn to move.
+            --critic=mlp is an asymmetric critic, the usual choice in robot learning). Why mlp: with a shared
+            trunk the value loss's gradient (targets of tens to hundreds after --reward_scaling) outweighs the
+            normalised-advantage policy loss's in every trunk parameter (experiments/critic_gradients.py
+            measures it), and W2's 25 M transformer did not learn to move.
 """
 from __future__ import annotations
 

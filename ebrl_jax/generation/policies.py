@@ -81,30 +81,23 @@ class TransformerActorCritic(nn.Module):
   def __call__(self, obs: Array) -> Tuple[Array, Array]:
     """obs [B, O] -> (dist_params [B, K, 2A], value [B])."""
     chex.assert_rank(obs, 2)
-    shared = self.critic == 'shared'
     batch, obs_dim = obs.shape
     num_tokens = -(-obs_dim // self.obs_token_size)
     pad = num_tokens * self.obs_token_size - obs_dim
     tokens = jnp.pad(obs, ((0, 0), (0, pad))).reshape(batch, num_tokens, self.obs_token_size)
-    embed_init = nn.initializers.normal(0.02)
     x = nn.Dense(self.d_model, dtype=self.dtype, name='obs_embed')(tokens.astype(self.dtype))
-    x = x + self.param('obs_pos_embed', embed_init, (num_tokens, self.d_model)).astype(self.dtype)
-    extra = self.param('action_queries', embed_init, (self.action_chunk, self.d_model))
-    if shared:
-      extra = jnp.concatenate([extra, self.param('value_token', embed_init, (1, self.d_model))], 0)
-    extra = jnp.broadcast_to(extra[None], (batch,) + extra.shape)
-    x = jnp.concatenate([x, extra.astype(self.dtype)], axis=1)  # [B, N + K (+ 1), D]
-    for i in range(self.num_layers):
-      x = EncoderBlock(self.num_heads, self.mlp_ratio, self.dtype, name=f'block_{i}')(x)
-    x = nn.LayerNorm(dtype=jnp.float32, name='ln_final')(x[:, num_tokens:].astype(jnp.float32))
-    head_init = nn.initializers.variance_scaling(0.01, 'fan_in', 'truncated_normal')
-    dist_params = nn.Dense(2 * self.action_dim, kernel_init=head_init, name='action_head')(x[:, :self.action_chunk])
-    if shared:
-      value = nn.Dense(1, kernel_init=head_init, name='value_head')(x[:, -1])
-    else:
-      value = MLP(tuple(self.value_hidden_sizes) + (1,), name='value')(obs.astype(jnp.float32))
-    chex.assert_shape(dist_params, (batch, self.action_chunk, 2 * self.action_dim))
-    return dist_params, value[:, 0]
+    x = x + self.param('obs_pos_embed', layers.EMBED_INIT, (num_tokens, self.d_model)).astype(self.dtype)
+    return layers.encode_with_heads(self,
+                                    x,
+                                    obs,
+                                    action_chunk=self.action_chunk,
+                                    action_dim=self.action_dim,
+                                    num_layers=self.num_layers,
+                                    num_heads=self.num_heads,
+                                    mlp_ratio=self.mlp_ratio,
+                                    dtype=self.dtype,
+                                    critic=self.critic,
+                                    value_hidden_sizes=self.value_hidden_sizes)
 
 
 def make_network(policy_config: PolicyConfig, obs_dim: int, action_dim: int, pixel_shape: Tuple[int,

@@ -46,8 +46,7 @@ from ebrl_jax.generation import stages
 from ebrl_jax.types import ActOutput, Array, Params, PRNGKey
 
 Dtype = Any
-_EMBED_INIT = nn.initializers.normal(0.02)
-_HEAD_INIT = nn.initializers.variance_scaling(0.01, 'fan_in', 'truncated_normal')
+_EMBED_INIT, _HEAD_INIT = layers.EMBED_INIT, layers.HEAD_INIT  # the transformer policies' inits
 
 
 class KVCache(NamedTuple):

@@ -34,8 +34,7 @@ from ebrl_jax.generation import token_policy
 from ebrl_jax.types import Array
 
 Dtype = Any
-_EMBED_INIT = nn.initializers.normal(0.02)
-_HEAD_INIT = nn.initializers.variance_scaling(0.01, 'fan_in', 'truncated_normal')
+_EMBED_INIT = layers.EMBED_INIT  # the transformer policies' embedding init
 
 # A camera observation: pixels [B, H, W, C] uint8 (frames stacked on C, oldest first) beside the proprioceptive
 # state [B, O] float32 (O may be 0). Defined in `types`, since it travels in `Transition` records.
@@ -215,23 +214,17 @@ class VisionTransformerActorCritic(nn.Module):
                        tuple(self.stage_channels),
                        self.num_blocks,
                        name='tokenizer')(obs)
-    batch, num_tokens, _ = x.shape
-    shared = self.critic == 'shared'
-    extra = self.param('action_queries', _EMBED_INIT, (self.action_chunk, self.d_model))
-    if shared:
-      extra = jnp.concatenate([extra, self.param('value_token', _EMBED_INIT, (1, self.d_model))], 0)
-    extra = jnp.broadcast_to(extra[None], (batch,) + extra.shape)
-    x = jnp.concatenate([x, extra.astype(self.dtype)], axis=1)  # [B, P + N + K (+ 1), D]
-    for i in range(self.num_layers):
-      x = layers.EncoderBlock(self.num_heads, self.mlp_ratio, self.dtype, name=f'block_{i}')(x)
-    x = nn.LayerNorm(dtype=jnp.float32, name='ln_final')(x[:, num_tokens:].astype(jnp.float32))
-    dist_params = nn.Dense(2 * self.action_dim, kernel_init=_HEAD_INIT, name='action_head')(x[:, :self.action_chunk])
-    if shared:
-      value = nn.Dense(1, kernel_init=_HEAD_INIT, name='value_head')(x[:, -1])
-    else:
-      value = layers.MLP(tuple(self.value_hidden_sizes) + (1,), name='value')(obs.state.astype(jnp.float32))
-    chex.assert_shape(dist_params, (batch, self.action_chunk, 2 * self.action_dim))
-    return dist_params, value[:, 0]
+    return layers.encode_with_heads(self,
+                                    x,
+                                    obs.state,
+                                    action_chunk=self.action_chunk,
+                                    action_dim=self.action_dim,
+                                    num_layers=self.num_layers,
+                                    num_heads=self.num_heads,
+                                    mlp_ratio=self.mlp_ratio,
+                                    dtype=self.dtype,
+                                    critic=self.critic,
+                                    value_hidden_sizes=self.value_hidden_sizes)
 
 
 class CNNActorCritic(nn.Module):

@@ -22,8 +22,9 @@ observations the sim stage's last timed unroll ended on (its largest group size;
 has more), the actions and behaviour log-probs the policy (`generation.stages.make_act`) gives for them, so PPO's
 ratios start at 1 as on a real first epoch, repeated over the iteration's steps and unrolls; rewards are seeded
 normal draws, no episode ends, every mask 1, the train state's policy version. With --algo=grpo the iteration's
-shapes are one whole episode per env (`Config.segment_shape`) and the train step takes the run's GRPO groups. train_step is dense arithmetic
-(no branch or loop on the data), so its time depends on these shapes, not on the values. Earlier versions
+shapes are one whole episode per env (`Config.segment_shape`) and the train step takes the run's GRPO groups.
+train_step is dense arithmetic (no branch or loop on the data), so its time depends on these shapes, not on the
+values. Earlier versions
 compiled the fused MJX collection program (and for native MuJoCo an MJX env) only to make this batch: most of a
 native-MuJoCo calibration's time on the CPU (experiments/results/calibration_cost_cpu.json).
 
