@@ -311,6 +311,30 @@ def test_brax_refuses_what_its_trainer_cannot_run():
                           sim=config_lib.SimConfig(backend='mujoco_cpu'))
   with pytest.raises(ValueError, match='--policy=transformer.*--backend=mujoco_cpu'):
     brax_ppo.check_supported(cfg)
+  randomized = config_lib.Config(sim=config_lib.SimConfig(backend='mjx', randomize='friction=0.5:1.5'))
+  with pytest.raises(ValueError, match='--randomize'):
+    brax_ppo.check_supported(randomized)
+  for backend in ('mjx', 'mjx_warp'):  # Brax's own MJX env, and the same env on MJX-Warp
+    brax_ppo.check_supported(config_lib.Config(sim=config_lib.SimConfig(backend=backend)))
+
+
+def test_brax_on_warp_batches_the_very_env_our_warp_runs_step(monkeypatch):
+  """Brax's PPO on --backend=mjx_warp: the env it trains is the unbatched env under our mjx_warp chain, and its
+  wrap_env_fn hands back that chain (Warp-aware vmap and auto-reset), refusing any other env. Builds the Warp env
+  on Warp's CPU kernels (no physics runs)."""
+  pytest.importorskip('warp')
+  from ebrl_jax.sim import mjx_env
+  from experiments.bench import brax_ppo
+  monkeypatch.setenv('EBRL_WARP_ALLOW_CPU', '1')
+  env, wrap = brax_ppo.warp_env('ant', 1000, 1)
+  ours = mjx_env.make_mjx_env('ant', 1000, 1, impl='warp')
+  assert env is ours.unwrapped and mjx_env.env_impl(env) == 'warp'
+  assert wrap(env, episode_length=1000, action_repeat=1) is ours
+  assert isinstance(ours, mjx_env.WhereAutoResetWrapper)
+  with pytest.raises(ValueError, match='not the Warp env'):
+    wrap(mjx_env.make_mjx_env('ant', 1000, 1).unwrapped, episode_length=1000, action_repeat=1)
+  with pytest.raises(ValueError, match='randomization_fn'):
+    wrap(env, episode_length=1000, action_repeat=1, randomization_fn=lambda sys, rng: (sys, sys))
 
 
 def test_merging_seed_files_gives_the_figures_of_one_invocation(quick_result, tmp_path):

@@ -5,7 +5,9 @@ r"""Brax's own PPO trainer on a workload flagfile, reporting like an ebrl_jax ru
 The bench harness runs it as the pseudo-schedule `brax` (`--schedules=fused,sync,async,brax`). The workload's
 flags map one to one onto `brax.training.agents.ppo.train` (task, backend, num_envs, episode_length, action
 repeat, unroll length, batch size, minibatches, updates per batch, discount, learning rate, entropy cost, reward
-scaling, evaluations, seed); for W1 these are Brax's published Ant hyperparameters. Only MLP policies with
+scaling, evaluations, seed); for W1 these are Brax's published Ant hyperparameters. `--backend=mjx` trains Brax's
+own env (MJX's JAX implementation); `--backend=mjx_warp` trains the same env with its physics on MJX-Warp, batched
+by the wrappers our `mjx_warp` runs use (`warp_env`), as MuJoCo Playground trains its Warp envs with this trainer. Only MLP policies with
 Brax's default network sizes and PPO are accepted: anything else is not Brax's trainer and is refused by name.
 
 It uses the same persistent compilation cache (`--compilation_cache_dir`) as our runs. Like our runs, training
@@ -39,10 +41,16 @@ import jax.numpy as jnp
 
 from ebrl_jax import main as ebrl_main  # defines the workload flags read from --flagfile
 from ebrl_jax import config as config_lib
+from ebrl_jax.sim import mjx_env
 
 # Brax's defaults for `ppo_networks.make_ppo_networks` (policy 4 x 32, value 5 x 256).
 _BRAX_POLICY_HIDDEN = (32, 32, 32, 32)
 _BRAX_VALUE_HIDDEN = (256, 256, 256, 256, 256)
+
+
+# --backend values Brax's trainer runs: its own MJX env (MJX's JAX implementation), and the same env with the
+# physics on MJX-Warp, batched by the wrappers of our --backend=mjx_warp runs (`warp_env`).
+BACKENDS = ('mjx', 'mjx_warp')
 
 
 class _TargetReached(Exception):
@@ -74,10 +82,32 @@ def check_supported(cfg: config_lib.Config) -> None:
     problems.append(
         f'--policy_hidden_sizes={cfg.policy.policy_hidden_sizes} / --value_hidden_sizes={cfg.policy.value_hidden_sizes} '
         f'(Brax defaults are {_BRAX_POLICY_HIDDEN} / {_BRAX_VALUE_HIDDEN})')
-  if cfg.sim.backend != 'mjx':
-    problems.append(f'--backend={cfg.sim.backend} (Brax trains on its mjx envs)')
+  if cfg.sim.backend not in BACKENDS:
+    problems.append(f'--backend={cfg.sim.backend} (Brax trains on MJX envs: {", ".join(BACKENDS)})')
+  if cfg.sim.randomization.enabled:
+    problems.append('--randomize (Brax takes a randomization_fn of its own; not mapped)')
   if problems:
     raise ValueError('Brax PPO cannot run this workload: ' + '; '.join(problems))
+
+
+def warp_env(task: str, episode_length: int, action_repeat: int):
+  """(environment, wrap_env_fn) for `ppo.train` on MJX-Warp, as MuJoCo Playground trains its Warp envs with Brax's
+  PPO: the unbatched Brax env whose physics run on MJX-Warp, and the `wrap_env_fn` Brax calls to batch it for
+  training and for evaluation. That wrapper is the chain our own `--backend=mjx_warp` runs step
+  (`mjx_env.make_mjx_env(task, ..., impl='warp')`: WarpVmapWrapper -> EpisodeWrapper -> WhereAutoResetWrapper,
+  the Warp-aware batching and auto-reset), so both trainers step one env object, not two alike."""
+  batched = mjx_env.make_mjx_env(task, episode_length, action_repeat, impl='warp')
+  environment = batched.unwrapped
+
+  def wrap(env, episode_length: int, action_repeat: int, randomization_fn=None):
+    if randomization_fn is not None:
+      raise ValueError('Brax PPO on --backend=mjx_warp takes no randomization_fn.')
+    wrapped = mjx_env.make_mjx_env(task, episode_length, action_repeat, impl='warp')
+    if wrapped.unwrapped is not env:
+      raise ValueError(f'wrap_env_fn got {env}, not the Warp env {environment} it batches.')
+    return wrapped
+
+  return environment, wrap
 
 
 def startup_split(curve: list, imports_s: float, env_build_s: float) -> dict:
@@ -117,7 +147,10 @@ def run(cfg: config_lib.Config, start_unix: float) -> dict:
   s, a, sc = cfg.sim, cfg.algo, cfg.schedule
   target = sc.target_return
   imports_s = time.time() - start_unix
-  env = envs.get_environment(s.task, backend='mjx')
+  if s.backend == 'mjx_warp':
+    env, wrap_env_fn = warp_env(s.task, s.episode_length, s.action_repeat)
+  else:
+    env, wrap_env_fn = envs.get_environment(s.task, backend='mjx'), None
   env_build_s = time.time() - start_unix - imports_s
   curve = []
 
@@ -155,6 +188,7 @@ def run(cfg: config_lib.Config, start_unix: float) -> dict:
               batch_size=a.batch_size,
               seed=sc.seed,
               deterministic_eval=sc.deterministic_eval,
+              wrap_env_fn=wrap_env_fn,
               progress_fn=progress)
   except _TargetReached:
     reached = True
@@ -193,7 +227,7 @@ def run(cfg: config_lib.Config, start_unix: float) -> dict:
           k: c[k] for k in ('env_steps', 'wall_s', 'unix', 'return')
       } for c in curve],
       'schedule': 'brax',
-      'backend': 'mjx',
+      'backend': s.backend,
       'task': s.task,
       'device': str(jax.devices()[0].device_kind),
       'extra': {

@@ -42,6 +42,12 @@
 #         with chunks of 4 (as W2), 2 and 1 at once on the one GPU (a screen: shared throughputs), bf16, 480 s each.
 # ipcmps  issue 14 item 1 (not yet run): the CUDA IPC generation check again under the run's MPS daemon, to test
 #         whether the IPC path lost in the W1 run (0.33x co-located) from time-slicing without MPS.
+# w1warp  issue 13: W1 fused on --backend=mjx and --backend=mjx_warp beside Brax's PPO on both (Brax on Warp through
+#         our Warp env's wrappers, experiments/bench/brax_ppo.py), to 3000; one seed a call (W1WARP_SEED), each run
+#         cut at W1WARP_RUN_S (135 s) so the four fit one call.
+# manip   issue 13: push_cube learning, 3 runs at once on the one GPU (a screen: their throughputs are shared):
+#         from state (MLP, MJX-Warp, experiments/push_cube_state.flags), from pixels (W5 on MJX-Warp) and the token
+#         policy (W6), each stopped by --max_wall_s=MANIP_WALL_S (480 s).
 # w2x     W2 fused seed 1 again (cut by its limit at 11.5 M in the w2s_fused call), then the quota-change run
 #         (rollout 20 -> 25 % at iteration 10 of 48, 3 M steps) whose whole output is kept.
 # The device tool brings back a limited number of files: write OUT_DIR outside $OUT and tar it into $OUT
@@ -198,6 +204,19 @@ case $PART in
     timeout -s TERM "$TIMEOUT" taskset -c 0-15 python3 experiments/ipc_generation_check.py \
       --out $ROOT/ipc_generation_check_mps_h200.json --extra_flags=--use_mps > $ROOT/ipcmps.log 2>&1
     echo "[ipcmps] exit $?" ;;
+  w1warp)  # issue 13: W1 fused on MJX (JAX) and MJX-Warp beside Brax's PPO on both, one seed per call
+    bench w1_warp_1gpu_s${W1WARP_SEED:-0} 0-15 --bench_flagfile=experiments/w1_ant.flags --gpus=0 \
+      --seeds=${W1WARP_SEED:-0} --schedules=fused,fused_warp=fused,brax,brax_warp=brax \
+      --only=fused_warp:--backend=mjx_warp --only=brax_warp:--backend=mjx_warp --timeout_s=${W1WARP_RUN_S:-135} ;;
+  manip)  # issue 13: the manipulation task learning, 3 runs at once on the one GPU (shared throughputs)
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.3
+    w=${MANIP_WALL_S:-480}
+    for spec in state:push_cube_state:0-4 pixels:w5_pixels_warp:5-9 token:w6_token:10-15; do
+      IFS=: read -r label flagfile cores <<< "$spec"
+      bench manip_$label $cores --bench_flagfile=experiments/$flagfile.flags --gpus=0 --schedules=fused \
+        --extra=--max_wall_s=$w --timeout_s=$((w + 60)) &
+    done
+    wait ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
 for c in $(find /tmp $ROOT runs -name control -type p 2>/dev/null); do
