@@ -318,6 +318,24 @@ def test_brax_refuses_what_its_trainer_cannot_run():
     brax_ppo.check_supported(config_lib.Config(sim=config_lib.SimConfig(backend=backend)))
 
 
+def test_brax_ends_at_the_evaluation_after_a_held_sigterm():
+  """The harness's time limit (SIGTERM) reaches Brax's trainer while its epoch runs: held, it ends the run at the
+  next evaluation, which stays in the curve, so the summary is written with `stopped` naming the signal."""
+  import signal
+  from ebrl_jax.runtime import errors
+  from experiments.bench import brax_ppo
+  curve = []
+  progress = brax_ppo.progress_recorder(curve, start_unix=0.0, target=3000.0)
+  with errors.deferred_stops():
+    progress(0, {'eval/episode_reward': -5.0})
+    os.kill(os.getpid(), signal.SIGTERM)  # held: no KeyboardInterrupt here
+    with pytest.raises(brax_ppo._Stopped, match='SIGTERM'):  # pylint: disable=protected-access
+      progress(1000, {'eval/episode_reward': 10.0})
+  assert [c['return'] for c in curve] == [-5.0, 10.0]
+  with pytest.raises(brax_ppo._TargetReached):  # pylint: disable=protected-access
+    brax_ppo.progress_recorder([], 0.0, 3000.0)(2000, {'eval/episode_reward': 3001.0})
+
+
 def test_brax_on_warp_batches_the_very_env_our_warp_runs_step(monkeypatch):
   """Brax's PPO on --backend=mjx_warp: the env it trains is the unbatched env under our mjx_warp chain, and its
   wrap_env_fn hands back that chain (Warp-aware vmap and auto-reset), refusing any other env. Builds the Warp env

@@ -73,6 +73,14 @@ def test_sigterm_stops_a_fused_run_with_its_summary(tmp_path):
   assert summary['schedule'] == 'fused'
 
 
+def test_sigterm_stops_an_mjx_fused_run_at_a_chunk_boundary_with_its_summary(tmp_path):
+  """One MJX process holds the signal until its chunk program returns (errors.deferred_stops: on MJX-Warp an
+  exception raised inside the simulator's Python callback aborts the process), then stops there: same contract."""
+  out, summary = _stopped_by_sigterm(tmp_path / 'mjx', '--backend=mjx', '--episode_length=100')
+  assert summary['schedule'] == 'fused' and summary['backend'] == 'mjx'
+  assert 'stop signal came during the last chunk: stopping at iteration' in out  # the driver's, at the boundary
+
+
 def test_sigterm_stops_an_async_run_with_the_trainers_summary_and_leaves_nothing(tmp_path):
   run_dir = tmp_path / 'async'
   _, summary = _stopped_by_sigterm(run_dir, '--schedule=async', '--num_groups=2')

@@ -14,6 +14,7 @@ from ebrl_jax import config as config_lib
 from ebrl_jax.controller import cells as cells_lib
 from ebrl_jax.controller import fused_cpu
 from ebrl_jax.controller import topology
+from ebrl_jax.runtime import errors
 from ebrl_jax.trainer import driver
 from ebrl_jax.trainer import ranks
 
@@ -36,19 +37,18 @@ def run(cfg: config_lib.Config,
         start: Optional[driver.StartClock] = None,
         cell: Optional[cells_lib.Cell] = None) -> driver.RunSummary:
   """Trains with the fused schedule until `num_timesteps` env steps, the target return, --max_wall_s or a
-  signal (the summary's `stopped` says which). Returns the summary, its times on the clock `start`. On MJX the
-  loop compiles one program per chunk length, so its chunks are never cut (`fixed_chunks`; a cell of several
-  steps its iterations one by one, as native MuJoCo). With a `cell` of several, an iteration is every cell's batch
+  signal (the summary's `stopped` says which). Returns the summary, its times on the clock `start`. On MJX one
+  process runs its chunks as programs that call into the simulator (MJX-Warp's kernels call back into Python), so
+  there a signal is held until the chunk ends (`errors.deferred_stops`): an exception raised inside such a
+  callback aborts the process, losing the summary. With a `cell` of several, an iteration is every cell's batch
   (its env steps count them all) and --resume reads rank 0's run."""
   multi = cell is not None and cell.multi
-  trainer = driver.trainer_config(cfg,
-                                  topology.process_config(cfg),
-                                  start=start,
-                                  fixed_chunks=cfg.sim.backend != 'mujoco_cpu' and not multi)
+  trainer = driver.trainer_config(cfg, topology.process_config(cfg), start=start)
   trainer = cells_lib.trainer_of_cell(trainer, cell or cells_lib.Cell(run_dir=cfg.schedule.run_dir),
                                       cfg.schedule.resume)
   vote = ranks.StopVote(cfg.schedule.max_wall_s, trainer.start.unix if trainer.start else None) if multi else None
-  with cells_lib.signals_vote(vote):  # a cell of several: SIGTERM and Ctrl-C are this rank's vote to stop
+  # a cell of several: SIGTERM and Ctrl-C are this rank's vote to stop; one MJX process: held to a chunk's end
+  with cells_lib.signals_vote(vote), errors.deferred_stops(not multi and cfg.sim.backend != 'mujoco_cpu'):
     summary = driver.run_training(
         trainer, lambda _, spec, network, optimizer: make_source(cfg, spec, network, optimizer, cell, vote))
   summary.extra['topology'] = {'roles': ['controller'], 'num_groups': 1}  # one process collects and trains

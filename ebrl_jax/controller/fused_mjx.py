@@ -56,14 +56,25 @@ def _iteration(cfg: config_lib.Config, env, network, optimizer, root_key, carry,
   return (train_state, env_state), metrics
 
 
-def _run_chunk(cfg, env, network, optimizer, num_iterations, train_state, env_state, root_key):
-  step = functools.partial(_iteration, cfg, env, network, optimizer, root_key)
-  (train_state, env_state), metrics = jax.lax.scan(step, (train_state, env_state), None, length=num_iterations)
-  return train_state, env_state, metrics
+def _run_chunk(cfg, env, network, optimizer, train_state, env_state, root_key, num_iterations):
+  """`num_iterations` iterations (a traced int32: one compiled program runs a chunk of any length, so the driver
+  cuts chunks where it likes, at --max_wall_s or a stop, without a compile); returns the states and each metric
+  summed over the chunk (means are taken on the host). The iteration is jitted once here and called by the loop:
+  its trace for the metrics' shapes is the one the loop's body reuses (JAX caches a jitted function's trace)."""
+  step = jax.jit(lambda key, carry: _iteration(cfg, env, network, optimizer, key, carry, None))
+  shapes = step.eval_shape(root_key, (train_state, env_state))[1]
+
+  def body(_, carry):
+    train_state, env_state, sums = carry
+    (train_state, env_state), metrics = step(root_key, (train_state, env_state))
+    return train_state, env_state, jax.tree.map(jnp.add, sums, metrics)
+
+  zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+  return jax.lax.fori_loop(0, num_iterations, body, (train_state, env_state, zeros))
 
 
 class MjxFusedLoop:
-  """Holds the env state between chunks; compiles the chunk program once (plus a remainder program if needed). With
+  """Holds the env state between chunks; compiles the chunk program once, for chunks of any length. With
   a `cell` of several: its own envs, one collection program, and the train step over the ranks with `vote`."""
 
   def __init__(self, cfg: config_lib.Config, spec: types.EnvSpec, network, optimizer, cell=None, vote=None):
@@ -75,7 +86,7 @@ class MjxFusedLoop:
     self._env_state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(self._env,
                                                                           keys.env_reset_key(self._rollout_root, 0),
                                                                           cfg.sim.num_envs, cfg.sim.group_size)
-    self._programs: Dict[int, object] = {}
+    self._program = None  # the chunk program, compiled (one-cell loop)
     self._evaluator = evaluation.make_evaluator(cfg.sim, cfg.policy, cfg.schedule.seed, cfg.schedule.deterministic_eval,
                                                 network)
     self._rank = None  # a cell of several: the step over the ranks, with this rank's stop vote
@@ -85,24 +96,22 @@ class MjxFusedLoop:
       self._collect = jax.jit(functools.partial(_collect, cfg, self._env, network),
                               donate_argnums=(2,))  # (params, iteration, env_state, key)
 
-  def _lower(self, train_state, num_iterations: int):
-    fn = functools.partial(_run_chunk, self._cfg, self._env, self._network, self._optimizer, num_iterations)
-    return jax.jit(fn, donate_argnums=(0, 1)).lower(train_state, self._env_state, self._root_key)
-
-  def _program(self, train_state, num_iterations: int):
-    if num_iterations not in self._programs:
-      self._programs[num_iterations] = self._lower(train_state, num_iterations).compile()
-    return self._programs[num_iterations]
+  def _lower(self, train_state):
+    fn = functools.partial(_run_chunk, self._cfg, self._env, self._network, self._optimizer)
+    return jax.jit(fn, donate_argnums=(0, 1)).lower(train_state, self._env_state, self._root_key,
+                                                    jax.ShapeDtypeStruct((), jnp.int32))
 
   def compile(self, train_state, num_iterations: int) -> float:
     """Compiles the chunk (a cell of several: the collection and the step over the ranks) and evaluation programs
-    ahead of time, side by side; returns the seconds it took."""
+    ahead of time, side by side; returns the seconds it took. The chunk program runs any number of iterations, so
+    `num_iterations` (the driver's usual chunk) does not shape it."""
+    del num_iterations
     t0 = time.monotonic()
     if self._rank is not None:
       args = (train_state.params, train_state.policy_version, self._env_state, self._rollout_root)
       program = self._collect.lower(*args)
     else:
-      program = self._lower(train_state, num_iterations)
+      program = self._lower(train_state)
     # XLA compiles outside the GIL: the programs build concurrently.
     with futures.ThreadPoolExecutor(2) as pool:
       program_future = pool.submit(program.compile)
@@ -113,7 +122,7 @@ class MjxFusedLoop:
         self._rank.compile(train_state, batch, keys.train_key(self._root_key, 0))
         self._collect = program_future.result()
       else:
-        self._programs[num_iterations] = program_future.result()
+        self._program = program_future.result()
       eval_future.result()
     if self._rank is not None:
       self._rank.probe(train_state.params)  # the all-reduce alone, once at the start (every rank here)
@@ -128,17 +137,19 @@ class MjxFusedLoop:
     if self._rank is not None:
       return fused_steps.run_iterations(self._collect_cell, self._rank, self._cfg.algo.name, self._root_key,
                                         self._rollout_root, train_state, num_iterations, self._rank)
-    program = self._program(train_state, num_iterations)
-    train_state, self._env_state, metrics = program(train_state, self._env_state, self._root_key)
-    metrics = jax.device_get(metrics)
+    if self._program is None:  # a source used without `compile` first
+      self._program = self._lower(train_state).compile()
+    train_state, self._env_state, sums = self._program(train_state, self._env_state, self._root_key,
+                                                       jnp.asarray(num_iterations, jnp.int32))
+    sums = jax.device_get(sums)
     out = {
-        f'train/{self._cfg.algo.name}/{k}': float(v.mean())
-        for k, v in metrics.items()
+        f'train/{self._cfg.algo.name}/{k}': float(v) / num_iterations
+        for k, v in sums.items()
         if k not in ('episodes', 'episode_return_sum')
     }
-    episodes = float(metrics['episodes'].sum())
+    episodes = float(sums['episodes'])
     if episodes:
-      out['rollout/episode_return'] = float(metrics['episode_return_sum'].sum()) / episodes
+      out['rollout/episode_return'] = float(sums['episode_return_sum']) / episodes
     return train_state, out
 
   def evaluate(self, params, key) -> Dict[str, float]:
@@ -148,4 +159,4 @@ class MjxFusedLoop:
     return {} if self._rank is None else self._rank.summary_extra()
 
   def close(self) -> None:
-    self._programs.clear()
+    self._program = None

@@ -6,11 +6,16 @@ so the controller raises the same kind with the worker's words: no exit code car
 
 A stop the user asks for (SIGTERM, Ctrl-C) is not an error: the controller turns SIGTERM into the same
 `KeyboardInterrupt` as Ctrl-C (`interrupt`), named by the signal (`stop_reason`); a batch source that sees a stop
-request at an iteration boundary raises `StopRequested` with what it had finished.
+request at an iteration boundary raises `StopRequested` with what it had finished. While a process runs programs
+that call back into Python (MJX-Warp's kernels go through a ctypes callback), an exception raised there by a signal
+handler aborts the interpreter ('free(): invalid size', seen on the H200 after a SIGTERM): there the signal is held
+(`deferred_stops`) and the training driver stops at its next chunk boundary (`pending_stop`).
 """
 from __future__ import annotations
 
+import contextlib
 import signal
+import threading
 from typing import Any, Dict, NamedTuple, Optional, Type
 
 
@@ -65,6 +70,48 @@ def interrupt(signum, frame) -> None:
   """A signal handler: stops the main thread as Ctrl-C does, with a `KeyboardInterrupt` named by the signal."""
   del frame
   raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+_DEFERRING: list = []  # one list per active `deferred_stops`, innermost last, holding the signals it was sent
+
+
+@contextlib.contextmanager
+def deferred_stops(active: bool = True):
+  """While active: SIGTERM and SIGINT are held, not raised; `pending_stop()` names the first, and the training
+  driver stops at its next chunk boundary, where nothing of the simulator is running (it keeps its chunks short,
+  `STOP_LATENCY_S`, so that comes soon). A second signal interrupts at once (`interrupt`), as a second Ctrl-C
+  does elsewhere. Main thread only (elsewhere, or inactive, nothing changes)."""
+  if not active or threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  held: list = []
+
+  def hold(signum, frame):
+    if held:
+      interrupt(signum, frame)
+    held.append(signal.Signals(signum).name)
+
+  previous = {s: signal.signal(s, hold) for s in (signal.SIGTERM, signal.SIGINT)}
+  _DEFERRING.append(held)
+  try:
+    yield
+  finally:
+    _DEFERRING.remove(held)
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+
+
+# Seconds of work between two chunk boundaries while signals are held: how long a stop may wait.
+STOP_LATENCY_S = 10.0
+
+
+def stops_deferred() -> bool:
+  return bool(_DEFERRING)
+
+
+def pending_stop() -> str:
+  """The held signal ('SIGTERM' or 'SIGINT') of the innermost `deferred_stops`, '' if none came."""
+  return _DEFERRING[-1][0] if _DEFERRING and _DEFERRING[-1] else ''
 
 
 def stop_reason(exc: KeyboardInterrupt) -> str:

@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Dict, Mapping, Optional
+from typing import Callable, Dict, Mapping, Optional
 
 from absl import logging
 import numpy as np
@@ -105,6 +105,8 @@ class IterationMetrics:
 class MetricsLogger:
   """Appends `{"env_steps": ..., "wall_s": ..., name: value}` records to `<run_dir>/metrics.jsonl`.
 
+  `wall_s` is `clock()`: a run's driver passes its run clock (seconds since the process started, as every time in
+  the summary); without one, seconds since this logger was made.
   TensorBoard (tensorboardX) events go to `<run_dir>/tb`. The progress bar (tqdm) counts env steps.
   """
 
@@ -113,10 +115,12 @@ class MetricsLogger:
                total_env_steps: int,
                progress_bar: bool = True,
                initial_env_steps: int = 0,
-               check_finite: tuple = ('loss', 'return')):
+               check_finite: tuple = ('loss', 'return'),
+               clock: Optional[Callable[[], float]] = None):
     os.makedirs(run_dir, exist_ok=True)
     self._jsonl = storage.open_append(os.path.join(run_dir, 'metrics.jsonl'))
-    self._start = time.monotonic()
+    start = time.monotonic()
+    self._clock = clock or (lambda: time.monotonic() - start)
     self._check_finite = check_finite
     try:
       from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
@@ -139,7 +143,7 @@ class MetricsLogger:
     self.history: list = []
 
   def wall_seconds(self) -> float:
-    return time.monotonic() - self._start
+    return self._clock()
 
   def log(self, env_steps: int, metrics: Mapping[str, float], echo: bool = True) -> Dict[str, float]:
     """Records `metrics` at `env_steps`. Raises NonFiniteMetricError on a non-finite loss or return."""

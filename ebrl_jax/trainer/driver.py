@@ -46,8 +46,7 @@ class StartClock:
 class TrainerConfig:
   """The trainer's part of the run (in the trainer worker, or in the fused schedule's one process): the task,
   the policy, the algorithm and the schedule's cadence, plus what the topology derives for it. `start` is the
-  run's clock (None: the driver's figures count from its own compile, as for a driver run on its own);
-  `fixed_chunks`: the source compiles one program per chunk length (MJX fused), so chunks are never cut."""
+  run's clock (None: the driver's figures count from its own compile, as for a driver run on its own)."""
   process: startup.ProcessConfig
   sim: config_lib.SimConfig
   policy: config_lib.PolicyConfig
@@ -55,7 +54,6 @@ class TrainerConfig:
   schedule: config_lib.ScheduleConfig
   env_steps_per_iteration: int
   start: Optional[StartClock] = None
-  fixed_chunks: bool = False
   windows: Tuple[str, ...] = ()  # overlap windows it runs: 'h2d', 'evaluate', 'checkpoint' (iteration_graph.py)
   checkpoint_run_dir: str = ''  # whose checkpoints --resume reads ('': process.run_dir; a cell: rank 0's)
   ranks: Any = None  # a cell of several: the runtime.distributed.DistributedSpec its trainer rank joins
@@ -63,10 +61,9 @@ class TrainerConfig:
 
 def trainer_config(cfg: config_lib.Config,
                    process: startup.ProcessConfig,
-                   start: Optional[StartClock] = None,
-                   fixed_chunks: bool = False) -> TrainerConfig:
-  return TrainerConfig(process, cfg.sim, cfg.policy, cfg.algo, cfg.schedule, cfg.env_steps_per_iteration, start,
-                       fixed_chunks)  # the fields in order
+                   start: Optional[StartClock] = None) -> TrainerConfig:
+  return TrainerConfig(process, cfg.sim, cfg.policy, cfg.algo, cfg.schedule, cfg.env_steps_per_iteration,
+                       start)  # the fields in order
 
 
 def network_and_optimizer(sim_cfg: config_lib.SimConfig, policy: config_lib.PolicyConfig, algo: config_lib.AlgoConfig):
@@ -206,11 +203,11 @@ def _save(cfg, checkpointer, train_state, progress: _Progress, spec) -> None:
 
 
 def _chunk_size(cfg: TrainerConfig, progress: _Progress, per_eval: int, total: int, clock: _Clock) -> int:
-  """Iterations until the next evaluation, cut (unless the source compiles per chunk length) at
-  --first_checkpoint_iteration and at the iteration that should reach --max_wall_s."""
+  """Iterations until the next evaluation, cut at --first_checkpoint_iteration, at the iteration that should
+  reach --max_wall_s, and while signals are held (`errors.deferred_stops`) after `errors.STOP_LATENCY_S`."""
   n = min(per_eval - progress.iterations % per_eval, total - progress.iterations)
-  if cfg.fixed_chunks:
-    return n
+  if errors.stops_deferred():  # one iteration first, to learn how many fit STOP_LATENCY_S
+    n = min(n, max(1, math.floor(errors.STOP_LATENCY_S / progress.s_per_iteration)) if progress.s_per_iteration else 1)
   first = cfg.schedule.first_checkpoint_iteration
   if cfg.schedule.checkpoint_every and progress.last_saved < first and progress.iterations < first:
     n = min(n, first - progress.iterations)
@@ -311,6 +308,11 @@ def _loop(cfg, source, train_state, root_key, progress: _Progress, logger, clock
       logging.info('--max_wall_s=%g reached at iteration %d; stopping there.', budget, progress.iterations)
       _save(cfg, checkpointer, train_state, progress, spec)
       return 'max_wall_s'
+    held = errors.pending_stop()  # a signal held while a chunk ran (errors.deferred_stops)
+    if held:
+      logging.info('A stop signal came during the last chunk: stopping at iteration %d.', progress.iterations)
+      _save(cfg, checkpointer, train_state, progress, spec)
+      return held
     if first or progress.iterations % per_eval == 0 or progress.iterations >= total:
       if off_path is None or (first and off_path.in_line_first):
         eval_return = _evaluate(cfg, source, train_state, root_key, progress, logger, clock)
@@ -366,7 +368,8 @@ def train(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
   logger = metrics_lib.MetricsLogger(run_dir,
                                      total_iterations * per_iteration,
                                      cfg.schedule.progress_bar,
-                                     initial_env_steps=env_steps)
+                                     initial_env_steps=env_steps,
+                                     clock=lambda: clock.now())  # late-bound: the clock the summary keeps
   clock.mark('env_build')
   progress = _Progress(env_steps, iterations, iterations, resumed['step'] if resumed else None)
   stopped = 'start-up'

@@ -41,12 +41,12 @@ import jax.numpy as jnp
 
 from ebrl_jax import main as ebrl_main  # defines the workload flags read from --flagfile
 from ebrl_jax import config as config_lib
+from ebrl_jax.runtime import errors
 from ebrl_jax.sim import mjx_env
 
 # Brax's defaults for `ppo_networks.make_ppo_networks` (policy 4 x 32, value 5 x 256).
 _BRAX_POLICY_HIDDEN = (32, 32, 32, 32)
 _BRAX_VALUE_HIDDEN = (256, 256, 256, 256, 256)
-
 
 # --backend values Brax's trainer runs: its own MJX env (MJX's JAX implementation), and the same env with the
 # physics on MJX-Warp, batched by the wrappers of our --backend=mjx_warp runs (`warp_env`).
@@ -55,6 +55,10 @@ BACKENDS = ('mjx', 'mjx_warp')
 
 class _TargetReached(Exception):
   """Raised from Brax's progress callback to end training at the target, as our runs end."""
+
+
+class _Stopped(Exception):
+  """Raised from Brax's progress callback at the first evaluation after a held SIGTERM / SIGINT."""
 
 
 def device_put_replicated(x, devices):
@@ -88,6 +92,29 @@ def check_supported(cfg: config_lib.Config) -> None:
     problems.append('--randomize (Brax takes a randomization_fn of its own; not mapped)')
   if problems:
     raise ValueError('Brax PPO cannot run this workload: ' + '; '.join(problems))
+
+
+def progress_recorder(curve: list, start_unix: float, target):
+  """Brax's `progress_fn`: appends each evaluation to `curve` on the process clock; ends training (raises) at the
+  first evaluation that reaches `target`, or the first after a held SIGTERM / SIGINT (`errors.deferred_stops`)."""
+
+  def progress(step, metrics):
+    curve.append({
+        'env_steps': int(step),
+        'wall_s': round(time.time() - start_unix, 3),
+        'unix': time.time(),
+        'return': float(metrics['eval/episode_reward']),
+        'sps': float(metrics.get('training/sps', 0.0)),
+        'walltime': float(metrics.get('training/walltime', 0.0))
+    })
+    logging.info('brax: step %d return %.1f wall %.1f s', step, curve[-1]['return'], curve[-1]['wall_s'])
+    if target is not None and curve[-1]['return'] >= target and step > 0:
+      raise _TargetReached()
+    held = errors.pending_stop()
+    if held:  # a signal held while Brax's epoch ran: the run ends here, this evaluation in its curve
+      raise _Stopped(held)
+
+  return progress
 
 
 def warp_env(task: str, episode_length: int, action_repeat: int):
@@ -153,19 +180,7 @@ def run(cfg: config_lib.Config, start_unix: float) -> dict:
     env, wrap_env_fn = envs.get_environment(s.task, backend='mjx'), None
   env_build_s = time.time() - start_unix - imports_s
   curve = []
-
-  def progress(step, metrics):
-    curve.append({
-        'env_steps': int(step),
-        'wall_s': round(time.time() - start_unix, 3),
-        'unix': time.time(),
-        'return': float(metrics['eval/episode_reward']),
-        'sps': float(metrics.get('training/sps', 0.0)),
-        'walltime': float(metrics.get('training/walltime', 0.0))
-    })
-    logging.info('brax: step %d return %.1f wall %.1f s', step, curve[-1]['return'], curve[-1]['wall_s'])
-    if target is not None and curve[-1]['return'] >= target and step > 0:
-      raise _TargetReached()
+  progress = progress_recorder(curve, start_unix, target)
 
   saved = getattr(jax, 'device_put_replicated', None)
   jax.device_put_replicated = device_put_replicated
@@ -191,9 +206,11 @@ def run(cfg: config_lib.Config, start_unix: float) -> dict:
               wrap_env_fn=wrap_env_fn,
               progress_fn=progress)
   except _TargetReached:
-    reached = True
+    stopped = 'target_return'
+  except _Stopped as stop:
+    stopped = str(stop)
   else:
-    reached = False
+    stopped = 'num_timesteps'
   finally:
     if saved is None:
       del jax.device_put_replicated
@@ -214,7 +231,7 @@ def run(cfg: config_lib.Config, start_unix: float) -> dict:
       'compile_s': split['compile_s'],
       'compile_breakdown': split['compile_breakdown'],
       'start_unix': start_unix,
-      'stopped': 'target_return' if reached else 'num_timesteps',
+      'stopped': stopped,
       'train_wall_s': train_wall,
       'env_steps_per_s': sps,
       'final_eval_return': returns[-1],
@@ -246,7 +263,10 @@ def main(argv):
     from ebrl_jax.runtime import startup  # pylint: disable=g-import-not-at-top
     startup.configure_jax(cfg.resources.platform, cfg.schedule.compilation_cache_dir
                          )  # the same persistent compilation cache as our runs, so seeds after the first
-    summary = run(cfg, start_unix)
+    # SIGTERM (the harness's time limit) and Ctrl-C are held until Brax's next evaluation (on MJX-Warp an
+    # exception raised inside the simulator's Python callback aborts the process), which ends the run there.
+    with errors.deferred_stops():
+      summary = run(cfg, start_unix)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   os.makedirs(cfg.schedule.run_dir, exist_ok=True)
@@ -255,6 +275,9 @@ def main(argv):
     json.dump(summary, f, indent=2, allow_nan=False)
   os.replace(path + '.tmp', path)
   logging.info('Wrote %s', path)
+  if summary['stopped'] in ebrl_main.EXIT_SIGNAL:  # as our runs exit after a stop: 143 / 130
+    return ebrl_main.EXIT_SIGNAL[summary['stopped']]
+  return 0
 
 
 if __name__ == '__main__':

@@ -1,7 +1,10 @@
 """The driver's clock and cadence with a stand-in batch source: --max_wall_s stops at an iteration boundary (the
 chunk cut to what fits the budget), --first_checkpoint_iteration saves early, a stop request part-way through a
-chunk keeps the iterations that finished, and every time counts from the run's start clock."""
+chunk keeps the iterations that finished, a signal held while a chunk runs stops the run at the next boundary,
+and every time counts from the run's start clock."""
+import json
 import os
+import signal
 import time
 
 import pytest
@@ -18,8 +21,8 @@ class _Source:
   """Iterations of ITERATION_S each; records the size of every call. `stop_after`: raises a stop request (as the
   trainer's channel source does) once that many iterations are done."""
 
-  def __init__(self, stop_after=None):
-    self.calls, self.done, self.stop_after = [], 0, stop_after
+  def __init__(self, stop_after=None, signal_at=None):
+    self.calls, self.done, self.stop_after, self.signal_at = [], 0, stop_after, signal_at
 
   def compile(self, state, n):
     del state, n
@@ -36,18 +39,20 @@ class _Source:
         raise errors.StopRequested('SIGINT', i, state, {})
       time.sleep(ITERATION_S)
       self.done += 1
+      if self.done == self.signal_at:  # as a harness's time limit would, while the simulator's program runs
+        os.kill(os.getpid(), signal.SIGTERM)
     return state, {}
 
   def close(self):
     pass
 
 
-def _trainer(tmp_path, start=None, fixed_chunks=False, **schedule):
+def _trainer(tmp_path, start=None, **schedule):
   schedule = {'num_timesteps': 40 * 20, 'num_evals': 10, 'checkpoint_every': 0, **schedule}
   cfg = config_lib.Config(sim=config_lib.SimConfig(num_envs=4, num_eval_envs=2, episode_length=50),
                           algo=config_lib.AlgoConfig(batch_size=4, num_minibatches=1, unroll_length=5),
                           schedule=config_lib.ScheduleConfig(run_dir=str(tmp_path), progress_bar=False, **schedule))
-  return driver.trainer_config(cfg, startup.ProcessConfig(run_dir=str(tmp_path)), start, fixed_chunks)
+  return driver.trainer_config(cfg, startup.ProcessConfig(run_dir=str(tmp_path)), start)
 
 
 def test_max_wall_s_stops_at_the_iteration_boundary_that_reaches_it(tmp_path):
@@ -62,23 +67,36 @@ def test_max_wall_s_stops_at_the_iteration_boundary_that_reaches_it(tmp_path):
   assert [e['env_steps'] for e in summary.eval_curve] == [0, 80]  # the partial curve; no evaluation at the stop
 
 
-def test_first_checkpoint_comes_after_the_first_iteration_and_fixed_chunks_are_never_cut(tmp_path):
+def test_first_checkpoint_comes_after_the_first_iteration(tmp_path):
   source = _Source()
   summary = driver.run_training(
       _trainer(tmp_path / 'cut', num_timesteps=8 * 20, num_evals=2, checkpoint_every=1, first_checkpoint_iteration=1),
       lambda *args: source)
   assert source.calls == [1, 3, 4] and summary.iterations == 8
   assert sorted(int(n) for n in os.listdir(tmp_path / 'cut' / 'checkpoints') if n.isdigit()) == [1, 4, 8]
-  fixed = _Source()
-  driver.run_training(
-      _trainer(tmp_path / 'fixed',
-               fixed_chunks=True,
-               num_timesteps=8 * 20,
-               num_evals=2,
-               checkpoint_every=2,
-               first_checkpoint_iteration=1), lambda *args: fixed)
-  assert fixed.calls == [4, 4]  # MJX fused: one program per chunk length, so the first checkpoint waits for 4
-  assert sorted(int(n) for n in os.listdir(tmp_path / 'fixed' / 'checkpoints') if n.isdigit()) == [4, 8]
+
+
+def test_a_held_signal_stops_at_the_next_chunk_boundary_with_a_checkpoint(tmp_path, monkeypatch):
+  """Signals held (`errors.deferred_stops`, one MJX process): SIGTERM during iteration 5 is not raised inside the
+  chunk; the first chunk is one iteration (timed), the next ones fit STOP_LATENCY_S (0.5 s: 2 iterations of
+  0.2 s), so the run stops after iteration 5, saves it, and names the signal. Outside the context SIGTERM is as it
+  was."""
+  monkeypatch.setattr(errors, 'STOP_LATENCY_S', 0.5)
+  source = _Source(signal_at=5)
+  before = signal.getsignal(signal.SIGTERM)
+  with errors.deferred_stops():
+    summary = driver.run_training(_trainer(tmp_path, num_evals=2, checkpoint_every=1), lambda *args: source)
+    assert errors.pending_stop() == 'SIGTERM'
+  assert signal.getsignal(signal.SIGTERM) is before and errors.pending_stop() == '' and not errors.stops_deferred()
+  assert summary.stopped == 'SIGTERM' and summary.iterations == 5 == source.done
+  assert source.calls == [1, 2, 2]
+  assert max(int(n) for n in os.listdir(tmp_path / 'checkpoints') if n.isdigit()) == 5  # the stop's own
+
+
+def test_deferred_stops_inactive_or_off_the_main_thread_change_nothing():
+  before = signal.getsignal(signal.SIGTERM)
+  with errors.deferred_stops(active=False):
+    assert signal.getsignal(signal.SIGTERM) is before and not errors.stops_deferred()
 
 
 def test_a_stop_request_mid_chunk_keeps_the_finished_iterations_and_the_clock_starts_at_process_start(tmp_path):
@@ -90,6 +108,9 @@ def test_a_stop_request_mid_chunk_keeps_the_finished_iterations_and_the_clock_st
   assert summary.wall_s >= 5.0 + 6 * ITERATION_S
   first = summary.eval_curve[0]
   assert first['wall_s'] >= 5.0 and first['unix'] - first['wall_s'] == pytest.approx(start.unix, abs=0.05)
+  with open(tmp_path / 'metrics.jsonl') as f:  # metrics.jsonl keeps the same clock as the summary
+    evals = [r for r in map(json.loads, f) if 'eval/episode_return' in r]
+  assert [r['wall_s'] for r in evals] == pytest.approx([e['wall_s'] for e in summary.eval_curve], abs=0.05)
   parts = summary.compile_breakdown
   assert parts['imports'] == 4.0 and parts['controller'] == 1.0 and parts['state_init'] > 0
   # each part is rounded to 1 ms in the summary: their sum is within half a millisecond a part of compile_s
