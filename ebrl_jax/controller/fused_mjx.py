@@ -143,13 +143,13 @@ class MjxFusedLoop:
                                                        jnp.asarray(num_iterations, jnp.int32))
     sums = jax.device_get(sums)
     out = {
-        f'train/{self._cfg.algo.name}/{k}': float(v) / num_iterations
+        f'train/{self._cfg.algo.name}/{k}': float(np.mean(v)) / num_iterations  # the chunk's mean
         for k, v in sums.items()
         if k not in ('episodes', 'episode_return_sum')
     }
-    episodes = float(sums['episodes'])
+    episodes = float(np.sum(sums['episodes']))
     if episodes:
-      out['rollout/episode_return'] = float(sums['episode_return_sum']) / episodes
+      out['rollout/episode_return'] = float(np.sum(sums['episode_return_sum'])) / episodes
     return train_state, out
 
   def evaluate(self, params, key) -> Dict[str, float]:
