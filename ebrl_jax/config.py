@@ -28,6 +28,7 @@ BACKENDS = ('mujoco_cpu', 'mjx', 'mjx_warp')
 POLICIES = ('mlp', 'transformer', 'token')
 COMPUTE_DTYPES = ('float32', 'bfloat16')
 ALGORITHMS = ('ppo', 'grpo')
+POLICY_RATIOS = ('joint', 'geometric')  # trainer/losses.clipped_surrogate
 SCHEDULES = ('fused', 'sync', 'async', 'overlap', 'auto')  # auto: one of the first three, from stage profiles
 TRANSPORTS = ('shm', 'thread')
 FAULT_POLICIES = ('restart', 'stop')
@@ -161,9 +162,11 @@ class AlgoConfig:
   num_updates_per_batch: int = 4
   # Decoupled PPO: the behaviour/proximal importance weight is clipped at this value (async schedules).
   max_behaviour_ratio: float = 2.0
+  policy_ratio: str = 'joint'  # or 'geometric': per action value (GSPO's length-normalised ratio)
 
   def __post_init__(self):
     _check_choice('algo', self.name, ALGORITHMS)
+    _check_choice('policy_ratio', self.policy_ratio, POLICY_RATIOS)
     _check_positive('learning_rate', self.learning_rate)
     _check_range('discount', self.discount, 0.0, 1.0)
     _check_range('gae_lambda', self.gae_lambda, 0.0, 1.0)

@@ -65,6 +65,9 @@ _SECTIONS: Tuple[Tuple[str, Type, Dict[str, str]], ...] = (
     ('cells', config_lib.CellConfig, {}),
 )
 _HELP = {
+    'policy_ratio': ('PPO/GRPO ratio of a policy step: joint (pi/pi_old of the whole step, as Brax) or geometric '
+                     '(its geometric mean per action value, the log-ratio divided by chunk x action size, as GSPO '
+                     'does per token: the token policy\'s 12-token joint ratio clips most samples).'),
     'task': (f'Task to train on: {", ".join(config_lib.TASKS)}, or {config_lib.PLAYGROUND_PREFIX}NAME for a MuJoCo '
              'Playground env (the playground extra; --backend=mjx or mjx_warp).'),
     'randomize': ('Domain randomisation drawn per env at reset, name=lo:hi,...: '

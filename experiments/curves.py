@@ -7,7 +7,8 @@ time limit before this project held signals on MJX) or to put several runs on on
 Writes `--out` (per label: every evaluation's env steps, its `wall_s` as logged and return (the run clock, seconds
 from process start, since this tool came; a logger clock from the driver's start before),
 `compile_s` when the run logged it, best return, the first evaluation at or above `--target`, the env steps/s
-logged while training) and `--out` with `.png` (return against env steps and against wall-clock seconds).
+logged while training, and each `--train_metrics` name's values as logged: the mean over each chunk of
+iterations) and `--out` with `.png` (return against env steps and against wall-clock seconds).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def read_metrics(path: str) -> List[dict]:
   return records
 
 
-def curve_of(records: List[dict], target: Optional[float]) -> dict:
+def curve_of(records: List[dict], target: Optional[float], train_metrics: tuple = ()) -> dict:
   """One run's figures from its metrics records (see the module's docstring). Raises ValueError without any
   evaluation."""
   points = [{'env_steps': r['env_steps'], 'wall_s': r['wall_s'], 'return': r[RETURN]} for r in records if RETURN in r]
@@ -58,6 +59,12 @@ def curve_of(records: List[dict], target: Optional[float]) -> dict:
       'env_steps_to_target': hit['env_steps'] if hit else None,
       'wall_s_to_target': hit['wall_s'] if hit else None,
       'rollout_env_steps_per_s_median': sorted(rates)[len(rates) // 2] if rates else None,
+      'train_metrics': {
+          name: [{
+              'env_steps': r['env_steps'],
+              'value': r[name]
+          } for r in records if name in r] for name in train_metrics
+      },
   }
 
 
@@ -85,6 +92,10 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--run', action='append', required=True, help='label=path of a metrics.jsonl[.gz]')
   parser.add_argument('--target', type=float, default=None)
+  parser.add_argument('--train_metrics',
+                      default='',
+                      help='comma-separated metric names to keep, e.g. '
+                      'train/ppo/approx_kl,train/ppo/clip_fraction')
   parser.add_argument('--out', required=True)
   args = parser.parse_args(argv)
   curves = {}
@@ -95,7 +106,8 @@ def main(argv=None) -> int:
     if not os.path.exists(path):
       parser.error(f'--run={spec}: {path} does not exist')
     try:
-      curves[label] = dict(curve_of(read_metrics(path), args.target), metrics=path)
+      names = tuple(n for n in args.train_metrics.split(',') if n)
+      curves[label] = dict(curve_of(read_metrics(path), args.target, names), metrics=path)
     except ValueError as e:
       parser.error(f'--run={spec}: {e}')
   with open(args.out, 'w') as f:

@@ -50,7 +50,14 @@ RECORDS = [
 def test_a_killed_runs_metrics_give_its_curve_and_first_hit(tmp_path):
   path = tmp_path / 'metrics.jsonl.gz'
   _write(path, RECORDS, tail='{"env_steps": 300, "wall_s"')  # the write a kill cut
-  c = curves.curve_of(curves.read_metrics(str(path)), target=0.0)
+  c = curves.curve_of(curves.read_metrics(str(path)), target=0.0, train_metrics=('rollout/env_steps_per_s',))
+  assert c['train_metrics']['rollout/env_steps_per_s'] == [{
+      'env_steps': 100,
+      'value': 50.0
+  }, {
+      'env_steps': 200,
+      'value': 70.0
+  }]
   assert [p['return'] for p in c['eval_curve']] == [-90.0, -10.0, 5.0]
   assert c['best_eval_return'] == 5.0 and c['env_steps'] == 200 and c['compile_s'] == 30.0
   assert (c['env_steps_to_target'], c['wall_s_to_target']) == (200, 14.5)

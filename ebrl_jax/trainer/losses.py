@@ -7,6 +7,7 @@ K action chunk, A action dim.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Dict, Optional, Tuple
 
 import chex
@@ -91,14 +92,25 @@ def _evaluate_segments(network: nn.Module, params: gen_stages.PolicyParams, batc
 LOG_RATIO_LIMIT = 20.0
 
 
+def values_per_step(batch: Transition) -> int:
+  """Action values one policy step's log-prob sums over: chunk x action size (raw_action [T, B, K, A])."""
+  return int(math.prod(batch.raw_action.shape[2:]))
+
+
 def clipped_surrogate(log_probs: Array,
                       proximal_log_prob: Array,
                       behaviour_log_prob: Array,
                       advantages: Array,
                       mask: Array,
                       algo: AlgoConfig,
-                      axis_name: Optional[str] = None) -> Tuple[Array, Metrics]:
+                      axis_name: Optional[str] = None,
+                      values_per_step: int = 1) -> Tuple[Array, Metrics]:
   """Decoupled PPO objective -mean(w * min(r A, clip(r) A)), r = pi/pi_prox, w = clip(pi_prox/pi_behav).
+
+  With `algo.policy_ratio='geometric'` both ratios are per action value: the log-ratios (of log-probs summed over
+  the step's `values_per_step` = chunk x action values, or tokens) are divided by it, the geometric mean of the
+  per-value ratios (GSPO's length-normalised sequence ratio). A joint ratio over many values moves by their product:
+  12 tokens that each move 2 % move it 27 %, past the clip range, so the token policy's updates clip most samples.
 
   NOTE: log-ratios are clamped to +-LOG_RATIO_LIMIT before `exp`. With a tanh-Gaussian whose scale can shrink to
   `min_std`, a small move of the mean (or of the observation normaliser between acting and training) can change
@@ -106,9 +118,10 @@ def clipped_surrogate(log_probs: Array,
   16-env async runs). Past e^20 the clipped surrogate carries no useful gradient anyway, so such samples just
   stop contributing one, and everywhere else the objective is unchanged.
   """
-  log_ratio = jnp.clip(log_probs - proximal_log_prob, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+  per = 1.0 / values_per_step if algo.policy_ratio == 'geometric' else 1.0
+  log_ratio = jnp.clip((log_probs - proximal_log_prob) * per, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
   ratio = jnp.exp(log_ratio)
-  log_weight = jnp.clip(proximal_log_prob - behaviour_log_prob, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+  log_weight = jnp.clip((proximal_log_prob - behaviour_log_prob) * per, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
   weight = jax.lax.stop_gradient(jnp.clip(jnp.exp(log_weight), 0.0, algo.max_behaviour_ratio))
   clipped = jnp.clip(ratio, 1.0 - algo.clip_epsilon, 1.0 + algo.clip_epsilon)
   surrogate = jnp.minimum(ratio * advantages, clipped * advantages)
@@ -155,7 +168,7 @@ def ppo_loss(network: nn.Module,
     std = jnp.sqrt(masked_mean(jnp.square(advantages - mean), mask, axis_name))
     advantages = (advantages - mean) / (std + ADVANTAGE_EPS)
   policy_loss, metrics = clipped_surrogate(out.log_probs, proximal_log_prob, batch.behaviour_log_prob, advantages, mask,
-                                           algo, axis_name)
+                                           algo, axis_name, values_per_step(batch))
   value_loss = algo.value_cost * masked_mean(jnp.square(vs - out.values), mask, axis_name)
   entropy = masked_mean(out.entropy, mask, axis_name)
   entropy_loss = -algo.entropy_cost * entropy
@@ -181,7 +194,7 @@ def grpo_loss(network: nn.Module,
   mask = batch.mask.astype(jnp.float32)
   adv = jnp.broadcast_to(advantages[None], batch.reward.shape)
   policy_loss, metrics = clipped_surrogate(out.log_probs, proximal_log_prob, batch.behaviour_log_prob, adv, mask, algo,
-                                           axis_name)
+                                           axis_name, values_per_step(batch))
   entropy = masked_mean(out.entropy, mask, axis_name)
   entropy_loss = -algo.entropy_cost * entropy
   total = policy_loss + entropy_loss

@@ -48,6 +48,9 @@
 # manip   issue 13: push_cube learning, 3 runs at once on the one GPU (a screen: their throughputs are shared):
 #         from state (MLP, MJX-Warp, experiments/push_cube_state.flags), from pixels (W5 on MJX-Warp) and the token
 #         policy (W6), each stopped by --max_wall_s=MANIP_WALL_S (480 s).
+# w6ratio issue 13 item 4: W6 (the token policy) with --policy_ratio=joint and =geometric, 2 runs at once on the GPU
+#         (shared throughputs), --max_wall_s=MANIP_WALL_S (480 s): does the per-token ratio learn where the joint
+#         one clips most samples (results/token_ratio_cpu.json)?
 # w2x     W2 fused seed 1 again (cut by its limit at 11.5 M in the w2s_fused call), then the quota-change run
 #         (rollout 20 -> 25 % at iteration 10 of 48, 3 M steps) whose whole output is kept.
 # The device tool brings back a limited number of files: write OUT_DIR outside $OUT and tar it into $OUT
@@ -217,6 +220,11 @@ case $PART in
         --extra=--max_wall_s=$w --timeout_s=$((w + 60)) &
     done
     wait ;;
+  w6ratio)  # issue 13 item 4: W6's token policy with the joint vs the geometric (per-token) PPO ratio, at once
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.4
+    w=${MANIP_WALL_S:-480}
+    bench w6_ratio 0-15 --bench_flagfile=experiments/w6_token.flags --gpus=0,0 --schedules=joint=fused,geometric=fused \
+      --only=geometric:--policy_ratio=geometric --extra=--max_wall_s=$w --timeout_s=$((w + 60)) ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
 for c in $(find /tmp $ROOT runs -name control -type p 2>/dev/null); do

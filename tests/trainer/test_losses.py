@@ -1,4 +1,5 @@
 """GAE, the clipped surrogate with the behaviour weight, GRPO advantages/loss; PPO loss parity with Brax."""
+import dataclasses
 import functools
 import math
 
@@ -183,3 +184,24 @@ def test_ppo_loss_equals_brax_on_policy():
   np.testing.assert_allclose(m['value_loss'], bm['v_loss'], rtol=1e-4)
   np.testing.assert_allclose(loss, brax_loss, rtol=1e-4)
   assert math.isclose(float(m['behaviour_weight']), 1.0, rel_tol=1e-6)
+
+
+def test_geometric_ratio_is_the_per_value_mean_of_the_joint_log_ratio():
+  """--policy_ratio=geometric: a step of 4 action values whose joint log-ratios are 4 x log([1.5, 0.5, 1.5, 1.1])
+  has per-value ratios [1.5, 0.5, 1.5, 1.1], so the loss and metrics equal the joint ratio's of the hand-computed
+  case above; the behaviour weight is per value too (joint weights 3^4, 1.5^4, 0.5^4, 1 -> w = clip([3, 1.5,
+  0.5, 1], 0, 2), loss -1.1125 as in test_behaviour_weight_is_clipped). With one value per step, as joint."""
+  geometric = dataclasses.replace(ALGO, policy_ratio='geometric')
+  loss, m = losses.clipped_surrogate(4 * LOGP, PROX, PROX, ADV, jnp.ones(4), geometric, values_per_step=4)
+  np.testing.assert_allclose(loss, -0.2, rtol=1e-5)
+  np.testing.assert_allclose(m['clip_fraction'], 0.75)
+  np.testing.assert_allclose(m['approx_kl'], 0.0967267, rtol=1e-5)
+  behaviour = -4 * jnp.log(jnp.array([3.0, 1.5, 0.5, 1.0]))
+  loss, m = losses.clipped_surrogate(4 * LOGP, PROX, behaviour, ADV, jnp.ones(4), geometric, values_per_step=4)
+  np.testing.assert_allclose(loss, -1.1125, rtol=1e-5)
+  joint, _ = losses.clipped_surrogate(4 * LOGP, PROX, PROX, ADV, jnp.ones(4), ALGO, values_per_step=4)
+  assert not np.isclose(joint, -0.2)  # the joint ratio of the same log-probs is another objective
+  one, _ = losses.clipped_surrogate(LOGP, PROX, PROX, ADV, jnp.ones(4), geometric, values_per_step=1)
+  np.testing.assert_allclose(one, -0.2, rtol=1e-5)
+  with pytest.raises(ValueError, match='policy_ratio'):
+    AlgoConfig(policy_ratio="token")
