@@ -304,15 +304,12 @@ def _loop(cfg, source, train_state, root_key, progress: _Progress, logger, clock
   first, eval_return = True, None
   while True:
     budget = cfg.schedule.max_wall_s if cfg.ranks is None else 0  # a cell's ranks vote on it (trainer.ranks)
-    if budget and clock.now() >= budget:
-      logging.info('--max_wall_s=%g reached at iteration %d; stopping there.', budget, progress.iterations)
+    held = errors.pending_stop()  # a signal held while a chunk ran (errors.deferred_stops), else the budget
+    if held or (budget and clock.now() >= budget):
+      why = 'A stop signal came during the last chunk' if held else f'--max_wall_s={budget:g} reached'
+      logging.info('%s: stopping at iteration %d.', why, progress.iterations)
       _save(cfg, checkpointer, train_state, progress, spec)
-      return 'max_wall_s'
-    held = errors.pending_stop()  # a signal held while a chunk ran (errors.deferred_stops)
-    if held:
-      logging.info('A stop signal came during the last chunk: stopping at iteration %d.', progress.iterations)
-      _save(cfg, checkpointer, train_state, progress, spec)
-      return held
+      return held or 'max_wall_s'
     if first or progress.iterations % per_eval == 0 or progress.iterations >= total:
       if off_path is None or (first and off_path.in_line_first):
         eval_return = _evaluate(cfg, source, train_state, root_key, progress, logger, clock)
