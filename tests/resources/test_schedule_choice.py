@@ -95,7 +95,8 @@ def test_auto_refuses_live_quota_changes(tmp_path):
 
 def test_quotas_below_100_are_skipped_only_when_even_full_speed_everywhere_cannot_win():
   # PROFILES at 100 %: sim(4096) 1.8 s, sim(2048) 1.0 s, sim(1024) 0.6 s, train 1.0 s; fused 2.8 s. The best case
-  # (every process at 100 %, none slowing another) is async with 2 groups: max(1.0, 1.0) = 1.0 s (+180 %), so
+  # (every process at 100 %, none slowing another) is async with 2 groups: max(1.0, 1.0) = 1.0 s (+180 %; 4 groups
+  # tie at max(0.6, 1.0), and the tie goes to fewer groups, whatever the last bit of either sum), so
   # the quotas may make a process schedule win: not skipped. With a 1.7 s hand-off it is 2.7 s, +3.7 % over fused,
   # within the 5 % margin: no quota can win, and `choose` (on every quota) indeed picks fused.
   best = schedule_choice.best_case(PROFILES, SPACE, 0.0)
