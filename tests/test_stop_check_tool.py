@@ -1,0 +1,24 @@
+"""experiments/stop_check.py: the SIGTERM latency check (run on the GPU), here on a tiny native-MuJoCo run."""
+import json
+import os
+
+from experiments import stop_check
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_stop_check_signals_a_training_run_and_reads_its_summary(tmp_path, monkeypatch):
+  monkeypatch.chdir(ROOT)
+  monkeypatch.setenv('JAX_PLATFORMS', 'cpu')
+  out = tmp_path / 'stop.json'
+  flags = [
+      '--task=inverted_pendulum', '--num_envs=32', '--batch_size=32', '--num_minibatches=8', '--num_eval_envs=8',
+      '--num_threads=1', '--compilation_cache_dir=', '--noprogress_bar', '--num_timesteps=10000000', '--num_evals=2000',
+      f'--run_dir={tmp_path}/run'
+  ]
+  assert stop_check.main(['--after_s=0.5', '--timeout_s=240', f'--out={out}', '--', *flags]) == 0
+  result = json.load(open(out))
+  assert result['returncode'] == 143 and result['sigterm_s'] >= result['first_training_s'] + 0.5
+  assert 0 <= result['exit_after_sigterm_s'] < 60
+  assert result['summary']['stopped'] == 'SIGTERM' and result['summary']['iterations'] >= 1
+  assert any(line.startswith('STOPPED: SIGTERM') for line in result['stop_lines'])
