@@ -62,7 +62,7 @@ def test_metrics_refuse_a_symlinked_log(tmp_path):
   assert target.read_text() == 'keep me'
 
 
-def test_a_compilation_cache_others_can_write_is_refused(tmp_path):
+def test_a_compilation_cache_others_can_write_is_refused(tmp_path, monkeypatch):
   cache = tmp_path / 'xla'
   cache.mkdir()
   os.chmod(cache, 0o777)
@@ -71,9 +71,14 @@ def test_a_compilation_cache_others_can_write_is_refused(tmp_path):
   os.chmod(cache, 0o700)
   import jax  # pylint: disable=g-import-not-at-top
   before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+  monkeypatch.delenv('WARP_CACHE_PATH', raising=False)
   try:
-    startup.configure_jax('', str(cache))  # its own: accepted
+    startup.configure_jax('', str(cache))  # its own: accepted, with Warp's kernel cache inside it
     assert jax.config.jax_compilation_cache_dir == str(cache)
+    assert os.environ['WARP_CACHE_PATH'] == str(cache / startup.WARP_CACHE_SUBDIR)
+    monkeypatch.setenv('WARP_CACHE_PATH', str(tmp_path / 'mine'))
+    startup.configure_jax('', str(cache))  # a user's own WARP_CACHE_PATH is kept
+    assert os.environ['WARP_CACHE_PATH'] == str(tmp_path / 'mine')
   finally:  # the rest of this test process compiles without it
     jax.config.update('jax_compilation_cache_dir', before[0])
     jax.config.update('jax_persistent_cache_min_compile_time_secs', before[1])
