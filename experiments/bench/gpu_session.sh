@@ -51,6 +51,9 @@
 # w6ratio issue 13 item 4: W6 (the token policy) with --policy_ratio=joint and =geometric, 2 runs at once on the GPU
 #         (shared throughputs), --max_wall_s=MANIP_WALL_S (480 s): does the per-token ratio learn where the joint
 #         one clips most samples (results/token_ratio_cpu.json)?
+# w5prof | w6prof  issues 13/14: the isolated stage times (t_sim, t_gen, t_train) of W5 on MJX-Warp or of W6 at
+#         the three balance points' --num_updates_per_batch=1/4/16, each profile cut at 180 s: what W5's 6.5 k env
+#         steps/s in manip_screen_h200 spends its time on, and which rho each point lands at.
 # w2x     W2 fused seed 1 again (cut by its limit at 11.5 M in the w2s_fused call), then the quota-change run
 #         (rollout 20 -> 25 % at iteration 10 of 48, 3 M steps) whose whole output is kept.
 # The device tool brings back a limited number of files: write OUT_DIR outside $OUT and tar it into $OUT
@@ -225,6 +228,13 @@ case $PART in
     w=${MANIP_WALL_S:-480}
     bench w6_ratio 0-15 --bench_flagfile=experiments/w6_token.flags --gpus=0,0 --schedules=joint=fused,geometric=fused \
       --only=geometric:--policy_ratio=geometric --extra=--max_wall_s=$w --timeout_s=$((w + 60)) ;;
+  w5prof|w6prof)  # issues 13/14: W5 (Warp pixels) or W6 isolated stage times at --num_updates_per_batch=1/4/16
+    ff=$([ $PART = w5prof ] && echo w5_pixels_warp || echo w6_token)
+    for u in 1 4 16; do
+      timeout -s TERM 180 taskset -c 0-15 python3 -m experiments.bench.stage_profile --flagfile=experiments/$ff.flags \
+        --num_updates_per_batch=$u --repeats=3 --profile_out=$ROOT/${PART}_u$u.json > $ROOT/${PART}_u$u.log 2>&1
+      echo "[${PART}_u$u] exit $?"
+    done ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
 for c in $(find /tmp $ROOT runs -name control -type p 2>/dev/null); do
