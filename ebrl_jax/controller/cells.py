@@ -25,8 +25,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import signal
-import threading
 from typing import Optional
 
 from ebrl_jax import config as config_lib
@@ -110,21 +108,8 @@ def signals_vote(vote: Optional[ranks.StopVote]):
   """While training a cell of several in this process (`vote`; None: nothing changes): SIGTERM and SIGINT are this
   rank's vote to stop (`ranks.StopVote.ask`); a second one interrupts at once (`errors.interrupt`: this rank alone
   stops, and the others find it gone). Main thread only."""
-  if vote is None or threading.current_thread() is not threading.main_thread():
+  with errors.held_signals(vote.ask if vote is not None else None, active=vote is not None):
     yield
-    return
-
-  def handler(signum, frame):
-    if vote.asked:
-      errors.interrupt(signum, frame)
-    vote.ask(signal.Signals(signum).name)
-
-  previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
-  try:
-    yield
-  finally:
-    for s, h in previous.items():
-      signal.signal(s, h)
 
 
 def summary_cells(cell: Cell, envs_per_cell: int, env_steps_per_iteration: int, extra: dict) -> dict:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from typing import Any, Dict, NamedTuple, Optional, Type
+from typing import Any, Callable, Dict, NamedTuple, Optional, Type
 
 
 class RunError(RuntimeError):
@@ -72,33 +72,48 @@ def interrupt(signum, frame) -> None:
   raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-_DEFERRING: list = []  # one list per active `deferred_stops`, innermost last, holding the signals it was sent
+@contextlib.contextmanager
+def held_signals(on_first: Callable[[str], None], active: bool = True):
+  """While active: the first SIGTERM or SIGINT is not raised but handed to `on_first` by name ('SIGTERM'); a second
+  interrupts at once (`interrupt`), as a second Ctrl-C does elsewhere. Main thread only (elsewhere, or inactive,
+  nothing changes). The one mechanism behind `deferred_stops` and a cell's stop vote (`controller.cells`). Yields
+  whether the signals are held."""
+  if not active or threading.current_thread() is not threading.main_thread():
+    yield False
+    return
+  first: list = []
+
+  def hold(signum, frame):
+    if first:
+      interrupt(signum, frame)
+    first.append(signum)
+    on_first(signal.Signals(signum).name)
+
+  previous = {s: signal.signal(s, hold) for s in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    yield True
+  finally:
+    for s, handler in previous.items():
+      signal.signal(s, handler)
+
+
+_DEFERRING: list = []  # one list per active `deferred_stops`, innermost last, holding the signal it was sent
 
 
 @contextlib.contextmanager
 def deferred_stops(active: bool = True):
-  """While active: SIGTERM and SIGINT are held, not raised; `pending_stop()` names the first, and the training
+  """While active: SIGTERM and SIGINT are held (`held_signals`); `pending_stop()` names the first, and the training
   driver stops at its next chunk boundary, where nothing of the simulator is running (it keeps its chunks short,
-  `STOP_LATENCY_S`, so that comes soon). A second signal interrupts at once (`interrupt`), as a second Ctrl-C
-  does elsewhere. Main thread only (elsewhere, or inactive, nothing changes)."""
-  if not active or threading.current_thread() is not threading.main_thread():
-    yield
-    return
+  `STOP_LATENCY_S`, so that comes soon)."""
   held: list = []
-
-  def hold(signum, frame):
-    if held:
-      interrupt(signum, frame)
-    held.append(signal.Signals(signum).name)
-
-  previous = {s: signal.signal(s, hold) for s in (signal.SIGTERM, signal.SIGINT)}
-  _DEFERRING.append(held)
-  try:
-    yield
-  finally:
-    _DEFERRING.remove(held)
-    for s, handler in previous.items():
-      signal.signal(s, handler)
+  with held_signals(held.append, active) as holding:
+    if holding:
+      _DEFERRING.append(held)
+    try:
+      yield
+    finally:
+      if holding:
+        _DEFERRING.remove(held)
 
 
 # Seconds of work between two chunk boundaries while signals are held: how long a stop may wait.
