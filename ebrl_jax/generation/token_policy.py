@@ -326,7 +326,8 @@ def decode(policy: TokenPolicy,
            obs,
            key: PRNGKey,
            deterministic: bool = False,
-           temperature: float = 1.0) -> DecodeOutput:
+           temperature: float = 1.0,
+           unroll: int = 1) -> DecodeOutput:
   """Samples the K*A action tokens one at a time with the KV cache.
 
   Args:
@@ -336,6 +337,7 @@ def decode(policy: TokenPolicy,
       temperature 1.
     temperature: sampling temperature (static); log-probs are those of the tempered distribution that drew the
       tokens (the behaviour log-probs). Training recomputes them at temperature 1: sample at 1 for on-policy PPO.
+    unroll: token steps per iteration of the decoding `lax.scan` (static; `experiments/decode_bench.py` times it).
   Returns:
     DecodeOutput; with temperature 1, token_log_probs equal those `full_forward` gives for the returned tokens.
   """
@@ -353,7 +355,8 @@ def decode(policy: TokenPolicy,
     logits, cache = policy.apply(variables, token, slot, cache, method=TokenPolicy.step)
     return (cache, logits), (token, log_p)
 
-  _, (tokens, log_ps) = jax.lax.scan(body, (cache, logits), (jax.random.split(key, m), jnp.arange(m)))
+  _, (tokens, log_ps) = jax.lax.scan(body, (cache, logits), (jax.random.split(key, m), jnp.arange(m)),
+                                    unroll=unroll)
   batch = values.shape[0]
   shape = (batch, policy.action_chunk, policy.action_dim)
   tokens = jnp.swapaxes(tokens, 0, 1).reshape(shape)  # scan stacks [M, B]

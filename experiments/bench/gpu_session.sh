@@ -51,6 +51,9 @@
 # w6ratio issue 13 item 4: W6 (the token policy) with --policy_ratio=joint and =geometric, 2 runs at once on the GPU
 #         (shared throughputs), --max_wall_s=MANIP_WALL_S (480 s): does the per-token ratio learn where the joint
 #         one clips most samples (results/token_ratio_cpu.json)?
+# w6dec   issues 13/14: experiments/decode_bench.py (W6's KV-cache decoding alone: ms per policy step, float32 and
+#         bfloat16, scan unroll 1/3/12, beside prefill and the teacher-forced forward+gradient), then W6 fused vs
+#         async with 4 groups (MPS), each stopped by --max_wall_s=W6_WALL_S (190 s) to see past W6's start-up.
 # w5prof | w6prof  issues 13/14: the isolated stage times (t_sim, t_gen, t_train) of W5 on MJX-Warp or of W6 at
 #         the three balance points' --num_updates_per_batch=1/4/16, each profile cut at 180 s: what W5's 6.5 k env
 #         steps/s in manip_screen_h200 spends its time on, and which rho each point lands at.
@@ -228,6 +231,13 @@ case $PART in
     w=${MANIP_WALL_S:-480}
     bench w6_ratio 0-15 --bench_flagfile=experiments/w6_token.flags --gpus=0,0 --schedules=joint=fused,geometric=fused \
       --only=geometric:--policy_ratio=geometric --extra=--max_wall_s=$w --timeout_s=$((w + 60)) ;;
+  w6dec)  # issues 13/14: W6's token decoding timed alone, then W6 fused vs async with 4 groups (MPS) past start-up
+    timeout -s TERM 150 taskset -c 0-15 python3 -m experiments.decode_bench --out=$ROOT/decode_bench_h200.json \
+      > $ROOT/decode_bench.log 2>&1
+    echo "[decode_bench] exit $?"
+    bench w6_async4_1gpu 0-15 --bench_flagfile=experiments/w6_token.flags --gpus=0 --schedules=fused,async \
+      --only=async:--use_mps --only=async:--num_groups=4 --extra=--max_wall_s=${W6_WALL_S:-190} \
+      --timeout_s=$((${W6_WALL_S:-190} + 40)) ;;
   w5prof|w6prof)  # issues 13/14: W5 (Warp pixels) or W6 isolated stage times at --num_updates_per_batch=1/4/16
     ff=$([ $PART = w5prof ] && echo w5_pixels_warp || echo w6_token)
     for u in 1 4 16; do
