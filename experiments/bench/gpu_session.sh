@@ -38,8 +38,8 @@
 #         (--critic=auto), and the MLP critic with Brax's Ant optimiser settings (lr 3e-4, clip 0.3, grad norm 1),
 #         with 2 and 4 epochs per batch.
 # w2learn issue 13 item 7: W2 as its flagfile now says, alone on the GPU, fused, to its target (3000) or 50 M steps.
-# w2chunk issue 13 item 7 (not yet run): the next suspect of W2's plateau at ~1300, the open-loop action chunk: W2
-#         with chunks of 4 (as W2), 2 and 1 at once on the one GPU (a screen: shared throughputs), bf16, 480 s each.
+# w2chunk issue 13 item 7 (run: w2_chunk_screen_h200.json): the next suspect of W2's plateau at ~1300, the open-loop action chunk: W2
+#         with chunks of 4 (as W2), 2 and 1 at once on the one GPU (a screen: shared throughputs), bf16, W2CHUNK_WALL_S (480 s) each.
 # ipcmps  issue 14 item 1 (not yet run): the CUDA IPC generation check again under the run's MPS daemon, to test
 #         whether the IPC path lost in the W1 run (0.33x co-located) from time-slicing without MPS.
 # w1warp  issue 13: W1 fused on --backend=mjx and --backend=mjx_warp beside Brax's PPO on both (Brax on Warp through
@@ -207,8 +207,8 @@ case $PART in
     export XLA_PYTHON_CLIENT_MEM_FRACTION=0.3
     bench w2_chunk_screen 0-15 --bench_flagfile=experiments/w2_transformer.flags --gpus=0,0,0 \
       --schedules=k4=fused,k2=fused,k1=fused --extra=--compute_dtype=bfloat16 --extra=--num_timesteps=50000000 \
-      --extra=--num_evals=25 --extra=--max_wall_s=480 --only=k2:--action_chunk=2 --only=k1:--action_chunk=1 \
-      --timeout_s=540 ;;
+      --extra=--num_evals=25 --extra=--max_wall_s=${W2CHUNK_WALL_S:-480} --only=k2:--action_chunk=2 --only=k1:--action_chunk=1 \
+      --timeout_s=$((${W2CHUNK_WALL_S:-480} + 60)) ;;
   ipcmps)
     timeout -s TERM "$TIMEOUT" taskset -c 0-15 python3 experiments/ipc_generation_check.py \
       --out $ROOT/ipc_generation_check_mps_h200.json --extra_flags=--use_mps > $ROOT/ipcmps.log 2>&1
