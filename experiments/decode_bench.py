@@ -94,7 +94,11 @@ def main():
   parser.add_argument('--dtypes', nargs='+', default=['float32', 'bfloat16'])
   parser.add_argument('--repeats', type=int, default=30)
   args = parser.parse_args()
-  result = {'device': jax.devices()[0].device_kind, 'sizes': vars(args), 'tokens_per_step': args.action_chunk * args.action_dim}
+  result = {
+      'device': jax.devices()[0].device_kind,
+      'sizes': vars(args),
+      'tokens_per_step': args.action_chunk * args.action_dim
+  }
   for dtype in args.dtypes:
     result[dtype] = measure(args, dtype)
     print(dtype, json.dumps(result[dtype]), flush=True)

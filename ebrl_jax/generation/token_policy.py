@@ -355,8 +355,7 @@ def decode(policy: TokenPolicy,
     logits, cache = policy.apply(variables, token, slot, cache, method=TokenPolicy.step)
     return (cache, logits), (token, log_p)
 
-  _, (tokens, log_ps) = jax.lax.scan(body, (cache, logits), (jax.random.split(key, m), jnp.arange(m)),
-                                    unroll=unroll)
+  _, (tokens, log_ps) = jax.lax.scan(body, (cache, logits), (jax.random.split(key, m), jnp.arange(m)), unroll=unroll)
   batch = values.shape[0]
   shape = (batch, policy.action_chunk, policy.action_dim)
   tokens = jnp.swapaxes(tokens, 0, 1).reshape(shape)  # scan stacks [M, B]

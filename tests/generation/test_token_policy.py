@@ -13,7 +13,7 @@ from ebrl_jax.trainer import losses
 
 B, N, D_IN, K, A, BINS = 3, 4, 5, 2, 3, 8
 
-decode_jit = jax.jit(tp.decode, static_argnums=(0,), static_argnames=('deterministic', 'temperature'))
+decode_jit = jax.jit(tp.decode, static_argnums=(0,), static_argnames=('deterministic', 'temperature', 'unroll'))
 forward_jit = jax.jit(tp.full_forward, static_argnums=(0,))
 value_jit = jax.jit(tp.value, static_argnums=(0,))
 evaluate_jit = jax.jit(tp.evaluate, static_argnums=(0,))
@@ -102,6 +102,18 @@ def test_kv_cache_decode_equals_full_causal_forward(deterministic, critic):
   np.testing.assert_allclose(out.actions, tp.bins_to_actions(out.tokens, BINS))
   # The test has teeth: the logits are far from uniform (log(1/8) = -2.079 for every token otherwise).
   assert float(jnp.max(jnp.abs(per_token - np.log(1 / BINS)))) > 0.5
+
+
+@pytest.mark.parametrize('unroll', [2, K * A])
+def test_unrolled_decoding_samples_the_same_tokens(unroll):
+  policy, variables, obs = _setup()
+  looped = decode_jit(policy, variables, obs, jax.random.PRNGKey(3))
+  unrolled = decode_jit(policy, variables, obs, jax.random.PRNGKey(3), unroll=unroll)
+  np.testing.assert_array_equal(unrolled.tokens, looped.tokens)
+  np.testing.assert_allclose(unrolled.token_log_probs, looped.token_log_probs, atol=1e-6)
+  # Teeth: another key samples other tokens, so equal tokens above are not a constant.
+  other = decode_jit(policy, variables, obs, jax.random.PRNGKey(4), unroll=unroll)
+  assert not np.array_equal(other.tokens, looped.tokens)
 
 
 def test_teacher_forced_pass_is_causal_in_the_action_tokens():
