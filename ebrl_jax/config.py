@@ -12,6 +12,7 @@ from typing import Optional, Tuple
 
 from ebrl_jax.config_cells import LAUNCHERS, CellConfig, check_run_cells
 from ebrl_jax.config_checks import check_choice as _check_choice, check_positive as _check_positive
+from ebrl_jax.config_checks import check_playground_sim, check_solver_caps
 from ebrl_jax.config_checks import check_env_slices, check_host_rollout_quotas, check_range as _check_range
 from ebrl_jax.config_checks import check_schedule_options
 from ebrl_jax.config_checks import parse_group_schedule
@@ -54,11 +55,14 @@ class SimConfig:
   image_size: int = 64
   frame_stack: int = 1
   pixel_depth: bool = False  # --obs=pixels: a uint8 depth channel after each frame's RGB (config_vision)
+  # Constraint-solver caps on every backend, 0: the task's own (config_checks.check_solver_caps says which).
+  solver_iterations: int = 0
+  ls_iterations: int = 0
 
   def __post_init__(self):
     _check_choice('backend', self.backend, BACKENDS)
     if self.task.startswith(PLAYGROUND_PREFIX):
-      self._check_playground()
+      check_playground_sim(self, PLAYGROUND_PREFIX)
     else:
       _check_choice('task', self.task, TASKS)
     if self.randomization.enabled and self.task.startswith(PLAYGROUND_PREFIX):
@@ -73,13 +77,7 @@ class SimConfig:
     if self.num_envs % self.group_size:
       raise ValueError(f'--num_envs={self.num_envs} must be a multiple of --group_size={self.group_size}.')
     check_sim_obs(self)
-
-  def _check_playground(self) -> None:
-    if not self.task[len(PLAYGROUND_PREFIX):]:
-      raise ValueError(f'--task={self.task} must name a Playground env, e.g. --task=playground:CartpoleBalance.')
-    if self.backend == 'mujoco_cpu':
-      raise ValueError(f'--task={self.task} is a MuJoCo Playground env, which runs on MJX: it needs --backend=mjx '
-                       'or --backend=mjx_warp (got --backend=mujoco_cpu).')
+    check_solver_caps(self, PLAYGROUND_PREFIX)
 
   @property
   def randomization(self) -> RandomizationConfig:

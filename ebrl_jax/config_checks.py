@@ -20,6 +20,27 @@ def check_range(field: str, value: float, lo: float, hi: float) -> None:
     raise ValueError(f'--{field}={value!r} must lie in [{lo}, {hi}].')
 
 
+def check_playground_sim(sim, prefix: str) -> None:
+  """A `playground:` task (`sim` a `config.SimConfig`): an env named, on an MJX backend."""
+  if not sim.task[len(prefix):]:
+    raise ValueError(f'--task={sim.task} must name a Playground env, e.g. --task=playground:CartpoleBalance.')
+  if sim.backend == 'mujoco_cpu':
+    raise ValueError(f'--task={sim.task} is a MuJoCo Playground env, which runs on MJX: it needs --backend=mjx '
+                     'or --backend=mjx_warp (got --backend=mujoco_cpu).')
+
+
+def check_solver_caps(sim, prefix: str) -> None:
+  """--solver_iterations / --ls_iterations (MjOption `iterations` / `ls_iterations` of the task's model, on every
+  backend; 0 keeps the task's: Brax's 1 / 4 for ant and humanoid, MuJoCo's 100 / 50 for the others). MJX runs its
+  solver and linesearch as loops that go on until every env of the batch has converged or reached the cap, so on
+  a GPU each iteration is a round trip to the host: the caps bound it. Playground envs set their own."""
+  check_positive('solver_iterations', sim.solver_iterations, allow_zero=True)
+  check_positive('ls_iterations', sim.ls_iterations, allow_zero=True)
+  if (sim.solver_iterations or sim.ls_iterations) and sim.task.startswith(prefix):
+    raise ValueError(f'--solver_iterations / --ls_iterations apply to the project\'s own tasks, not --task={sim.task} '
+                     '(a Playground env takes its solver options from its own config).')
+
+
 def parse_group_schedule(text: str):
   """'iteration:groups=G,...' -> ((iteration, G), ...) in iteration order; errors name --group_schedule."""
   out = []

@@ -41,7 +41,8 @@ def make_pool(sim: config_lib.SimConfig, num_envs: int, seed: int, auto_reset: b
                             group_size=sim.group_size,
                             auto_reset=auto_reset,
                             camera=camera_of(sim),
-                            randomization=sim.randomization)
+                            randomization=sim.randomization,
+                            solver=(sim.solver_iterations, sim.ls_iterations))
 
 
 def observe(pool, state: np.ndarray, env_ids=None):

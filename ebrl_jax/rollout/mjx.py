@@ -27,7 +27,8 @@ def make_env(sim: config_lib.SimConfig, auto_reset: bool):
                                  auto_reset=auto_reset,
                                  impl=sim_stages.impl_for_backend(sim.backend),
                                  randomization=sim.randomization,
-                                 camera=render.camera_of(sim))
+                                 camera=render.camera_of(sim),
+                                 solver=(sim.solver_iterations, sim.ls_iterations))
 
 
 def collect_segment(env: Any,

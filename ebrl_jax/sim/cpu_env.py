@@ -40,11 +40,12 @@ from ebrl_jax.sim import render
 from ebrl_jax.sim import tasks
 
 
-def load_model(task: registry.TaskDef) -> mujoco.MjModel:
-  """The task's MjModel as Brax builds it for backend='mjx' (fused bodies, option overrides)."""
+def load_model(task: registry.TaskDef, solver: Tuple[int, int] = (0, 0)) -> mujoco.MjModel:
+  """The task's MjModel as Brax builds it for backend='mjx' (fused bodies, option overrides), with the solver caps
+  `solver` = (iterations, ls_iterations) (0: the task's; `registry.solver_caps`)."""
   from brax.io import mjcf  # pylint: disable=g-import-not-at-top  # Brax's loader fuses jointless bodies
   model = mjcf.load_mjmodel(task.xml_path)
-  for field, value in task.mjx_opt_overrides:
+  for field, value in registry.solver_caps(task, solver):
     setattr(model.opt, field, value)
   return model
 
@@ -77,7 +78,8 @@ class CpuEnvPool:
                group_size: int = 1,
                auto_reset: bool = True,
                camera: Optional[render.CameraObs] = None,
-               randomization: Optional[config_lib.RandomizationConfig] = None):
+               randomization: Optional[config_lib.RandomizationConfig] = None,
+               solver: Tuple[int, int] = (0, 0)):
     for field, value in (('num_envs', num_envs), ('episode_length', episode_length), ('action_repeat', action_repeat),
                          ('group_size', group_size)):
       if value <= 0:
@@ -90,7 +92,7 @@ class CpuEnvPool:
     self._spec = registry.env_spec(task, episode_length, action_repeat, camera.shape if camera is not None else ())
     self.num_envs, self.episode_length, self.action_repeat = num_envs, episode_length, action_repeat
     self.group_size, self.auto_reset = group_size, auto_reset
-    self.model = load_model(self._task)
+    self.model = load_model(self._task, solver)
     self._consts = tasks.make_consts(self.model, self._task.n_frames, self._task.params)
     self.randomization = randomization if randomization is not None and randomization.enabled else None
     if self.randomization is None:

@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 import functools
 import threading
-from typing import Optional
+from typing import Optional, Tuple
 
 import jax
 from jax import numpy as jnp
@@ -113,18 +113,21 @@ def make_mjx_env(task: str,
                  auto_reset: bool = True,
                  impl: str = 'jax',
                  randomization: Optional[config_lib.RandomizationConfig] = None,
-                 camera: Optional[render.CameraObs] = None) -> brax_base.Wrapper:
+                 camera: Optional[render.CameraObs] = None,
+                 solver: Tuple[int, int] = (0, 0)) -> brax_base.Wrapper:
   """The wrapped batch env: `reset(keys [B, 2])`, `step(state, actions [B, A])` (Brax's API).
 
   impl: MJX's implementation of the physics, 'jax' (--backend=mjx) or 'warp' (--backend=mjx_warp; CUDA GPU and
   warp-lang needed). randomization (enabled): each env resets, steps and renders with its own model fields, drawn
   at reset (`PerEnvModel`). camera (impl='warp' only): the env carries a `warp_render.WarpRenderer`
-  (`pixel_renderer(env)`) that `sim.stages` renders stacked frames with. Memoised: equal arguments (defaults
-  filled in) give the same env object.
+  (`pixel_renderer(env)`) that `sim.stages` renders stacked frames with. solver: (iterations, ls_iterations) caps
+  of the constraint solver (0: the task's own; `registry.solver_caps`), as on native MuJoCo. Memoised: equal
+  arguments (defaults filled in) give the same env object.
   """
   if randomization is not None and not randomization.enabled:
     randomization = None
-  return _make_mjx_env(task, int(episode_length), int(action_repeat), bool(auto_reset), impl, randomization, camera)
+  return _make_mjx_env(task, int(episode_length), int(action_repeat), bool(auto_reset), impl, randomization, camera,
+                       tuple(int(c) for c in solver))
 
 
 def pixel_renderer(env):
@@ -232,6 +235,14 @@ def render_model(env, state: brax_base.State):
   return env.unwrapped.sys if per_env is None else per_env.model(state)
 
 
+def _caps(solver: Tuple[int, int]) -> dict:
+  """The MjOption fields the caps change on top of what Brax's env sets itself ({} with no caps); the same fields
+  `registry.solver_caps` gives native MuJoCo."""
+  if min(solver) < 0:
+    raise ValueError(f'solver caps {solver} must be >= 0 (0 keeps the task\'s own).')
+  return {k: v for k, v in zip(('iterations', 'ls_iterations'), solver) if v > 0}
+
+
 def _vmap_wrapper(env):
   while not isinstance(env, brax_training.VmapWrapper) and hasattr(env, 'env'):
     env = env.env
@@ -278,8 +289,8 @@ def _mjx_on_local_devices() -> None:
 
 @functools.lru_cache(maxsize=None)
 def _make_mjx_env(task: str, episode_length: int, action_repeat: int, auto_reset: bool, impl: str,
-                  randomization: Optional[config_lib.RandomizationConfig],
-                  camera: Optional[render.CameraObs]) -> brax_base.Wrapper:
+                  randomization: Optional[config_lib.RandomizationConfig], camera: Optional[render.CameraObs],
+                  solver: Tuple[int, int]) -> brax_base.Wrapper:
   task_def = None if playground.is_playground(task) else registry.load(task)
   _mjx_on_local_devices()
   if episode_length <= 0 or action_repeat <= 0:
@@ -303,12 +314,14 @@ def _make_mjx_env(task: str, episode_length: int, action_repeat: int, auto_reset
   elif impl == 'warp':
     from ebrl_jax.sim import warp as warp_lib  # lazy: imports mujoco.mjx.warp; only --backend=mjx_warp needs it
     from ebrl_jax.sim import warp_render  # lazy: as above
-    env = warp_lib.make_brax_env(task_def.brax_name)
+    env = warp_lib.make_brax_env(task_def.brax_name, opt_overrides=_caps(solver))
     renderer = None if camera is None else warp_render.WarpRenderer(warp_lib.pipeline_of(env).mj_model, camera)
     per_env = None if randomization is None else PerEnvModel(env, randomization)
     env = warp_lib.WarpVmapWrapper(env, renderer=renderer, per_env_model=per_env)
   else:
     env = brax_envs.get_environment(task_def.brax_name, backend='mjx')
+    if caps := _caps(solver):
+      env.sys = env.sys.tree_replace({f'opt.{k}': v for k, v in caps.items()})
     env = brax_training.VmapWrapper(env) if randomization is None else RandomizedVmapWrapper(env, randomization)
   env = brax_training.EpisodeWrapper(env, episode_length, action_repeat)
   if auto_reset:

@@ -77,6 +77,17 @@ class TaskDef:
     return os.path.join(list(spec.submodule_search_locations)[0], 'envs', 'assets', self.xml_file)
 
 
+def solver_caps(task: TaskDef, caps: Tuple[int, int] = (0, 0)) -> Tuple[Tuple[str, int], ...]:
+  """The MjOption fields to set on `task`'s model for MJX and native MuJoCo alike: the task's own overrides with
+  `caps` = (--solver_iterations, --ls_iterations) in place of its `iterations` / `ls_iterations` (0: keep)."""
+  iterations, ls_iterations = caps
+  if iterations < 0 or ls_iterations < 0:
+    raise ValueError(f'solver caps {caps} must be >= 0 (0 keeps the task\'s own).')
+  options = dict(task.mjx_opt_overrides)
+  options.update({k: int(v) for k, v in (('iterations', iterations), ('ls_iterations', ls_iterations)) if v > 0})
+  return tuple(options.items())
+
+
 _REGISTRY: Dict[str, TaskDef] = {}
 
 
