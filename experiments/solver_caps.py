@@ -12,8 +12,8 @@ select under vmap, so every env computes all of them. Sections:
             actions: solver iterations of each env step's last physics step (mean over envs, and the batch maximum that a vmapped while loop runs), and per cap
             setting the share of physics steps that reach the cap and how far the envs' cube and arm end up from
             the uncapped run's (max and median over envs of |qpos - qpos_default| after `--steps` env steps).
-  mjx       MJX (the backend `jax.devices()` gives: CPU here, the GPU on the device) through the project's env
-            (`make_mjx_env(..., solver=caps)`): env steps/s of a jitted `--scan`-step scan of the batch step for
+  mjx       MJX (the backend `jax.devices()` gives: CPU here, the GPU on the device; `--impls`: its JAX and/or Warp
+            implementation) through the project's env (`make_mjx_env(..., solver=caps)`): env steps/s of a jitted `--scan`-step scan of the batch step for
             `--mjx_envs` envs, per cap setting, with its compile seconds and how far its envs' qpos end from the
             first setting's after the scan (same reset, same actions).
 """
@@ -101,11 +101,11 @@ def native_section(args, task_name: str) -> dict:
   return out
 
 
-def mjx_section(args, task_name: str, episode_length: int) -> dict:
-  out = {'device': jax.devices()[0].device_kind, 'envs': args.mjx_envs, 'scan': args.scan}
+def mjx_section(args, task_name: str, episode_length: int, impl: str) -> dict:
+  out = {'device': jax.devices()[0].device_kind, 'impl': impl, 'envs': args.mjx_envs, 'scan': args.scan}
   first_q = None  # the first setting's qpos after the scan, which the others are compared with
   for caps in args.caps:
-    env = mjx_env.make_mjx_env(task_name, episode_length, 1, True, impl='jax', solver=caps)
+    env = mjx_env.make_mjx_env(task_name, episode_length, 1, True, impl=impl, solver=caps)
     state = jax.jit(env.reset)(jax.random.split(jax.random.PRNGKey(0), args.mjx_envs))
     act = jax.random.uniform(jax.random.PRNGKey(1), (args.scan, args.mjx_envs, env.action_size), minval=-1, maxval=1)
 
@@ -130,7 +130,7 @@ def mjx_section(args, task_name: str, episode_length: int) -> dict:
         'qpos_dev_from_first_max':
             float(np.abs(q - first_q).max())  # after the scan, same reset and actions
     }
-    print(caps, out[f'{caps[0]}:{caps[1]}'], flush=True)
+    print(impl, caps, out[f'{caps[0]}:{caps[1]}'], flush=True)
   return out
 
 
@@ -145,16 +145,22 @@ def main():
   parser.add_argument('--scan', type=int, default=16)
   parser.add_argument('--repeats', type=int, default=5)
   parser.add_argument('--sections', default='native,mjx')
+  parser.add_argument('--impls', default='jax', help="MJX implementations to time: jax, warp (CUDA GPU), 'jax,warp'")
   args = parser.parse_args()
   task = registry.load(args.task)
   result = {'task': args.task, 'caps': [list(c) for c in args.caps]}
+
+  def save():  # after every section, so a section that fails or is cut keeps the others
+    with open(args.out, 'w') as f:
+      json.dump(result, f, indent=1)
+
   if 'native' in args.sections:
     result['native'] = native_section(args, args.task)
     print('native', json.dumps(result['native']), flush=True)
-  if 'mjx' in args.sections:
-    result['mjx'] = mjx_section(args, args.task, task.default_episode_length)
-  with open(args.out, 'w') as f:
-    json.dump(result, f, indent=1)
+    save()
+  for impl in args.impls.split(',') if 'mjx' in args.sections else ():
+    result[f'mjx_{impl}'] = mjx_section(args, args.task, task.default_episode_length, impl)
+    save()
 
 
 if __name__ == '__main__':

@@ -307,6 +307,8 @@ def _make_mjx_env(task: str, episode_length: int, action_repeat: int, auto_reset
   if task_def is None:  # a Playground env: batched like ours; its config's impl does the physics
     if randomization is not None:
       raise ValueError(f'--randomize is not wired for --task={task} (Playground ships its own randomisers).')
+    if _caps(solver):
+      raise ValueError(f'solver caps {solver} are not wired for --task={task} (its config sets its solver).')
     if impl == 'warp':
       from ebrl_jax.sim import warp as warp_lib  # lazy: imports mujoco.mjx.warp; only --backend=mjx_warp needs it
       warp_lib.check_available()

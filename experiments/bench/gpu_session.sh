@@ -54,6 +54,9 @@
 # w6dec   issues 13/14: experiments/decode_bench.py (W6's KV-cache decoding alone: ms per policy step, float32 and
 #         bfloat16, scan unroll 1/3/12, beside prefill and the teacher-forced forward+gradient), then W6 fused vs
 #         async with 4 groups (MPS), each stopped by --max_wall_s=W6_WALL_S (190 s) to see past W6's start-up.
+# solver  experiments/solver_caps.py on the GPU (MJX-JAX push_cube steps/s at the default solver options and with
+#         the iteration / linesearch caps, native fidelity; SOLVER_IMPLS=jax,warp adds MJX-Warp), then W6 fused with the defaults vs --ls_iterations=8,
+#         each stopped by --max_wall_s=W6_WALL_S (150 s): is W6's simulation the linesearch's 50-step scan?
 # w5prof | w6prof  issues 13/14: the isolated stage times (t_sim, t_gen, t_train) of W5 on MJX-Warp or of W6 at
 #         the three balance points' --num_updates_per_batch=1/4/16, each profile cut at 180 s: what W5's 6.5 k env
 #         steps/s in manip_screen_h200 spends its time on, and which rho each point lands at.
@@ -238,6 +241,12 @@ case $PART in
     bench w6_async4_1gpu 0-15 --bench_flagfile=experiments/w6_token.flags --gpus=0 --schedules=fused,async \
       --only=async:--use_mps --only=async:--num_groups=4 --extra=--max_wall_s=${W6_WALL_S:-190} \
       --timeout_s=$((${W6_WALL_S:-190} + 40)) ;;
+  solver)  # the solver caps on the GPU: MJX step rates per cap, then W6 fused with the defaults vs --ls_iterations=8
+    timeout -s TERM 200 taskset -c 0-15 python3 -m experiments.solver_caps --impls=${SOLVER_IMPLS:-jax} --out=$ROOT/solver_caps_h200.json \
+      > $ROOT/solver_caps.log 2>&1
+    echo "[solver_caps] exit $?"
+    bench w6_ls8_1gpu 0-15 --bench_flagfile=experiments/w6_token.flags --gpus=0 --schedules=fused,ls8=fused \
+      --only=ls8:--ls_iterations=8 --extra=--max_wall_s=${W6_WALL_S:-150} --timeout_s=$((${W6_WALL_S:-150} + 40)) ;;
   w5prof|w6prof)  # issues 13/14: W5 (Warp pixels) or W6 isolated stage times at --num_updates_per_batch=1/4/16
     ff=$([ $PART = w5prof ] && echo w5_pixels_warp || echo w6_token)
     for u in 1 4 16; do
