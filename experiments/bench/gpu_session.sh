@@ -54,6 +54,11 @@
 # w6dec   issues 13/14: experiments/decode_bench.py (W6's KV-cache decoding alone: ms per policy step, float32 and
 #         bfloat16, scan unroll 1/3/12, beside prefill and the teacher-forced forward+gradient), then W6 fused vs
 #         async with 4 groups (MPS), each stopped by --max_wall_s=W6_WALL_S (190 s) to see past W6's start-up.
+# matrix  issue 14's matrix one call at a time: workload MATRIX_W (w1 | w1warp | w2 | w3 | w5 | w6), seed MATRIX_SEED,
+#         MATRIX_U (--num_updates_per_batch: unset = the flagfile's, 1 / 16 for the other balance points), fused /
+#         sync / async / auto (MPS, 2 groups), each stopped by --max_wall_s=MATRIX_RUN_S (125 s; four fit a call).
+#         `auto` calibrates on a fresh machine's first use. Merge the calls of one workload:
+#         python -m experiments.bench.run --merge=matrix_w6_s0.json,matrix_w6_s1.json,... --out=...
 # solver  experiments/solver_caps.py on the GPU (MJX-JAX push_cube steps/s at the default solver options and with
 #         the iteration / linesearch caps, native fidelity; SOLVER_IMPLS=jax,warp adds MJX-Warp), then W6 fused with the defaults vs --ls_iterations=8,
 #         each stopped by --max_wall_s=W6_WALL_S (150 s): is W6's simulation the linesearch's 50-step scan?
@@ -241,6 +246,17 @@ case $PART in
     bench w6_async4_1gpu 0-15 --bench_flagfile=experiments/w6_token.flags --gpus=0 --schedules=fused,async \
       --only=async:--use_mps --only=async:--num_groups=4 --extra=--max_wall_s=${W6_WALL_S:-190} \
       --timeout_s=$((${W6_WALL_S:-190} + 40)) ;;
+  matrix)  # issue 14: one workload's fused / sync / async / auto at one seed and one --num_updates_per_batch
+    w=${MATRIX_W:-w6}; seed=${MATRIX_SEED:-0}; u=${MATRIX_U:-}; run_s=${MATRIX_RUN_S:-125}
+    case $w in
+      w1) ff=w1_ant; x= ;;  w1warp) ff=w1_ant; x=--extra=--backend=mjx_warp ;;  w2) ff=w2_transformer; x= ;;
+      w3) ff=w3_heterogeneous; x= ;;  w5) ff=w5_pixels_warp; x= ;;  w6) ff=w6_token; x= ;;
+      *) echo "MATRIX_W=$w: one of w1 w1warp w2 w3 w5 w6"; exit 2 ;;
+    esac
+    bench matrix_${w}${u:+_u$u}_s$seed 0-15 --bench_flagfile=experiments/$ff.flags --gpus=0 --seeds=$seed $x \
+      --schedules=fused,sync,async,auto --extra=--num_groups=2 ${u:+--extra=--num_updates_per_batch=$u} \
+      --extra=--max_wall_s=$run_s --only=sync:--use_mps --only=async:--use_mps --only=auto:--use_mps \
+      --timeout_s=$((run_s + 15)) ;;
   solver)  # the solver caps on the GPU: MJX step rates per cap, then W6 fused with the defaults vs --ls_iterations=8
     timeout -s TERM 200 taskset -c 0-15 python3 -m experiments.solver_caps --impls=${SOLVER_IMPLS:-jax} --out=$ROOT/solver_caps_h200.json \
       > $ROOT/solver_caps.log 2>&1
