@@ -314,6 +314,9 @@ def test_brax_refuses_what_its_trainer_cannot_run():
   randomized = config_lib.Config(sim=config_lib.SimConfig(backend='mjx', randomize='friction=0.5:1.5'))
   with pytest.raises(ValueError, match='--randomize'):
     brax_ppo.check_supported(randomized)
+  capped = config_lib.Config(sim=config_lib.SimConfig(backend='mjx', ls_iterations=8))
+  with pytest.raises(ValueError, match='--ls_iterations'):
+    brax_ppo.check_supported(capped)
   for backend in ('mjx', 'mjx_warp'):  # Brax's own MJX env, and the same env on MJX-Warp
     brax_ppo.check_supported(config_lib.Config(sim=config_lib.SimConfig(backend=backend)))
 

@@ -90,6 +90,8 @@ def check_supported(cfg: config_lib.Config) -> None:
     problems.append(f'--backend={cfg.sim.backend} (Brax trains on MJX envs: {", ".join(BACKENDS)})')
   if cfg.sim.randomization.enabled:
     problems.append('--randomize (Brax takes a randomization_fn of its own; not mapped)')
+  if cfg.sim.solver_iterations or cfg.sim.ls_iterations:
+    problems.append('--solver_iterations / --ls_iterations (not mapped onto the env Brax builds)')
   if problems:
     raise ValueError('Brax PPO cannot run this workload: ' + '; '.join(problems))
 
