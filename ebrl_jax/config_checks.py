@@ -31,9 +31,9 @@ def check_playground_sim(sim, prefix: str) -> None:
 
 def check_solver_caps(sim, prefix: str) -> None:
   """--solver_iterations / --ls_iterations (MjOption `iterations` / `ls_iterations` of the task's model, on every
-  backend; 0 keeps the task's: Brax's 1 / 4 for ant and humanoid, MuJoCo's 100 / 50 for the others). MJX runs its
-  solver and linesearch as loops that go on until every env of the batch has converged or reached the cap, so on
-  a GPU each iteration is a round trip to the host: the caps bound it. Playground envs set their own."""
+  backend; 0 keeps the task's: Brax's 1 / 4 for ant and humanoid, MuJoCo's 100 / 50 for the others). MJX 3.17 runs
+  its solver as a loop until every env of the batch has converged or reached the cap, and its linesearch as a scan
+  of `ls_iterations` steps that every env computes: the caps bound both. Playground envs set their own."""
   check_positive('solver_iterations', sim.solver_iterations, allow_zero=True)
   check_positive('ls_iterations', sim.ls_iterations, allow_zero=True)
   if (sim.solver_iterations or sim.ls_iterations) and sim.task.startswith(prefix):

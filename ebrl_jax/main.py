@@ -83,12 +83,12 @@ _HELP = {
         'With --obs=pixels: camera frames per observation, stacked on the channel axis, newest last.',
     'pixel_depth': ('With --obs=pixels: a uint8 depth channel after each frame\'s RGB (0..2 m), 4 channels a frame; '
                     'on mujoco_cpu and mjx_warp.'),
-    'solver_iterations':
-        ('Cap on the constraint solver\'s iterations per physics step (MjOption.iterations), every '
-         'backend; 0: the task\'s own (Brax\'s 1 for ant/humanoid, MuJoCo\'s 100 otherwise). MJX '
-         'iterates until every env of the batch converges: on a GPU each iteration waits for the host.'),
+    'solver_iterations': ('Cap on the constraint solver\'s iterations per physics step (MjOption.iterations), every '
+                          'backend; 0: the task\'s own (Brax\'s 1 for ant/humanoid, MuJoCo\'s 100 otherwise). MJX '
+                          'iterates until every env of the batch converges.'),
     'ls_iterations': ('Cap on the solver\'s linesearch iterations (MjOption.ls_iterations), every backend; 0: the '
-                      'task\'s own (Brax\'s 4 for ant/humanoid, MuJoCo\'s 50 otherwise).'),
+                      'task\'s own (Brax\'s 4 for ant/humanoid, MuJoCo\'s 50 otherwise). MJX computes all of them '
+                      'for every env.'),
     'vision_encoder': ('With --obs=pixels: cnn (IMPALA CNN: its d_model features beside the state for --policy=mlp, '
                        'its feature map as tokens for transformer/token) or patches (ViT patch tokens).'),
     'cnn_channels':

@@ -235,14 +235,6 @@ def render_model(env, state: brax_base.State):
   return env.unwrapped.sys if per_env is None else per_env.model(state)
 
 
-def _caps(solver: Tuple[int, int]) -> dict:
-  """The MjOption fields the caps change on top of what Brax's env sets itself ({} with no caps); the same fields
-  `registry.solver_caps` gives native MuJoCo."""
-  if min(solver) < 0:
-    raise ValueError(f'solver caps {solver} must be >= 0 (0 keeps the task\'s own).')
-  return {k: v for k, v in zip(('iterations', 'ls_iterations'), solver) if v > 0}
-
-
 def _vmap_wrapper(env):
   while not isinstance(env, brax_training.VmapWrapper) and hasattr(env, 'env'):
     env = env.env
@@ -307,7 +299,7 @@ def _make_mjx_env(task: str, episode_length: int, action_repeat: int, auto_reset
   if task_def is None:  # a Playground env: batched like ours; its config's impl does the physics
     if randomization is not None:
       raise ValueError(f'--randomize is not wired for --task={task} (Playground ships its own randomisers).')
-    if _caps(solver):
+    if registry.cap_fields(solver):
       raise ValueError(f'solver caps {solver} are not wired for --task={task} (its config sets its solver).')
     if impl == 'warp':
       from ebrl_jax.sim import warp as warp_lib  # lazy: imports mujoco.mjx.warp; only --backend=mjx_warp needs it
@@ -316,13 +308,13 @@ def _make_mjx_env(task: str, episode_length: int, action_repeat: int, auto_reset
   elif impl == 'warp':
     from ebrl_jax.sim import warp as warp_lib  # lazy: imports mujoco.mjx.warp; only --backend=mjx_warp needs it
     from ebrl_jax.sim import warp_render  # lazy: as above
-    env = warp_lib.make_brax_env(task_def.brax_name, opt_overrides=_caps(solver))
+    env = warp_lib.make_brax_env(task_def.brax_name, opt_overrides=registry.cap_fields(solver))
     renderer = None if camera is None else warp_render.WarpRenderer(warp_lib.pipeline_of(env).mj_model, camera)
     per_env = None if randomization is None else PerEnvModel(env, randomization)
     env = warp_lib.WarpVmapWrapper(env, renderer=renderer, per_env_model=per_env)
   else:
     env = brax_envs.get_environment(task_def.brax_name, backend='mjx')
-    if caps := _caps(solver):
+    if caps := registry.cap_fields(solver):
       env.sys = env.sys.tree_replace({f'opt.{k}': v for k, v in caps.items()})
     env = brax_training.VmapWrapper(env) if randomization is None else RandomizedVmapWrapper(env, randomization)
   env = brax_training.EpisodeWrapper(env, episode_length, action_repeat)

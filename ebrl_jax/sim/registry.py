@@ -77,14 +77,18 @@ class TaskDef:
     return os.path.join(list(spec.submodule_search_locations)[0], 'envs', 'assets', self.xml_file)
 
 
+def cap_fields(caps: Tuple[int, int]) -> Dict[str, int]:
+  """The MjOption fields `caps` = (--solver_iterations, --ls_iterations) set ({} with no caps; 0 keeps a field)."""
+  if min(caps) < 0:
+    raise ValueError(f'solver caps {caps} must be >= 0 (0 keeps the task\'s own).')
+  return {k: int(v) for k, v in zip(('iterations', 'ls_iterations'), caps) if v > 0}
+
+
 def solver_caps(task: TaskDef, caps: Tuple[int, int] = (0, 0)) -> Tuple[Tuple[str, int], ...]:
   """The MjOption fields to set on `task`'s model for MJX and native MuJoCo alike: the task's own overrides with
-  `caps` = (--solver_iterations, --ls_iterations) in place of its `iterations` / `ls_iterations` (0: keep)."""
-  iterations, ls_iterations = caps
-  if iterations < 0 or ls_iterations < 0:
-    raise ValueError(f'solver caps {caps} must be >= 0 (0 keeps the task\'s own).')
+  `cap_fields(caps)` in place of its `iterations` / `ls_iterations`."""
   options = dict(task.mjx_opt_overrides)
-  options.update({k: int(v) for k, v in (('iterations', iterations), ('ls_iterations', ls_iterations)) if v > 0})
+  options.update(cap_fields(caps))
   return tuple(options.items())
 
 
