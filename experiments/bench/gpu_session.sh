@@ -62,6 +62,8 @@
 # solver  experiments/solver_caps.py on the GPU (MJX-JAX push_cube steps/s at the default solver options and with
 #         the iteration / linesearch caps, native fidelity; SOLVER_IMPLS=jax,warp adds MJX-Warp), then W6 fused with the defaults vs --ls_iterations=8,
 #         each stopped by --max_wall_s=W6_WALL_S (150 s): is W6's simulation the linesearch's 50-step scan?
+# w6ov    issue 15: W6 sync vs overlap (MPS, 2 groups, 1 seed), each stopped by --max_wall_s=W6_WALL_S (240 s), and
+#         the timeline of overlap's iteration 10: what exact on-policy overlap buys on the VLA-style workload.
 # w5prof | w6prof  issues 13/14: the isolated stage times (t_sim, t_gen, t_train) of W5 on MJX-Warp or of W6 at
 #         the three balance points' --num_updates_per_batch=1/4/16, each profile cut at 180 s: what W5's 6.5 k env
 #         steps/s in manip_screen_h200 spends its time on, and which rho each point lands at.
@@ -210,7 +212,7 @@ case $PART in
   w2learn)
     bench w2_learn 0-15 --bench_flagfile=experiments/w2_transformer.flags --gpus=0 --schedules=fused \
       --extra=--num_timesteps=50000000 --extra=--num_evals=25 --extra=--max_wall_s=${W2LEARN_WALL_S:-540} \
-      --timeout_s=570 ${W2LEARN_EXTRA:-} ;;
+      --timeout_s=$((${W2LEARN_WALL_S:-540} + 30)) ${W2LEARN_EXTRA:-} ;;
   w2chunk)
     export XLA_PYTHON_CLIENT_MEM_FRACTION=0.3
     bench w2_chunk_screen 0-15 --bench_flagfile=experiments/w2_transformer.flags --gpus=0,0,0 \
@@ -263,6 +265,15 @@ case $PART in
     echo "[solver_caps] exit $?"
     bench w6_ls8_1gpu 0-15 --bench_flagfile=experiments/w6_token.flags --gpus=0 --schedules=fused,ls8=fused \
       --only=ls8:--ls_iterations=8 --extra=--max_wall_s=${W6_WALL_S:-150} --timeout_s=$((${W6_WALL_S:-150} + 40)) ;;
+  w6ov)  # issue 15: W6 (the token policy, VLA-style) under sync and overlap (MPS, 2 groups), 1 seed, each stopped
+    # by --max_wall_s=W6_WALL_S (240 s); the timeline of overlap's iteration 10
+    w=${W6_WALL_S:-240}
+    bench w6_overlap_1gpu 0-15 --bench_flagfile=experiments/w6_token.flags --gpus=0 --schedules=sync,overlap \
+      --extra=--num_groups=2 --extra=--use_mps --extra=--max_wall_s=$w --only=overlap:--trace_dir=$ROOT/w6_tr \
+      --timeout_s=$((w + 40))
+    timeout -s TERM 60 python3 -m experiments.bench.timeline --traces=$ROOT/w6_tr --timeline_iteration=10 \
+      --timeline_out=$ROOT/w6_overlap_h200_timeline_it10.json > $ROOT/w6_timeline.log 2>&1
+    echo "[w6_timeline] exit $?" ;;
   w5prof|w6prof)  # issues 13/14: W5 (Warp pixels) or W6 isolated stage times at --num_updates_per_batch=1/4/16
     ff=$([ $PART = w5prof ] && echo w5_pixels_warp || echo w6_token)
     for u in 1 4 16; do
