@@ -39,6 +39,8 @@ setup(
         'tensorboardX>=2.6,<3',
         'tqdm>=4.66,<5',
         'matplotlib>=3.8,<4',
+        # jax.export's serialisation (the trace cache, ebrl_jax/runtime/trace_cache.py)
+        'flatbuffers>=24.3',
     ],
     extras_require={
         # Notebooks run headless in the tests: nbclient drives an ipykernel.

@@ -202,6 +202,7 @@ class ScheduleConfig:
   run_dir: str = 'runs/default'
   # Where JAX's persistent compilation cache lives; '' disables it.
   compilation_cache_dir: str = '~/.cache/ebrl_jax/xla'
+  trace_cache: bool = True  # programs' traces kept inside it, so warm starts skip tracing (runtime/trace_cache.py)
   checkpoint_every: int = 1  # in evaluations; 0 disables checkpoints
   # A first checkpoint after this many iterations (0: none before the --checkpoint_every cadence), so that a run
   # stopped early has one to resume.

@@ -120,6 +120,8 @@ _HELP = {
         'Directory for metrics.jsonl, TensorBoard events, checkpoints and summary.json.',
     'compilation_cache_dir':
         "JAX's persistent compilation cache; '' disables it.",
+    'trace_cache': ('Keep the MJX programs\' traces (jax.export) inside --compilation_cache_dir, so a warm start '
+                    'skips Python tracing; --notrace_cache traces at every start.'),
     'resume':
         'Continue the run in --run_dir from its newest intact checkpoint.',
     'max_wall_s':

@@ -21,6 +21,7 @@ from ebrl_jax.generation import stages as gen_stages
 from ebrl_jax.rollout import cpu as cpu_rollout
 from ebrl_jax.rollout import evaluation
 from ebrl_jax.rollout import keys
+from ebrl_jax.runtime import trace_cache
 from ebrl_jax.trainer import ranks
 from ebrl_jax.trainer import stages as trainer_stages
 
@@ -44,8 +45,10 @@ class CpuFusedLoop:
     self._rank = None  # a cell of several: the step over the ranks, with this rank's stop vote
     if cell is not None and cell.multi:
       self._rank = self._train = ranks.RankStep.over_ranks(train_args, vote)
-    else:
-      self._train = trainer_stages.make_train_fn(*train_args)
+    self._train_fn = trainer_stages.train_fn(*train_args)
+    if self._rank is None:  # compiled ahead by `compile`, through the trace cache
+      self._train = jax.jit(self._train_fn, donate_argnums=(0,))
+    self._train_key = (cfg.algo, cfg.policy, cfg.sim.group_size, False)  # the trace cache's, as the trainer's
     self._root_key = keys.root(seed)
     self._rollout_root = keys.cell_key(self._root_key, rank)
 
@@ -62,7 +65,13 @@ class CpuFusedLoop:
       self._rank.compile(train_state, batch, key)
       self._rank.probe(train_state.params)  # the all-reduce alone, once at the start (every rank here)
     else:
-      self._train = self._train.lower(train_state, batch, key).compile()
+      trace_dir = trace_cache.cache_dir_for(self._cfg.schedule.compilation_cache_dir, self._cfg.schedule.trace_cache)
+      lowered, _ = trace_cache.lower(trace_dir,
+                                     'train_step',
+                                     self._train_fn, (train_state, batch, key),
+                                     self._train_key,
+                                     donate_argnums=(0,))
+      self._train = lowered.compile()
     return time.monotonic() - t0
 
   def run_iterations(self, train_state, num_iterations: int) -> Tuple[object, Dict[str, float]]:

@@ -13,6 +13,7 @@ import functools
 import time
 from typing import Dict, Tuple
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,9 +24,17 @@ from ebrl_jax.controller import fused_steps
 from ebrl_jax.rollout import evaluation
 from ebrl_jax.rollout import keys
 from ebrl_jax.rollout import mjx as rollout
+from ebrl_jax.runtime import trace_cache
 from ebrl_jax.sim import stages as sim_stages
 from ebrl_jax.trainer import ranks
 from ebrl_jax.trainer import stages as trainer_stages
+
+
+def trace_key(cfg: config_lib.Config) -> tuple:
+  """What the fused programs' traces depend on beyond their arguments' shapes: the env, the policy, the algorithm
+  and the collection (not the run's directory, length or seed: those reach the programs as arguments or not at
+  all)."""
+  return (cfg.sim, cfg.policy, cfg.algo, cfg.collect_spec)
 
 
 def _collect(cfg: config_lib.Config, env, network, params, iteration, env_state, key):
@@ -83,12 +92,14 @@ class MjxFusedLoop:
     self._network, self._optimizer = network, optimizer
     self._root_key = keys.root(cfg.schedule.seed)
     self._rollout_root = keys.cell_key(self._root_key, cell.rank if cell is not None else 0)
-    self._env_state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(self._env,
-                                                                          keys.env_reset_key(self._rollout_root, 0),
-                                                                          cfg.sim.num_envs, cfg.sim.group_size)
+    self._trace_dir = trace_cache.cache_dir_for(cfg.schedule.compilation_cache_dir, cfg.schedule.trace_cache)
+    reset = functools.partial(sim_stages.reset, self._env, num_envs=cfg.sim.num_envs, group_size=cfg.sim.group_size)
+    reset_key = keys.env_reset_key(self._rollout_root, 0)
+    lowered, _ = trace_cache.lower(self._trace_dir, 'mjx_reset', reset, (reset_key,), trace_key(cfg))
+    self._env_state = lowered.compile()(reset_key)
     self._program = None  # the chunk program, compiled (one-cell loop)
     self._evaluator = evaluation.make_evaluator(cfg.sim, cfg.policy, cfg.schedule.seed, cfg.schedule.deterministic_eval,
-                                                network)
+                                                network, trace_cache.lowerer(self._trace_dir))
     self._rank = None  # a cell of several: the step over the ranks, with this rank's stop vote
     if cell is not None and cell.multi:
       train_args = (network, optimizer, cfg.algo, cfg.policy.min_std, cfg.sim.group_size, False)  # as the chunk's
@@ -98,8 +109,15 @@ class MjxFusedLoop:
 
   def _lower(self, train_state):
     fn = functools.partial(_run_chunk, self._cfg, self._env, self._network, self._optimizer)
-    return jax.jit(fn, donate_argnums=(0, 1)).lower(train_state, self._env_state, self._root_key,
-                                                    jax.ShapeDtypeStruct((), jnp.int32))
+    args = (train_state, self._env_state, self._root_key, jax.ShapeDtypeStruct((), jnp.int32))
+    lowered, stats = trace_cache.lower(self._trace_dir,
+                                       'fused_chunk',
+                                       fn,
+                                       args,
+                                       key_parts=trace_key(self._cfg),
+                                       donate_argnums=(0, 1))
+    logging.info('Fused chunk program: trace cache %s.', stats.outcome)
+    return lowered
 
   def compile(self, train_state, num_iterations: int) -> float:
     """Compiles the chunk (a cell of several: the collection and the step over the ranks) and evaluation programs

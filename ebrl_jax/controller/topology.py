@@ -21,6 +21,7 @@ from ebrl_jax.generation import worker as generation_worker
 from ebrl_jax.rollout import evaluator as evaluator_lib
 from ebrl_jax.rollout import groups
 from ebrl_jax.runtime import startup
+from ebrl_jax.runtime import trace_cache
 from ebrl_jax.transport import cuda_ipc
 from ebrl_jax.trainer import driver
 from ebrl_jax.trainer import stages as trainer_stages
@@ -197,7 +198,9 @@ def process_config(cfg: config_lib.Config) -> startup.ProcessConfig:
   return startup.ProcessConfig(run_dir=cfg.schedule.run_dir,
                                trace_dir=cfg.schedule.trace_dir,
                                platform=cfg.resources.platform,
-                               compilation_cache_dir=cfg.schedule.compilation_cache_dir)
+                               compilation_cache_dir=cfg.schedule.compilation_cache_dir,
+                               trace_cache_dir=trace_cache.cache_dir_for(cfg.schedule.compilation_cache_dir,
+                                                                         cfg.schedule.trace_cache))
 
 
 def _worker_configs(cfg: config_lib.Config, switches: Tuple[str, ...], cell: cells_lib.Cell):

@@ -7,7 +7,7 @@ config it needs (the simulation and the policy), not the whole `Config`.
 from __future__ import annotations
 
 import functools
-from typing import Dict
+from typing import Callable, Dict, Optional
 
 import jax
 
@@ -41,22 +41,32 @@ class CpuEvaluator:
 class MjxEvaluator:
   """`sim.num_eval_envs` MJX envs in one jitted episode scan."""
 
-  def __init__(self, sim: config_lib.SimConfig, policy: config_lib.PolicyConfig, seed: int, deterministic: bool,
-               network):
+  def __init__(self,
+               sim: config_lib.SimConfig,
+               policy: config_lib.PolicyConfig,
+               seed: int,
+               deterministic: bool,
+               network,
+               lower: Optional[Callable] = None):
     del seed  # the evaluation's key carries its randomness
     from ebrl_jax.rollout import mjx as mjx_rollout  # lazy: brax and MJX load only for an MJX run
     env = mjx_rollout.make_env(sim, auto_reset=False)
-    self._eval = jax.jit(
-        functools.partial(mjx_rollout.evaluate_policy,
-                          env,
-                          network,
-                          num_envs=sim.num_eval_envs,
-                          num_steps=sim.episode_length // policy.action_chunk,
-                          min_std=policy.min_std,
-                          deterministic=deterministic))
+    self._fn = functools.partial(mjx_rollout.evaluate_policy,
+                                 env,
+                                 network,
+                                 num_envs=sim.num_eval_envs,
+                                 num_steps=sim.episode_length // policy.action_chunk,
+                                 min_std=policy.min_std,
+                                 deterministic=deterministic)
+    self._eval = jax.jit(self._fn)
+    self._lower, self._key_parts = lower, (sim, policy, deterministic)
 
   def lower_and_compile(self, params) -> None:
-    self._eval = self._eval.lower(params, jax.random.PRNGKey(0)).compile()
+    """Compiles the evaluation scan, lowered by `lower` where given (the trace cache's: `trace_cache.lowerer`)."""
+    args = (params, jax.random.PRNGKey(0))
+    lowered = self._eval.lower(
+        *args) if self._lower is None else self._lower('mjx_eval', self._fn, args, self._key_parts)
+    self._eval = lowered.compile()
 
   def evaluate(self, params, key) -> Dict[str, float]:
     ret, length = jax.device_get(self._eval(params, key))
@@ -66,6 +76,14 @@ class MjxEvaluator:
     pass
 
 
-def make_evaluator(sim: config_lib.SimConfig, policy: config_lib.PolicyConfig, seed: int, deterministic: bool, network):
-  cls = CpuEvaluator if sim.backend == 'mujoco_cpu' else MjxEvaluator
-  return cls(sim, policy, seed, deterministic, network)
+def make_evaluator(sim: config_lib.SimConfig,
+                   policy: config_lib.PolicyConfig,
+                   seed: int,
+                   deterministic: bool,
+                   network,
+                   lower: Optional[Callable] = None):
+  """The backend's evaluator; `lower(name, fn, args, key_parts)` (e.g. `trace_cache.lowerer`: the trace cache)
+  lowers an MJX evaluation scan where given, `jax.jit(fn).lower(*args)` otherwise."""
+  if sim.backend == 'mujoco_cpu':
+    return CpuEvaluator(sim, policy, seed, deterministic, network)
+  return MjxEvaluator(sim, policy, seed, deterministic, network, lower)

@@ -29,6 +29,7 @@ from ebrl_jax.rollout import evaluation
 from ebrl_jax.rollout import keys
 from ebrl_jax.runtime import lifecycle
 from ebrl_jax.runtime import startup
+from ebrl_jax.runtime import trace_cache
 from ebrl_jax.runtime import tracing
 from ebrl_jax.transport import ChannelClosed
 
@@ -92,7 +93,8 @@ def evaluator_main(cfg: EvaluatorConfig, channels: EvaluatorChannels, incarnatio
   tracer = tracing.Tracer(cfg.process.trace_dir, 'evaluator')
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat, config_lib.pixel_shape(cfg.sim))
   network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim, spec.pixel_shape)
-  evaluator = evaluation.make_evaluator(cfg.sim, cfg.policy, cfg.seed, cfg.deterministic, network)
+  evaluator = evaluation.make_evaluator(cfg.sim, cfg.policy, cfg.seed, cfg.deterministic, network,
+                                        trace_cache.lowerer(cfg.process.trace_cache_dir))
   root_key = keys.root(cfg.seed)
   last, compiled = -1, False
   try:

@@ -19,6 +19,7 @@ from ebrl_jax.generation import stages as gen_stages
 from ebrl_jax.rollout import cpu as cpu_rollout
 from ebrl_jax.rollout import keys
 from ebrl_jax.runtime import startup
+from ebrl_jax.runtime import trace_cache
 from ebrl_jax.sim import registry
 
 HANDLE_BYTES = 64  # a CUDA IPC memory handle (transport/cuda_ipc.py); zeros on the host path
@@ -77,9 +78,15 @@ class MjxGroup:
     num_envs, sim = cfg.group_envs, cfg.sim
     env = mjx_rollout.make_env(sim, auto_reset=not cfg.collect.episodic)
     key = keys.env_reset_key(keys.cell_key(keys.root(cfg.seed), cfg.cell), group)
-    self._env_state = jax.jit(sim_stages.reset, static_argnums=(0, 2, 3))(env, key, num_envs, sim.group_size)
-    self._program = jax.jit(functools.partial(mjx_rollout.collect_iteration, env, network, cfg.collect, num_envs),
-                            donate_argnums=(2,))
+    trace_dir, key_parts = cfg.process.trace_cache_dir, (sim, cfg.policy, cfg.collect, num_envs)
+    reset = functools.partial(sim_stages.reset, env, num_envs=num_envs, group_size=sim.group_size)
+    self._env_state = trace_cache.jit(trace_dir, 'mjx_reset', reset, key_parts)(key)
+    self._program = trace_cache.jit(trace_dir,
+                                    'mjx_group_collect',
+                                    functools.partial(mjx_rollout.collect_iteration, env, network, cfg.collect,
+                                                      num_envs),
+                                    key_parts,
+                                    donate_argnums=(2,))
 
   def collect(self, params, version: int, key):
     self._env_state, batch, stats = self._program(params, jnp.int32(version), self._env_state, key)

@@ -18,11 +18,13 @@ from ebrl_jax.runtime import storage
 @dataclasses.dataclass(frozen=True)
 class ProcessConfig:
   """What every worker process of a run needs to start, whatever its role: where the run writes, the timeline's
-  directory ('' off), the JAX platform ('' lets JAX choose) and the persistent compilation cache ('' off)."""
+  directory ('' off), the JAX platform ('' lets JAX choose), the persistent compilation cache ('' off) and the
+  trace cache inside it (`trace_cache.cache_dir_for`; '' off)."""
   run_dir: str
   trace_dir: str = ''
   platform: str = ''
   compilation_cache_dir: str = ''
+  trace_cache_dir: str = ''
 
 
 def pin(cores: Sequence[int]) -> None:

@@ -186,14 +186,19 @@ def train_step(network: nn.Module,
   return new_state, jax.tree_util.tree_map(jnp.mean, metrics)
 
 
+def train_fn(network: nn.Module, optimizer: optax.GradientTransformation, algo: AlgoConfig, min_std: float,
+             group_size: int, recompute_proximal: bool):
+  """`train_step` with everything but its arguments bound: `(train_state, batch, key) -> (train_state, metrics)`."""
+  return functools.partial(train_step,
+                           network,
+                           optimizer,
+                           algo,
+                           min_std,
+                           group_size=group_size,
+                           recompute_proximal=recompute_proximal)
+
+
 def make_train_fn(network: nn.Module, optimizer: optax.GradientTransformation, algo: AlgoConfig, min_std: float,
                   group_size: int, recompute_proximal: bool):
-  """`train_step` jitted with the train state donated: `(train_state, batch, key) -> (train_state, metrics)`."""
-  return jax.jit(functools.partial(train_step,
-                                   network,
-                                   optimizer,
-                                   algo,
-                                   min_std,
-                                   group_size=group_size,
-                                   recompute_proximal=recompute_proximal),
-                 donate_argnums=(0,))
+  """`train_fn` jitted with the train state donated."""
+  return jax.jit(train_fn(network, optimizer, algo, min_std, group_size, recompute_proximal), donate_argnums=(0,))

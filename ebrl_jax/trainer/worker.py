@@ -30,6 +30,7 @@ from ebrl_jax.runtime import errors
 from ebrl_jax.runtime import lifecycle
 from ebrl_jax.runtime import metrics as metrics_lib
 from ebrl_jax.runtime import startup
+from ebrl_jax.runtime import trace_cache
 from ebrl_jax.runtime import tracing
 from ebrl_jax.trainer import driver
 from ebrl_jax.trainer import ranks
@@ -76,12 +77,17 @@ class ChannelSource:
       vote = ranks.StopVote(cfg.schedule.max_wall_s, cfg.start.unix if cfg.start else None, lambda: 'SIGINT'
                             if interrupt is not None and interrupt.is_set() else None)
       self._rank = ranks.RankStep.over_ranks(train_args, vote)
-    self._train = self._rank or trainer_stages.make_train_fn(*train_args)
+    self._train = self._rank or trace_cache.jit(cfg.process.trace_cache_dir,
+                                                'train_step',
+                                                trainer_stages.train_fn(*train_args),
+                                                (cfg.algo, cfg.policy, cfg.sim.group_size, self._bound > 0),
+                                                donate_argnums=(0,))
     self._root_key = keys.root(cfg.schedule.seed)
     self._evaluator = None  # the evaluator process evaluates: the trainer builds and compiles no evaluation
     if channels.evaluation is None:
       self._evaluator = evaluation.make_evaluator(cfg.sim, cfg.policy, cfg.schedule.seed,
-                                                  cfg.schedule.deterministic_eval, network)
+                                                  cfg.schedule.deterministic_eval, network,
+                                                  trace_cache.lowerer(cfg.process.trace_cache_dir))
     self.tracer = tracing.Tracer(cfg.process.trace_dir, 'trainer')
     self._seen: Dict[tuple, int] = {}
     self.counts = {
