@@ -47,29 +47,34 @@ def _run(flagfile, mode, cache, run_dir, extra):
   }
 
 
+def _write(result):
+  with open(_OUT.value, 'w') as f:
+    json.dump(result, f, indent=1)
+
+
 def main(argv):
   extra = argv[1:]
   result = {'command': ' '.join(sys.argv), 'flagfile': _FLAGFILE.value, 'extra': extra, 'modes': {}}
   with tempfile.TemporaryDirectory() as tmp:
     for mode in _MODES.value:
       cache = os.path.join(tmp, mode, 'xla')
-      runs = [
-          _run(_FLAGFILE.value, mode, cache, os.path.join(tmp, mode, f'run{i}'), extra) for i in range(_REPEATS.value)
-      ]
-      warm = [r['compile_s'] for r in runs[1:]]
-      result['modes'][mode] = {
-          'runs': runs,
-          'cold_s': runs[0]['compile_s'],
-          'warm_median_s': statistics.median(warm) if warm else None,
-      }
+      runs = []
+      for i in range(_REPEATS.value):
+        runs.append(_run(_FLAGFILE.value, mode, cache, os.path.join(tmp, mode, f'run{i}'), extra))
+        warm = [r['compile_s'] for r in runs[1:]]
+        result['modes'][mode] = {
+            'runs': runs,
+            'cold_s': runs[0]['compile_s'],
+            'warm_median_s': statistics.median(warm) if warm else None,
+        }
+        _write(result)  # after every run: a call cut by its time limit keeps what it measured
       print(mode, [round(r['compile_s'], 2) for r in runs], flush=True)
   on, off = (result['modes'].get(m, {}).get('warm_median_s') for m in ('trace_cache', 'notrace_cache'))
   if on and off:
     result['warm_speedup'] = off / on
   returns = {m: [r['final_eval_return'] for r in v['runs']] for m, v in result['modes'].items()}
   result['same_final_returns'] = len({x for rs in returns.values() for x in rs}) == 1
-  with open(_OUT.value, 'w') as f:
-    json.dump(result, f, indent=1)
+  _write(result)
   print(json.dumps({k: v for k, v in result.items() if k != 'modes'}, indent=1))
 
 

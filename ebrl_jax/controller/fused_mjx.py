@@ -30,11 +30,11 @@ from ebrl_jax.trainer import ranks
 from ebrl_jax.trainer import stages as trainer_stages
 
 
-def trace_key(cfg: config_lib.Config) -> tuple:
-  """What the fused programs' traces depend on beyond their arguments' shapes: the env, the policy, the algorithm
-  and the collection (not the run's directory, length or seed: those reach the programs as arguments or not at
-  all)."""
-  return (cfg.sim, cfg.policy, cfg.algo, cfg.collect_spec)
+def trace_key(cfg: config_lib.Config, env) -> tuple:
+  """What the fused programs' traces depend on beyond their arguments' shapes: the env (its config and its model's
+  arrays), the policy, the algorithm and the collection (not the run's directory, length or seed: those reach the
+  programs as arguments or not at all)."""
+  return (cfg.sim, cfg.policy, cfg.algo, cfg.collect_spec, trace_cache.env_model_digest(env))
 
 
 def _collect(cfg: config_lib.Config, env, network, params, iteration, env_state, key):
@@ -95,7 +95,8 @@ class MjxFusedLoop:
     self._trace_dir = trace_cache.cache_dir_for(cfg.schedule.compilation_cache_dir, cfg.schedule.trace_cache)
     reset = functools.partial(sim_stages.reset, self._env, num_envs=cfg.sim.num_envs, group_size=cfg.sim.group_size)
     reset_key = keys.env_reset_key(self._rollout_root, 0)
-    lowered, _ = trace_cache.lower(self._trace_dir, 'mjx_reset', reset, (reset_key,), trace_key(cfg))
+    self._trace_key = trace_key(cfg, self._env) if self._trace_dir else ()
+    lowered, _ = trace_cache.lower(self._trace_dir, 'mjx_reset', reset, (reset_key,), self._trace_key)
     self._env_state = lowered.compile()(reset_key)
     self._program = None  # the chunk program, compiled (one-cell loop)
     self._evaluator = evaluation.make_evaluator(cfg.sim, cfg.policy, cfg.schedule.seed, cfg.schedule.deterministic_eval,
@@ -114,7 +115,7 @@ class MjxFusedLoop:
                                        'fused_chunk',
                                        fn,
                                        args,
-                                       key_parts=trace_key(self._cfg),
+                                       key_parts=self._trace_key,
                                        donate_argnums=(0, 1))
     logging.info('Fused chunk program: trace cache %s.', stats.outcome)
     return lowered

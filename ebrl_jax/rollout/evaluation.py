@@ -59,13 +59,15 @@ class MjxEvaluator:
                                  min_std=policy.min_std,
                                  deterministic=deterministic)
     self._eval = jax.jit(self._fn)
-    self._lower, self._key_parts = lower, (sim, policy, deterministic)
+    self._lower, self._key_parts, self._env = lower, (sim, policy, deterministic), env
 
   def lower_and_compile(self, params) -> None:
     """Compiles the evaluation scan, lowered by `lower` where given (the trace cache's: `trace_cache.lowerer`)."""
     args = (params, jax.random.PRNGKey(0))
-    lowered = self._eval.lower(
-        *args) if self._lower is None else self._lower('mjx_eval', self._fn, args, self._key_parts)
+    if self._lower is None:
+      lowered = self._eval.lower(*args)
+    else:
+      lowered = self._lower('mjx_eval', self._fn, args, self._key_parts, env=self._env)
     self._eval = lowered.compile()
 
   def evaluate(self, params, key) -> Dict[str, float]:
@@ -82,7 +84,7 @@ def make_evaluator(sim: config_lib.SimConfig,
                    deterministic: bool,
                    network,
                    lower: Optional[Callable] = None):
-  """The backend's evaluator; `lower(name, fn, args, key_parts)` (e.g. `trace_cache.lowerer`: the trace cache)
+  """The backend's evaluator; `lower(name, fn, args, key_parts, env=)` (e.g. `trace_cache.lowerer`: the trace cache)
   lowers an MJX evaluation scan where given, `jax.jit(fn).lower(*args)` otherwise."""
   if sim.backend == 'mujoco_cpu':
     return CpuEvaluator(sim, policy, seed, deterministic, network)

@@ -78,7 +78,8 @@ class MjxGroup:
     num_envs, sim = cfg.group_envs, cfg.sim
     env = mjx_rollout.make_env(sim, auto_reset=not cfg.collect.episodic)
     key = keys.env_reset_key(keys.cell_key(keys.root(cfg.seed), cfg.cell), group)
-    trace_dir, key_parts = cfg.process.trace_cache_dir, (sim, cfg.policy, cfg.collect, num_envs)
+    trace_dir = cfg.process.trace_cache_dir
+    key_parts = (sim, cfg.policy, cfg.collect, num_envs, trace_cache.env_model_digest(env) if trace_dir else '')
     reset = functools.partial(sim_stages.reset, env, num_envs=num_envs, group_size=sim.group_size)
     self._env_state = trace_cache.jit(trace_dir, 'mjx_reset', reset, key_parts)(key)
     self._program = trace_cache.jit(trace_dir,

@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 from absl import logging
 import jax
+import numpy as np
 
 from ebrl_jax.runtime import storage
 
@@ -72,6 +73,28 @@ def _versions() -> str:
     except metadata.PackageNotFoundError:
       parts.append(f'{lib}=-')
   return ','.join(parts)
+
+
+def tree_digest(tree) -> str:
+  """sha256 of a pytree's array leaves (bytes, shapes, dtypes) and other leaves' reprs: the constants a program
+  closes over that no config names, e.g. an env's MuJoCo model loaded from a path outside this package."""
+  h = hashlib.sha256()
+  for leaf in jax.tree.leaves(tree):
+    if hasattr(leaf, 'dtype') and hasattr(leaf, 'shape'):
+      arr = np.asarray(leaf)
+      h.update(repr((arr.shape, str(arr.dtype))).encode())
+      h.update(arr.tobytes())
+    else:
+      h.update(repr(leaf).encode())
+  return h.hexdigest()
+
+
+def env_model_digest(env) -> str:
+  """`tree_digest` of an MJX env's model (Brax's `sys`, Playground's `mjx_model`; '' where it has neither)."""
+  model = getattr(env, 'sys', None)
+  if model is None:
+    model = getattr(env, 'mjx_model', None)
+  return '' if model is None else tree_digest(model)
 
 
 def _jax_settings() -> str:
@@ -225,7 +248,9 @@ def lowerer(cache_dir: str) -> Optional[Callable]:
   if not cache_dir:
     return None
 
-  def lower_fn(name, fn, args, key_parts=(), donate_argnums=()):
+  def lower_fn(name, fn, args, key_parts=(), donate_argnums=(), env=None):
+    """`env`: an MJX env `fn` closes over; its model's digest joins the key (`env_model_digest`)."""
+    key_parts = tuple(key_parts) + ((env_model_digest(env),) if env is not None else ())
     lowered, stats = lower(cache_dir, name, fn, args, key_parts, donate_argnums)
     logging.info('Trace cache: %s %s.', name, stats.outcome)
     return lowered

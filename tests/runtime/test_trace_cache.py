@@ -118,3 +118,17 @@ def test_warm_mjx_fused_run_reuses_its_traces_and_learns_the_same(tmp_path):
   assert sorted(n.split('-')[0] for n in stamps) == ['fused_chunk', 'mjx_eval', 'mjx_reset'], stamps
   assert {n: os.stat(cache / 'export' / n).st_mtime_ns for n in os.listdir(cache / 'export')} == stamps
   assert curves[0] == curves[1] == curves[2], curves
+
+
+def test_model_digest_follows_the_models_arrays():
+  """A model loaded from outside the package (a user's MJCF, Playground's assets) reaches the key by its arrays."""
+
+  class Env(NamedTuple):
+    sys: dict
+
+  base = Env({'body_mass': np.ones(3, np.float32), 'opt': {'timestep': np.float32(0.01)}})
+  same = Env({'body_mass': np.ones(3, np.float32), 'opt': {'timestep': np.float32(0.01)}})
+  heavier = Env({'body_mass': np.full(3, 2.0, np.float32), 'opt': {'timestep': np.float32(0.01)}})
+  assert trace_cache.env_model_digest(base) == trace_cache.env_model_digest(same)
+  assert trace_cache.env_model_digest(base) != trace_cache.env_model_digest(heavier)
+  assert trace_cache.env_model_digest(object()) == ''
