@@ -24,6 +24,7 @@ from ebrl_jax.runtime import errors
 from ebrl_jax.runtime import metrics as metrics_lib
 from ebrl_jax.runtime import startup
 from ebrl_jax.runtime import storage
+from ebrl_jax.runtime import trace_cache
 from ebrl_jax.trainer import checkpoint as checkpoint_lib
 from ebrl_jax.trainer import evaluations
 from ebrl_jax.trainer import stages as trainer_stages
@@ -348,8 +349,9 @@ def train(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
   os.makedirs(run_dir := cfg.process.run_dir, exist_ok=True)
   spec, network, optimizer = network_and_optimizer(cfg.sim, cfg.policy, cfg.algo)
   root_key = keys.root(cfg.schedule.seed)
-  train_state = trainer_stages.init_train_state(network, optimizer, keys.init_key(root_key), spec.obs_dim,
-                                                cfg.policy.normalize_observations, spec.pixel_shape)
+  init = trainer_stages.init_fn(network, optimizer, spec.obs_dim, cfg.policy.normalize_observations, spec.pixel_shape)
+  train_state = trace_cache.jit(cfg.process.trace_cache_dir, 'init_train_state', init,
+                                (cfg.sim, cfg.policy, cfg.algo))(keys.init_key(root_key))
   num_params = policies.count_params(train_state.params.network)
   clock.mark('state_init')
   checkpointer, train_state, resumed = checkpoint_lib.open_and_resume(cfg.checkpoint_run_dir or run_dir,

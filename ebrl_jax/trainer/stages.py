@@ -65,6 +65,21 @@ def init_train_state(network: nn.Module,
                     policy_version=jnp.zeros((), jnp.int32))
 
 
+def init_fn(network: nn.Module,
+            optimizer: optax.GradientTransformation,
+            obs_dim: int,
+            normalize_observations: bool = True,
+            pixel_shape: Tuple[int, ...] = ()):
+  """`init_train_state` with everything but its key bound, to be jitted (`key -> TrainState`): one compiled
+  program instead of one dispatch per op of the network's init (46 s of start-up for an 85 M model on the GPU)."""
+  return functools.partial(init_train_state,
+                           network,
+                           optimizer,
+                           obs_dim=obs_dim,
+                           normalize_observations=normalize_observations,
+                           pixel_shape=pixel_shape)
+
+
 def _proximal_log_prob(network: nn.Module, params: gen_stages.PolicyParams, batch: Transition, min_std: float) -> Array:
   """[T, S] log-probs of the stored raw actions under `params` (the proximal policy)."""
   t, s = batch.reward.shape

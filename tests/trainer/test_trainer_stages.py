@@ -213,3 +213,23 @@ def test_token_policy_train_step_runs_and_moves_the_params(algo_name):
   value_head = state.params.network['params']['value_mlp']['hidden_0']['kernel']  # --critic=auto: the MLP critic
   moved = not np.array_equal(np.asarray(value_head), before['params']['value_mlp']['hidden_0']['kernel'])
   assert moved == (algo_name == 'ppo')  # GRPO trains no critic; PPO's value loss moves the critic
+
+
+@pytest.mark.parametrize('kind', ['mlp', 'transformer', 'token'])
+def test_jitted_init_equals_the_op_by_op_init(kind):
+  """The driver initialises through `init_fn` jitted (one program, not one dispatch per op): the same state, bit
+  for bit, as `init_train_state` run eagerly."""
+  policy = PolicyConfig(kind=kind,
+                        d_model=32,
+                        num_layers=1,
+                        num_heads=2,
+                        policy_hidden_sizes=(16,),
+                        value_hidden_sizes=(16,))
+  net = policies.make_network(policy, 12, 3)
+  opt = stages.make_optimizer(AlgoConfig())
+  key = jax.random.PRNGKey(5)
+  eager = stages.init_train_state(net, opt, key, 12)
+  jitted = jax.jit(stages.init_fn(net, opt, 12))(key)
+  assert jax.tree.structure(eager) == jax.tree.structure(jitted)
+  for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
