@@ -212,9 +212,9 @@ class ScheduleConfig:
   max_wall_s: float = 0.0
   # Evaluate the policy's mode (True) or sample actions as in training (False, Brax's default).
   deterministic_eval: bool = True
-  # sync / async: who evaluates the published versions. 'process': an evaluator process beside the trainer
-  # (docs/architecture.md, The evaluator); 'trainer': the trainer in line, between iterations. fused evaluates in
-  # line and overlap in its 'evaluate' window whatever this says.
+  # sync / async / overlap: who evaluates the published versions. 'process': an evaluator process beside the
+  # trainer (docs/architecture.md, The evaluator); 'trainer': the trainer, in line between iterations (overlap:
+  # in its 'evaluate' window where the graph has one). fused evaluates in line whatever this says.
   evaluator: str = 'process'
   # --evaluator=process: at the run's end, how long the trainer waits for the evaluations still outstanding (the
   # final version's among them) before it writes its summary without them.
@@ -363,8 +363,8 @@ class Config:
 
   @property
   def evaluator_process(self) -> bool:
-    """The run's evaluations come from an evaluator process (sync / async with --evaluator=process)."""
-    return self.schedule.name in ('sync', 'async') and self.schedule.evaluator == 'process'
+    """The run's evaluations come from an evaluator process (sync / async / overlap with --evaluator=process)."""
+    return self.schedule.name in ('sync', 'async', 'overlap') and self.schedule.evaluator == 'process'
 
   @property
   def group_envs(self) -> int:

@@ -146,7 +146,7 @@ _HELP = {
     'first_checkpoint_iteration':
         'A first checkpoint after this many iterations (0: only --checkpoint_every).',
     'evaluator':
-        'sync/async: who evaluates the published versions: process (an evaluator process) or trainer.',
+        'sync/async/overlap: who evaluates the published versions: process (an evaluator process) or trainer.',
     'evaluator_wait_s':
         "--evaluator=process: seconds the run's end waits for the outstanding evaluations.",
     'launcher': ("'': this process is one cell (trainer rank with its own envs) of --num_processes; local: start "

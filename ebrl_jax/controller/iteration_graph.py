@@ -93,12 +93,14 @@ def _group_tasks(g: int, episodic: bool) -> List[Task]:
   return tasks
 
 
-def _trainer_tasks(groups: int, episodic: bool, target: bool) -> List[Task]:
+def _trainer_tasks(groups: int, episodic: bool, target: bool, evaluator: str = 'trainer') -> List[Task]:
+  """The trainer's tasks; `evaluator`: the process that evaluates ('evaluator' with --evaluator=process: the
+  trainer then never waits for an evaluation, not even with --target_return, as in sync)."""
   segs = tuple(f'device_segment/{g}' for g in range(groups))
   stats = tuple(f'obs_stats/{g}' for g in range(groups))
   adv = tuple(f'advantages/{g}' for g in range(groups)) if episodic else ()
   # With --target_return the run may stop at this evaluation: the next train step waits for its answer.
-  go_on = ('eval_return/v+1',) if target else ()
+  go_on = ('eval_return/v+1',) if target and evaluator == 'trainer' else ()
   return [
       Task('concat', 'trainer', 3, segs, ('batch',)),
       Task('normalizer', 'trainer', 4, stats + ('params/v',), ('normalizer/v+1',)),
@@ -109,7 +111,7 @@ def _trainer_tasks(groups: int, episodic: bool, target: bool) -> List[Task]:
       Task('gather/1', 'trainer', 6, ('batch',), ('minibatch/1',)),
       Task('update/1', 'trainer', 7, ('minibatch/1', 'params/v.0'), ('params/v+1', 'train_state/v+1')),
       Task('publish', 'trainer', 8, ('params/v+1',), ('params_store/v+1',)),
-      Task('evaluate', 'trainer', 9, ('params/v+1',), ('eval_return/v+1',)),
+      Task('evaluate', evaluator, 9, ('params/v+1',), ('eval_return/v+1',)),
       Task('checkpoint', 'trainer', 10, ('train_state/v+1',), ('checkpoint/v+1',)),
       Task('update_next', 'trainer', 11,
            ('train_state/v+1',) + tuple(f'segment_next/{g}' for g in range(groups)) + go_on, ('train_state/v+2',)),
@@ -218,7 +220,8 @@ def make_graph(cfg: config_lib.Config) -> IterationGraph:
   tasks: List[Task] = []
   for g in range(cfg.schedule.num_groups):
     tasks += _group_tasks(g, episodic)
-  tasks += _trainer_tasks(cfg.schedule.num_groups, episodic, cfg.schedule.target_return is not None)
+  tasks += _trainer_tasks(cfg.schedule.num_groups, episodic, cfg.schedule.target_return is not None,
+                          'evaluator' if cfg.evaluator_process else 'trainer')
   tasks.sort(key=lambda t: (t.phase, t.process, t.name))
   graph = IterationGraph(cfg.schedule.name, tuple(tasks))
   return dataclasses.replace(graph, windows=derive_windows(graph, cfg.sim.backend))

@@ -286,15 +286,20 @@ esac
 for c in $(find /tmp $ROOT runs -name control -type p 2>/dev/null); do
   echo quit | CUDA_MPS_PIPE_DIRECTORY=$(dirname "$c") timeout 5 nvidia-cuda-mps-control >/dev/null 2>&1
 done
-pgrep -a -x nvidia-cuda-mps-c || true; pgrep -a -x nvidia-cuda-mps-s || true
+pgrep -a -f nvidia-cuda-mps-control || true; pgrep -a -f nvidia-cuda-mps-server || true
 cp $ROOT/*.json "$OUT_DIR"/ 2>/dev/null
 for f in $ROOT/*_runs/telemetry_gpu*.jsonl; do
   [ -f "$f" ] && gzip -c "$f" > "$OUT_DIR/$(basename $(dirname $f) _runs)_$(basename $f).gz"
 done
 for f in $ROOT/*.log; do tail -c 3000 "$f" > "$OUT_DIR/$(basename $f).tail"; done
-# the whole output of every run (the controller's and its workers' lines), compressed
+# the whole output of every run (the controller's and its workers' lines) and its metrics (losses, KL, clip
+# fractions: what a learning result is diagnosed from), compressed
 for f in $(find $ROOT -name output.log 2>/dev/null); do
   d=$(dirname "$f")
   gzip -c "$f" > "$OUT_DIR/$(echo "${d#$ROOT/}" | tr / _)_output.log.gz"
+done
+for f in $(find $ROOT -name metrics.jsonl 2>/dev/null); do
+  d=$(dirname "$f")
+  gzip -c "$f" > "$OUT_DIR/$(echo "${d#$ROOT/}" | tr / _)_metrics.jsonl.gz"
 done
 ls -la "$OUT_DIR"

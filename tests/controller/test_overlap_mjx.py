@@ -16,4 +16,8 @@ pytestmark = pytest.mark.skipif(not os.environ.get('EBRL_MJX_EQUIVALENCE'),
 @pytest.mark.parametrize('algo', ['ppo', 'grpo'])
 def test_overlap_replays_sync_bit_for_bit_on_mjx(tmp_path, algo):
   # MJX resets inside its jitted collect program: no reset window there.
-  test_overlap.check_overlap_replays_sync(tmp_path, algo, 'mjx', switches=['checkpoint', 'evaluate', 'h2d'])
+  test_overlap.check_overlap_replays_sync(tmp_path,
+                                          algo,
+                                          'mjx',
+                                          switches=['checkpoint', 'evaluate', 'h2d'],
+                                          evaluator='trainer')

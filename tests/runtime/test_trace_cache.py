@@ -100,8 +100,8 @@ def test_off_without_a_directory():
 
 
 def test_warm_mjx_fused_run_reuses_its_traces_and_learns_the_same(tmp_path):
-  """Two fused MJX runs on one compilation cache: the second lowers the chunk, the evaluation scan and the reset
-  from the stored traces (no new key: still one file each), and its evaluation curve equals the first's and that
+  """Two fused MJX runs on one compilation cache: the second lowers the chunk, the evaluation scan, the reset and
+  the train state's init from the stored traces (no new key: still one file each), and its evaluation curve equals the first's and that
   of a run without any cache."""
   cache = tmp_path / 'xla'
   before = jax.config.jax_compilation_cache_dir
@@ -115,7 +115,7 @@ def test_warm_mjx_fused_run_reuses_its_traces_and_learns_the_same(tmp_path):
         stamps = {n: os.stat(cache / 'export' / n).st_mtime_ns for n in os.listdir(cache / 'export')}
   finally:  # the rest of this test process compiles without it
     jax.config.update('jax_compilation_cache_dir', before)
-  assert sorted(n.split('-')[0] for n in stamps) == ['fused_chunk', 'mjx_eval', 'mjx_reset'], stamps
+  assert sorted(n.split('-')[0] for n in stamps) == ['fused_chunk', 'init_train_state', 'mjx_eval', 'mjx_reset'], stamps
   assert {n: os.stat(cache / 'export' / n).st_mtime_ns for n in os.listdir(cache / 'export')} == stamps
   assert curves[0] == curves[1] == curves[2], curves
 
