@@ -11,8 +11,8 @@ it), the arguments' tree structure, shapes and dtypes, the donated arguments, th
 change a trace (x64, matmul precision, PRNG), the versions of the libraries that shape a trace (jax, jaxlib, mujoco,
 mujoco-mjx, brax, flax, optax, warp-lang, playground) and a digest of this package's own files (its code and its
 MJCF assets). A program that cannot be exported (a host callback, a custom call outside jax.export's stable list, as
-MuJoCo Warp's FFI kernels are expected to be) is lowered as usual, and the cache keeps the reason, so the export is
-tried once per key.
+MuJoCo Warp's programs are: host callbacks and custom calls on its CPU kernels) is lowered as usual, and the cache
+keeps the reason, so the export is tried once per key.
 
 Arguments and results cross as flat leaves (the exported function takes and returns lists of arrays), so no pytree
 node type needs JAX's serialisation registry; the result's tree structure is kept beside the module (pickled: the
