@@ -217,6 +217,12 @@ def lower(cache_dir: str,
                                    Stats(name, outcome, key))
   if not cache_dir:
     return plain('off')
+  try:  # a cache that cannot be created (a read-only mount, a file in its place) costs the traces, not the run
+    os.makedirs(cache_dir, mode=0o700, exist_ok=True)
+  except OSError as e:
+    logging.log_first_n(logging.WARNING, 'Trace cache off: %s cannot be created (%s).', 1, cache_dir, e)
+    return plain('off')
+  # NOTE: a directory another user owns or may write to is refused (a ValueError): its files are loaded and run.
   storage.ensure_private_dir(cache_dir, '--compilation_cache_dir', group_may_write=False)
   key = program_key(name, key_parts, args, donate_argnums)
   path = os.path.join(cache_dir, f'{name}-{key}')

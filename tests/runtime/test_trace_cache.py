@@ -7,6 +7,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from ebrl_jax import controller
 from ebrl_jax.runtime import trace_cache
 from tests import runs_testlib
@@ -92,6 +93,22 @@ def test_damaged_file_is_traced_again_and_rewritten(tmp_path):
   assert again.outcome == 'miss'
   assert float(out[1]['mean']) == float(jax.jit(lambda c, k: _step(2.0, c, k))(*_args())[1]['mean'])
   assert _run(tmp_path)[2].outcome == 'hit'
+
+
+def test_a_cache_that_cannot_be_created_is_off_and_the_program_still_runs(tmp_path):
+  blocker = tmp_path / 'xla'
+  blocker.write_text('a file where the cache would go')
+  _, out, stats = _run(blocker / 'export')
+  assert stats.outcome == 'off' and int(out[0].stats['n']) == 1
+
+
+def test_a_cache_others_may_write_is_refused(tmp_path):
+  """Its files would be loaded and run: refused with the flag's name, as the XLA cache is."""
+  cache = tmp_path / 'export'
+  cache.mkdir()
+  os.chmod(cache, 0o777)
+  with pytest.raises(ValueError, match='--compilation_cache_dir=.*writable by other users'):
+    _run(cache)
 
 
 def test_off_without_a_directory():
