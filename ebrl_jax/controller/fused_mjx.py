@@ -128,7 +128,12 @@ class MjxFusedLoop:
     t0 = time.monotonic()
     if self._rank is not None:
       args = (train_state.params, train_state.policy_version, self._env_state, self._rollout_root)
-      program = self._collect.lower(*args)
+      program, _ = trace_cache.lower(self._trace_dir,
+                                     'mjx_cell_collect',
+                                     functools.partial(_collect, self._cfg, self._env, self._network),
+                                     args,
+                                     self._trace_key,
+                                     donate_argnums=(2,))
     else:
       program = self._lower(train_state)
     # XLA compiles outside the GIL: the programs build concurrently.
