@@ -21,6 +21,7 @@ directory is private, the same trust as the XLA executables JAX loads from the c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 from importlib import metadata
@@ -37,7 +38,6 @@ from ebrl_jax.runtime import storage
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LIBRARIES = ('jax', 'jaxlib', 'mujoco', 'mujoco-mjx', 'brax', 'flax', 'optax', 'warp-lang', 'playground')
 _SUFFIXES = ('.py', '.xml', '.stl', '.obj', '.png')
-_digest_memo: list = []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,22 +49,22 @@ class Stats:
   key: str
 
 
+@functools.lru_cache(maxsize=1)
 def source_digest() -> str:
   """sha256 over this package's files (code and assets), with their paths; computed once per process."""
-  if not _digest_memo:
-    h = hashlib.sha256()
-    for root, dirs, files in sorted(os.walk(_PACKAGE_DIR)):
-      dirs.sort()
-      for name in sorted(files):
-        if name.endswith(_SUFFIXES):
-          path = os.path.join(root, name)
-          h.update(os.path.relpath(path, _PACKAGE_DIR).encode())
-          with open(path, 'rb') as f:
-            h.update(f.read())
-    _digest_memo.append(h.hexdigest())
-  return _digest_memo[0]
+  h = hashlib.sha256()
+  for root, dirs, files in sorted(os.walk(_PACKAGE_DIR)):
+    dirs.sort()
+    for name in sorted(files):
+      if name.endswith(_SUFFIXES):
+        path = os.path.join(root, name)
+        h.update(os.path.relpath(path, _PACKAGE_DIR).encode())
+        with open(path, 'rb') as f:
+          h.update(f.read())
+  return h.hexdigest()
 
 
+@functools.lru_cache(maxsize=1)
 def _versions() -> str:
   parts = []
   for lib in _LIBRARIES:
@@ -298,8 +298,9 @@ def jit(cache_dir: str, name: str, fn: Callable, key_parts: Sequence[Any] = (), 
 
 
 def clear_memo() -> None:
-  """Forgets the source digest (tests that edit the package's files)."""
-  _digest_memo.clear()
+  """Forgets the source digest and the library versions (tests that edit the package's files)."""
+  source_digest.cache_clear()
+  _versions.cache_clear()
 
 
 def cache_dir_for(compilation_cache_dir: str, enabled: bool = True) -> str:

@@ -61,10 +61,11 @@ def test_key_separates_config_shapes_and_code(tmp_path, monkeypatch):
   carry, key = _args()
   _, _, shaped = _run(tmp_path, args=(carry._replace(x=jnp.zeros((4, 3))), key))
   assert shaped.outcome == 'miss' and shaped.key not in (base.key, other.key)
-  # An edit of the package's code changes every key.
+  # Another version of a library that shapes traces changes every key.
   trace_cache.clear_memo()
   monkeypatch.setattr(trace_cache, '_versions', lambda: 'jax=another')
   assert trace_cache.program_key('step', (2.0,), _args(), ()) != base.key
+  monkeypatch.undo()
   trace_cache.clear_memo()
 
 
