@@ -175,13 +175,16 @@ class MetricsLogger:
         logging.info(message)
     return values
 
-  def advance(self, env_steps: int, postfix: Optional[Mapping[str, float]] = None) -> None:
+  def advance(self, env_steps: int, postfix: Optional[Mapping[str, Optional[float]]] = None) -> None:
+    """Moves the progress bar to `env_steps`; `postfix` values that are None (no evaluation return yet: an
+    evaluator process has not answered) are left off the bar."""
     if self._bar is None:
       return
     self._bar.update(max(0, int(env_steps) - self._last_steps))
     self._last_steps = int(env_steps)
-    if postfix:
-      self._bar.set_postfix({k: f'{_to_float(v):.4g}' for k, v in postfix.items()}, refresh=False)
+    shown = {k: f'{_to_float(v):.4g}' for k, v in (postfix or {}).items() if v is not None}
+    if shown:
+      self._bar.set_postfix(shown, refresh=False)
 
   def close(self) -> None:
     if self._bar is not None:
