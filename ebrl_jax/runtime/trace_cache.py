@@ -1,10 +1,10 @@
 """A jitted program's trace kept on disk, so that a warm start skips Python tracing (issue 14, start-up).
 
 JAX's persistent compilation cache skips XLA's compile on a warm start, but every process still traces its programs
-in Python first: on the CPU, ~5 of W1's 12 s warm start-up were the traces of the fused chunk, the evaluation scan
-and the env reset. `lower` keeps each program's StableHLO (`jax.export`) under a key made of everything its trace
-depends on, and on a hit lowers the stored module instead of tracing the function again; XLA then finds the
-executable in the compilation cache as before.
+in Python first: on the CPU, ~6 of W1's 12.4 s warm start-up were the traces of the fused chunk, the evaluation scan
+and the env reset (experiments/results/startup_cache_cpu.json). `lower` keeps each program's StableHLO
+(`jax.export`) under a key made of everything its trace depends on, and on a hit lowers the stored module instead of
+tracing the function again; XLA then finds the executable in the compilation cache as before.
 
 The key: the program's name and caller-given parts (the run's frozen config: the function's closure is built from
 it), the arguments' tree structure, shapes and dtypes, the donated arguments, the JAX platform and the options that
