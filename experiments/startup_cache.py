@@ -7,9 +7,14 @@ the trace cache (ebrl_jax/runtime/trace_cache.py) and without it (--notrace_cach
 Each mode starts from an empty compilation cache of its own (run 1: cold), then runs the same command
 `--repeats - 1` more times (warm). Arguments after `--` go to every run. Each run is its own
 `python -m ebrl_jax.main` process, so every figure includes imports and process start as a user's run does.
+With --profile, the first mode then runs once more, warm, under cProfile (not counted in its median: the profiler
+slows Python-heavy code), and the JSON keeps the functions with the most cumulative and own time: where a warm
+start-up still goes.
 """
 import json
+import io
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -23,12 +28,15 @@ _FLAGFILE = flags.DEFINE_string('flagfile_run', None, 'The workload (a flagfile 
 _REPEATS = flags.DEFINE_integer('repeats', 3, 'Runs per mode: the first on a cold cache, the rest warm.')
 _MODES = flags.DEFINE_list('modes', ['trace_cache', 'notrace_cache'], 'trace_cache and/or notrace_cache.')
 _OUT = flags.DEFINE_string('out', None, 'Where to write the JSON.', required=True)
+_PROFILE = flags.DEFINE_boolean('profile', False, 'One more warm run of the first mode under cProfile.')
+_TOP = flags.DEFINE_integer('profile_top', 40, 'How many functions the profile keeps per ordering.')
 _TIMESTEPS = flags.DEFINE_integer('run_timesteps', 3000, 'Each run\'s --num_timesteps (start-up is the point).')
 
 
-def _run(flagfile, mode, cache, run_dir, extra):
+def _run(flagfile, mode, cache, run_dir, extra, profile_out=None):
+  prefix = ['-m', 'cProfile', '-o', profile_out] if profile_out else []
   cmd = [
-      sys.executable, '-m', 'ebrl_jax.main', f'--flagfile={flagfile}', f'--num_timesteps={_TIMESTEPS.value}',
+      sys.executable, *prefix, '-m', 'ebrl_jax.main', f'--flagfile={flagfile}', f'--num_timesteps={_TIMESTEPS.value}',
       '--num_evals=2', f'--run_dir={run_dir}', f'--compilation_cache_dir={cache}', f'--{mode}', '--noprogress_bar',
       *extra
   ]
@@ -45,6 +53,24 @@ def _run(flagfile, mode, cache, run_dir, extra):
       'final_eval_return': summary.get('final_eval_return'),
       'loadavg_1m': os.getloadavg()[0],
   }
+
+
+def _top(profile_out, key):
+  """The `_TOP` functions by `key` ('cumulative' or 'tottime'): [file:line(function), calls, own s, cumulative s]."""
+  stats = pstats.Stats(profile_out, stream=io.StringIO()).sort_stats(key)
+  rows = []
+  for func in stats.fcn_list[:_TOP.value]:
+    _, calls, own, cumulative, _ = stats.stats[func]
+    rows.append([pstats.func_std_string(func), calls, round(own, 3), round(cumulative, 3)])
+  return rows
+
+
+def _profile(result, mode, cache, tmp, extra):
+  """One more warm run of `mode` under cProfile; its breakdown and top functions go into `result['profile']`."""
+  out = os.path.join(tmp, 'startup.prof')
+  run = _run(_FLAGFILE.value, mode, cache, os.path.join(tmp, mode, 'profiled'), extra, profile_out=out)
+  result['profile'] = {'mode': mode, 'run': run, 'cumulative': _top(out, 'cumulative'), 'own': _top(out, 'tottime')}
+  _write(result)
 
 
 def _write(result):
@@ -69,6 +95,8 @@ def main(argv):
         }
         _write(result)  # after every run: a call cut by its time limit keeps what it measured
       print(mode, [round(r['compile_s'], 2) for r in runs], flush=True)
+      if _PROFILE.value and mode == _MODES.value[0]:
+        _profile(result, mode, cache, tmp, extra)
   on, off = (result['modes'].get(m, {}).get('warm_median_s') for m in ('trace_cache', 'notrace_cache'))
   if on and off:
     result['warm_speedup'] = off / on

@@ -67,6 +67,10 @@
 # startup issue 14 item 3: experiments/startup_cache.py on W1, `fused` then `sync` (MPS, 2 groups): cold and warm
 #         start-up with and without the trace cache (startup_cache_h200.json measured `fused` before init was jitted).
 # w6ov2   issue 15: W6 sync vs overlap again (W6_WALL_S each), now that overlap evaluates in the evaluator process.
+# w5ov    issue 15: W5 on native MuJoCo (pixels rendered by EGL, experiments/w5_pixels.flags) sync vs overlap, MPS,
+#         2 groups, each stopped by --max_wall_s=W5_WALL_S (130 s), and overlap's timeline (--trace_dir).
+# startup now: the trace-cache mode only (STARTUP_MODES=trace_cache,notrace_cache for both), fused cold + 2 warm
+#         and one more warm run under cProfile (where a warm start-up still goes), sync cold + warm.
 # w2learn with W2LEARN_EXTRA="--extra=--action_chunk=2 --extra=--compute_dtype=bfloat16 --extra=--max_grad_norm=0.5":
 #         the next W2 suspect after w2_learn_chunk2_h200.json's collapse (W2's flags clip no gradient norm).
 # w5prof | w6prof  issues 13/14: the isolated stage times (t_sim, t_gen, t_train) of W5 on MJX-Warp or of W6 at
@@ -280,17 +284,27 @@ case $PART in
       --timeline_out=$ROOT/w6_overlap_h200_timeline_it10.json > $ROOT/w6_timeline.log 2>&1
     echo "[w6_timeline] exit $?" ;;
   startup)  # issue 14 item 3: start-up cold then warm, with and without the trace cache: W1 fused, then W1 sync (MPS)
-    timeout -s TERM 250 taskset -c 0-15 python3 -m experiments.startup_cache --flagfile_run=experiments/w1_ant.flags \
-      --repeats=2 --out=$ROOT/startup_cache_h200.json > $ROOT/startup_cache.log 2>&1
+    timeout -s TERM 200 taskset -c 0-15 python3 -m experiments.startup_cache --flagfile_run=experiments/w1_ant.flags \
+      --repeats=3 --modes=${STARTUP_MODES:-trace_cache} --profile --profile_top=60 --out=$ROOT/startup_cache_h200.json \
+      > $ROOT/startup_cache.log 2>&1
     echo "[startup fused] exit $?"
-    timeout -s TERM 300 taskset -c 0-15 python3 -m experiments.startup_cache --flagfile_run=experiments/w1_ant.flags \
-      --repeats=2 --out=$ROOT/startup_cache_sync_h200.json -- --schedule=sync --num_groups=2 --use_mps \
+    timeout -s TERM 200 taskset -c 0-15 python3 -m experiments.startup_cache --flagfile_run=experiments/w1_ant.flags \
+      --repeats=2 --modes=${STARTUP_MODES:-trace_cache} --out=$ROOT/startup_cache_sync_h200.json \
+      -- --schedule=sync --num_groups=2 --use_mps \
       > $ROOT/startup_cache_sync.log 2>&1
     echo "[startup sync] exit $?" ;;
   w6ov2)  # issue 15: W6 sync vs overlap again after overlap moved its evaluation to the evaluator process
     w=${W6_WALL_S:-240}
     bench w6_overlap2_1gpu 0-15 --bench_flagfile=experiments/w6_token.flags --gpus=0 --schedules=sync,overlap \
       --extra=--num_groups=2 --extra=--use_mps --extra=--max_wall_s=$w --timeout_s=$((w + 40)) ;;
+  w5ov)  # issue 15: W5 (native MuJoCo pixels, EGL) sync vs overlap (MPS, 2 groups), W5_WALL_S each, overlap's timeline
+    w=${W5_WALL_S:-130}; export MUJOCO_GL=egl
+    bench w5_overlap_1gpu 0-15 --bench_flagfile=experiments/w5_pixels.flags --gpus=0 --schedules=sync,overlap \
+      --extra=--num_groups=2 --extra=--use_mps --extra=--max_wall_s=$w --only=overlap:--trace_dir=$ROOT/w5_tr \
+      --timeout_s=$((w + 40))
+    timeout -s TERM 60 python3 -m experiments.bench.timeline --traces=$ROOT/w5_tr --timeline_iteration=5 \
+      --timeline_out=$ROOT/w5_overlap_h200_timeline_it5.json > $ROOT/w5_timeline.log 2>&1
+    echo "[w5_timeline] exit $?" ;;
   w5prof|w6prof)  # issues 13/14: W5 (Warp pixels) or W6 isolated stage times at --num_updates_per_batch=1/4/16
     ff=$([ $PART = w5prof ] && echo w5_pixels_warp || echo w6_token)
     for u in 1 4 16; do
