@@ -2,6 +2,7 @@
 and drives a progress bar. Metric names follow `role/stage/quantity` (e.g. `train/ppo/policy_loss`)."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -29,6 +30,23 @@ def quiet_library_logs() -> None:
   handler = logging.get_absl_handler()
   if not any(isinstance(f, _DropChattyInfo) for f in handler.filters):
     handler.addFilter(_DropChattyInfo())
+
+
+@contextlib.contextmanager
+def _torch_hidden():
+  """tensorboardX imports torch, where it is installed, only to accept torch tensors in its `add_*` calls (ebrl_jax
+  logs floats); on the GPU machine here that import was a visible share of a warm start-up
+  (experiments/results/startup_cache_h200.json's profile). Inside this block `import torch` fails as if torch
+  were absent, unless this process has imported it already; after it, torch imports as usual."""
+  if 'torch' in sys.modules:
+    yield
+    return
+  sys.modules['torch'] = None  # an entry of None makes `import torch` raise ImportError
+  try:
+    yield
+  finally:
+    if 'torch' in sys.modules and sys.modules['torch'] is None:
+      del sys.modules['torch']
 
 
 # Whether tensorboardX has met a full disk in this process, and whether that has been said.
@@ -123,7 +141,8 @@ class MetricsLogger:
     self._clock = clock or (lambda: time.monotonic() - start)
     self._check_finite = check_finite
     try:
-      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+      with _torch_hidden():
+        from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
       self._tb = SummaryWriter(os.path.join(run_dir, 'tb'), flush_secs=10)
       quiet_tensorboard_on_a_full_disk()
     except ImportError:  # optional: a notebook without tensorboardX still logs JSONL
