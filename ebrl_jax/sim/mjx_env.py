@@ -279,6 +279,20 @@ def _mjx_on_local_devices() -> None:
   mjx_io._resolve_impl_and_device = local  # pylint: disable=protected-access
 
 
+def _load_brax_mjx_env(brax_name: str, solver: Tuple[int, int]) -> brax_base.Env:
+  """Brax's env of a task on MJX (JAX), its solver capped."""
+  env = brax_envs.get_environment(brax_name, backend='mjx')
+  if caps := registry.cap_fields(solver):
+    env.sys = env.sys.tree_replace({f'opt.{k}': v for k, v in caps.items()})
+  return env
+
+
+# One per task and caps in a process, shared by the training and evaluation envs without randomisation (loading
+# the model is hundreds of small device transfers and copies: seconds of a warm start-up on the GPU); their
+# wrappers keep no state in the inner env.
+_shared_brax_mjx_env = functools.lru_cache(maxsize=None)(_load_brax_mjx_env)
+
+
 @functools.lru_cache(maxsize=None)
 def _make_mjx_env(task: str, episode_length: int, action_repeat: int, auto_reset: bool, impl: str,
                   randomization: Optional[config_lib.RandomizationConfig], camera: Optional[render.CameraObs],
@@ -313,10 +327,10 @@ def _make_mjx_env(task: str, episode_length: int, action_repeat: int, auto_reset
     per_env = None if randomization is None else PerEnvModel(env, randomization)
     env = warp_lib.WarpVmapWrapper(env, renderer=renderer, per_env_model=per_env)
   else:
-    env = brax_envs.get_environment(task_def.brax_name, backend='mjx')
-    if caps := registry.cap_fields(solver):
-      env.sys = env.sys.tree_replace({f'opt.{k}': v for k, v in caps.items()})
-    env = brax_training.VmapWrapper(env) if randomization is None else RandomizedVmapWrapper(env, randomization)
+    if randomization is None:
+      env = brax_training.VmapWrapper(_shared_brax_mjx_env(task_def.brax_name, solver))
+    else:  # its own: PerEnvModel swaps the inner env's model while it traces
+      env = RandomizedVmapWrapper(_load_brax_mjx_env(task_def.brax_name, solver), randomization)
   env = brax_training.EpisodeWrapper(env, episode_length, action_repeat)
   if auto_reset:
     return WhereAutoResetWrapper(env) if impl == 'warp' else brax_training.AutoResetWrapper(env)
@@ -324,7 +338,7 @@ def _make_mjx_env(task: str, episode_length: int, action_repeat: int, auto_reset
 
 
 make_mjx_env.cache_info = _make_mjx_env.cache_info
-make_mjx_env.cache_clear = _make_mjx_env.cache_clear
+make_mjx_env.cache_clear = lambda: (_make_mjx_env.cache_clear(), _shared_brax_mjx_env.cache_clear())
 
 
 def env_impl(env: brax_base.Env) -> str:

@@ -6,6 +6,7 @@ import jax
 from jax import numpy as jnp
 import numpy as np
 
+from ebrl_jax import config as config_lib
 from ebrl_jax import types
 from ebrl_jax.sim import stages
 
@@ -23,6 +24,18 @@ def _initial(seed=0):
 def test_make_mjx_env_is_memoised():
   assert stages.make_mjx_env('inverted_pendulum', EPISODE_LENGTH, 1) is ENV
   assert hash(ENV) == hash(stages.make_mjx_env('inverted_pendulum', EPISODE_LENGTH, 1))
+
+
+def test_training_and_evaluation_envs_share_one_loaded_model():
+  frozen = stages.make_mjx_env('inverted_pendulum', EPISODE_LENGTH, 1, auto_reset=False)
+  assert frozen is not ENV and frozen.unwrapped is ENV.unwrapped  # the model loaded once, wrapped twice
+  capped = stages.make_mjx_env('inverted_pendulum', EPISODE_LENGTH, 1, solver=(2, 4))
+  assert capped.unwrapped is not ENV.unwrapped and int(capped.unwrapped.sys.opt.iterations) == 2
+  randomized = stages.make_mjx_env('inverted_pendulum',
+                                   EPISODE_LENGTH,
+                                   1,
+                                   randomization=config_lib.RandomizationConfig(mass=(0.5, 2.0)))
+  assert randomized.unwrapped is not ENV.unwrapped  # a randomised env swaps its model while tracing: its own
 
 
 def test_groups_share_the_initial_state_and_groups_differ():
