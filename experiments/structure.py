@@ -68,14 +68,15 @@ SERVICE_IMPORTS = {
 }
 ENTRY = 'ebrl_jax.main'
 
-# Third-party (and stdlib) roots a stage module may import: brax and mujoco only in sim; orbax only in the trainer.
+# Third-party (and stdlib) roots a stage module may import: brax, mujoco and ctypes only in sim; orbax only in the
+# trainer.
 STAGE_COMMON = frozenset({
     'jax', 'flax', 'optax', 'chex', 'numpy', 'typing', 'functools', 'dataclasses', '__future__', 'math', 'collections',
     'os', 'concurrent', 'threading', 'enum', 'abc', 'itertools', 'time', 'json', 'shutil', 'contextlib', 'logging',
     'etils', 'importlib', 'pathlib', 'warnings'
 })
 STAGE_EXTRA = {
-    'sim': {'brax', 'mujoco', 'mujoco_playground'},
+    'sim': {'brax', 'mujoco', 'mujoco_playground', 'ctypes'},  # ctypes: gl_check loads MuJoCo's GL library
     'generation': set(),
     'trainer': {'orbax'},
     'rollout': set()

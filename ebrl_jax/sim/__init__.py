@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 
+from ebrl_jax.sim import gl_check  # first: it checks MUJOCO_GL before any module here imports mujoco
 from ebrl_jax.sim.registry import TaskDef, env_spec, get_default_config, load, names, register
 
 _LAZY = {
