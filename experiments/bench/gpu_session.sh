@@ -288,11 +288,11 @@ case $PART in
       --repeats=3 --modes=${STARTUP_MODES:-trace_cache} --profile --profile_top=60 --out=$ROOT/startup_cache_h200.json \
       > $ROOT/startup_cache.log 2>&1
     echo "[startup fused] exit $?"
-    timeout -s TERM 200 taskset -c 0-15 python3 -m experiments.startup_cache --flagfile_run=experiments/w1_ant.flags \
+    [ "${STARTUP_SYNC:-1}" = 1 ] && timeout -s TERM 200 taskset -c 0-15 python3 -m experiments.startup_cache --flagfile_run=experiments/w1_ant.flags \
       --repeats=2 --modes=${STARTUP_MODES:-trace_cache} --out=$ROOT/startup_cache_sync_h200.json \
       -- --schedule=sync --num_groups=2 --use_mps \
       > $ROOT/startup_cache_sync.log 2>&1
-    echo "[startup sync] exit $?" ;;
+    echo "[startup sync] exit $?" ;;  # STARTUP_SYNC=0: fused only
   w6ov2)  # issue 15: W6 sync vs overlap again after overlap moved its evaluation to the evaluator process
     w=${W6_WALL_S:-240}
     bench w6_overlap2_1gpu 0-15 --bench_flagfile=experiments/w6_token.flags --gpus=0 --schedules=sync,overlap \
