@@ -219,7 +219,7 @@ case $PART in
       --only=mlp_lr:--max_grad_norm=1.0 --only=mlp_lr_u4:--learning_rate=3e-4 --only=mlp_lr_u4:--clip_epsilon=0.3 \
       --only=mlp_lr_u4:--max_grad_norm=1.0 --only=mlp_lr_u4:--num_updates_per_batch=4 --timeout_s=540 ;;
   w2learn)
-    bench w2_learn 0-15 --bench_flagfile=experiments/w2_transformer.flags --gpus=0 --schedules=fused \
+    bench w2_learn 0-15 --bench_flagfile=${W2LEARN_FLAGFILE:-experiments/w2_transformer.flags} --gpus=0 --schedules=fused \
       --extra=--num_timesteps=50000000 --extra=--num_evals=25 --extra=--max_wall_s=${W2LEARN_WALL_S:-540} \
       --timeout_s=$((${W2LEARN_WALL_S:-540} + 30)) ${W2LEARN_EXTRA:-} ;;
   w2chunk)
@@ -292,7 +292,7 @@ case $PART in
       --repeats=2 --modes=${STARTUP_MODES:-trace_cache} --out=$ROOT/startup_cache_sync_h200.json \
       -- --schedule=sync --num_groups=2 --use_mps \
       > $ROOT/startup_cache_sync.log 2>&1
-    echo "[startup sync] exit $?" ;;  # STARTUP_SYNC=0: fused only
+    echo "[startup sync] exit $? (STARTUP_SYNC=${STARTUP_SYNC:-1}; 0: not run)" ;;
   w6ov2)  # issue 15: W6 sync vs overlap again after overlap moved its evaluation to the evaluator process
     w=${W6_WALL_S:-240}
     bench w6_overlap2_1gpu 0-15 --bench_flagfile=experiments/w6_token.flags --gpus=0 --schedules=sync,overlap \
