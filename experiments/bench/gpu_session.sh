@@ -68,7 +68,9 @@
 #         start-up with and without the trace cache (startup_cache_h200.json measured `fused` before init was jitted).
 # w6ov2   issue 15: W6 sync vs overlap again (W6_WALL_S each), now that overlap evaluates in the evaluator process.
 # w5ov    issue 15: W5 on native MuJoCo (pixels rendered by EGL, experiments/w5_pixels.flags) sync vs overlap, MPS,
-#         2 groups, each stopped by --max_wall_s=W5_WALL_S (130 s), and overlap's timeline (--trace_dir).
+#         2 groups, each stopped by --max_wall_s=W5_WALL_S (130 s), and overlap's timeline (--trace_dir). The GPU
+#         machine lacks GLVND's libEGL.so.1: carry the Debian packages the device README names (`.gl`) and unpack them
+#         first (`for f in .gl/*.deb; do dpkg -x $f /; done; ldconfig`), else `import mujoco` fails under MUJOCO_GL=egl.
 # startup now: the trace-cache mode only (STARTUP_MODES=trace_cache,notrace_cache for both), fused cold + 2 warm
 #         and one more warm run under cProfile (where a warm start-up still goes), sync cold + warm.
 # w2learn with W2LEARN_EXTRA="--extra=--action_chunk=2 --extra=--compute_dtype=bfloat16 --extra=--max_grad_norm=0.5":
