@@ -11,8 +11,8 @@ With --profile, the first mode then runs once more, warm, under cProfile (not co
 slows Python-heavy code), and the JSON keeps the functions with the most cumulative and own time: where a warm
 start-up still goes.
 """
-import json
 import io
+import json
 import os
 import pstats
 import statistics

@@ -36,7 +36,7 @@ def quiet_library_logs() -> None:
 def _torch_hidden():
   """tensorboardX imports torch, where it is installed, only to accept torch tensors in its `add_*` calls (ebrl_jax
   logs floats); on the GPU machine here that import was a visible share of a warm start-up
-  (experiments/results/startup_cache_h200.json's profile). Inside this block `import torch` fails as if torch
+  (experiments/results/startup_profile_h200.json's profile). Inside this block `import torch` fails as if torch
   were absent, unless this process has imported it already; after it, torch imports as usual."""
   if 'torch' in sys.modules:
     yield

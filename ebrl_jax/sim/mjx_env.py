@@ -287,8 +287,9 @@ def _load_brax_mjx_env(brax_name: str, solver: Tuple[int, int]) -> brax_base.Env
   return env
 
 
-# One per task and caps in a process, shared by the training and evaluation envs without randomisation (loading
-# the model is hundreds of small device transfers and copies: seconds of a warm start-up on the GPU); their
+# One per task and caps in a process, shared by the training and evaluation envs without randomisation: loading
+# the model is hundreds of small eager transfers and copies (with tensorboardX's torch import gone in the same
+# change, W1's warm env build on the H200 went from 6.9 to 3.3 s: results/startup_notorch_h200.json). Their
 # wrappers keep no state in the inner env.
 _shared_brax_mjx_env = functools.lru_cache(maxsize=None)(_load_brax_mjx_env)
 
