@@ -74,7 +74,8 @@
 # ovdet   issue 15 (not yet run): whether `overlap` replays `sync` on the GPU once XLA's GPU ops are deterministic
 #         (XLA_FLAGS=--xla_gpu_deterministic_ops=true for every process): W6 `sync`, `sync` again and `overlap`, MPS,
 #         2 groups, OVDET_STEPS (4.1 M) env steps, 3 evaluations, then experiments/bench/curve_agreement.py on the
-#         result (w6_overlap2_1gpu.json's curves parted from version 62 without it).
+#         result (w6_overlap2_1gpu.json's curves parted from version 62 without it). OVDET_FLAGFILE / OVDET_NAME: another
+#         workload (W1: experiments/w1_ant.flags, OVDET_STEPS=1000000, OVDET_RUN_S=70 fits what a call has left).
 # startup now: the trace-cache mode only (STARTUP_MODES=trace_cache,notrace_cache for both), fused cold + 2 warm
 #         and one more warm run under cProfile (where a warm start-up still goes), sync cold + warm.
 # w2learn with W2LEARN_EXTRA="--extra=--action_chunk=2 --extra=--compute_dtype=bfloat16 --extra=--max_grad_norm=0.5":
@@ -305,10 +306,11 @@ case $PART in
       --extra=--num_groups=2 --extra=--use_mps --extra=--max_wall_s=$w --timeout_s=$((w + 40)) ;;
   ovdet)  # issue 15: GPU non-determinism apart from semantics: W6 sync twice and overlap under XLA's deterministic GPU ops
     export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_deterministic_ops=true"
-    bench w6_ovdet_1gpu 0-15 --bench_flagfile=experiments/w6_token.flags --gpus=0 --schedules=sync,sync_b=sync,overlap \
-      --extra=--num_groups=2 --extra=--use_mps --extra=--num_timesteps=${OVDET_STEPS:-4100000} --extra=--num_evals=3 \
-      --timeout_s=${OVDET_RUN_S:-180}
-    python3 -m experiments.bench.curve_agreement $ROOT/w6_ovdet_1gpu.json --out=$ROOT/w6_ovdet_agreement.json \
+    n=${OVDET_NAME:-w6_ovdet_1gpu}
+    bench $n 0-15 --bench_flagfile=${OVDET_FLAGFILE:-experiments/w6_token.flags} --gpus=0 \
+      --schedules=sync,sync_b=sync,overlap --extra=--num_groups=2 --extra=--use_mps \
+      --extra=--num_timesteps=${OVDET_STEPS:-4100000} --extra=--num_evals=3 --timeout_s=${OVDET_RUN_S:-180}
+    python3 -m experiments.bench.curve_agreement $ROOT/$n.json --out=$ROOT/${n}_agreement.json \
       > $ROOT/ovdet_agreement.log 2>&1
     echo "[ovdet agreement] exit $?" ;;
   w5ov)  # issue 15: W5 (native MuJoCo pixels, EGL) sync vs overlap (MPS, 2 groups), W5_WALL_S each, overlap's timeline
