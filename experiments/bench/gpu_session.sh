@@ -105,6 +105,18 @@ bench() {  # bench NAME CORES ARGS...: one harness invocation, its output under 
   echo "[$name] exit $?"
 }
 
+overlap_pair() {  # overlap_pair NAME FLAGFILE WALL_S [ITERATION]: sync vs overlap (MPS, 2 groups), each stopped by
+  # --max_wall_s=WALL_S; with ITERATION, overlap traced and that iteration's timeline in NAME's stem_h200_timeline_itN.json
+  local name=$1 flagfile=$2 w=$3 it=${4:-} trace=()
+  [ -n "$it" ] && trace=(--only=overlap:--trace_dir=$ROOT/${name}_tr)
+  bench $name 0-15 --bench_flagfile=$flagfile --gpus=0 --schedules=sync,overlap --extra=--num_groups=2 \
+    --extra=--use_mps --extra=--max_wall_s=$w "${trace[@]}" --timeout_s=$((w + 40))
+  [ -z "$it" ] && return
+  timeout -s TERM 60 python3 -m experiments.bench.timeline --traces=$ROOT/${name}_tr --timeline_iteration=$it \
+    --timeline_out=$ROOT/${name%_1gpu}_h200_timeline_it$it.json > $ROOT/${name}_timeline.log 2>&1
+  echo "[${name}_timeline] exit $?"
+}
+
 W2="--bench_flagfile=experiments/w2_transformer.flags --extra=--target_return=1000"
 # Issue 5's W2 flags, in the order of the kept seed-0 result (results/w2_bench.json), so the seeds merge.
 W2SEEDS="--bench_flagfile=experiments/w2_transformer.flags --extra=--num_groups=2 --extra=--num_timesteps=12000000
@@ -283,27 +295,20 @@ case $PART in
       --only=ls8:--ls_iterations=8 --extra=--max_wall_s=${W6_WALL_S:-150} --timeout_s=$((${W6_WALL_S:-150} + 40)) ;;
   w6ov)  # issue 15: W6 (the token policy, VLA-style) under sync and overlap (MPS, 2 groups), 1 seed, each stopped
     # by --max_wall_s=W6_WALL_S (240 s); the timeline of overlap's iteration 10
-    w=${W6_WALL_S:-240}
-    bench w6_overlap_1gpu 0-15 --bench_flagfile=experiments/w6_token.flags --gpus=0 --schedules=sync,overlap \
-      --extra=--num_groups=2 --extra=--use_mps --extra=--max_wall_s=$w --only=overlap:--trace_dir=$ROOT/w6_tr \
-      --timeout_s=$((w + 40))
-    timeout -s TERM 60 python3 -m experiments.bench.timeline --traces=$ROOT/w6_tr --timeline_iteration=10 \
-      --timeline_out=$ROOT/w6_overlap_h200_timeline_it10.json > $ROOT/w6_timeline.log 2>&1
-    echo "[w6_timeline] exit $?" ;;
+    overlap_pair w6_overlap_1gpu experiments/w6_token.flags ${W6_WALL_S:-240} 10 ;;
   startup)  # issue 14 item 3: start-up cold then warm, with and without the trace cache: W1 fused, then W1 sync (MPS)
     timeout -s TERM 200 taskset -c 0-15 python3 -m experiments.startup_cache --flagfile_run=experiments/w1_ant.flags \
       --repeats=3 --modes=${STARTUP_MODES:-trace_cache} --profile --profile_top=60 --out=$ROOT/startup_cache_h200.json \
       > $ROOT/startup_cache.log 2>&1
     echo "[startup fused] exit $?"
-    [ "${STARTUP_SYNC:-1}" = 1 ] && timeout -s TERM 200 taskset -c 0-15 python3 -m experiments.startup_cache --flagfile_run=experiments/w1_ant.flags \
-      --repeats=2 --modes=${STARTUP_MODES:-trace_cache} --out=$ROOT/startup_cache_sync_h200.json \
-      -- --schedule=sync --num_groups=2 --use_mps \
-      > $ROOT/startup_cache_sync.log 2>&1
-    echo "[startup sync] exit $? (STARTUP_SYNC=${STARTUP_SYNC:-1}; 0: not run)" ;;
+    if [ "${STARTUP_SYNC:-1}" != 0 ]; then  # STARTUP_SYNC=0: fused only
+      timeout -s TERM 200 taskset -c 0-15 python3 -m experiments.startup_cache --flagfile_run=experiments/w1_ant.flags \
+        --repeats=2 --modes=${STARTUP_MODES:-trace_cache} --out=$ROOT/startup_cache_sync_h200.json \
+        -- --schedule=sync --num_groups=2 --use_mps > $ROOT/startup_cache_sync.log 2>&1
+      echo "[startup sync] exit $?"
+    fi ;;
   w6ov2)  # issue 15: W6 sync vs overlap again after overlap moved its evaluation to the evaluator process
-    w=${W6_WALL_S:-240}
-    bench w6_overlap2_1gpu 0-15 --bench_flagfile=experiments/w6_token.flags --gpus=0 --schedules=sync,overlap \
-      --extra=--num_groups=2 --extra=--use_mps --extra=--max_wall_s=$w --timeout_s=$((w + 40)) ;;
+    overlap_pair w6_overlap2_1gpu experiments/w6_token.flags ${W6_WALL_S:-240} ;;
   ovdet)  # issue 15: GPU non-determinism apart from semantics: W6 sync twice and overlap under XLA's deterministic GPU ops
     export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_deterministic_ops=true"
     n=${OVDET_NAME:-w6_ovdet_1gpu}
@@ -314,13 +319,8 @@ case $PART in
       > $ROOT/ovdet_agreement.log 2>&1
     echo "[ovdet agreement] exit $?" ;;
   w5ov)  # issue 15: W5 (native MuJoCo pixels, EGL) sync vs overlap (MPS, 2 groups), W5_WALL_S each, overlap's timeline
-    w=${W5_WALL_S:-130}; export MUJOCO_GL=egl
-    bench w5_overlap_1gpu 0-15 --bench_flagfile=experiments/w5_pixels.flags --gpus=0 --schedules=sync,overlap \
-      --extra=--num_groups=2 --extra=--use_mps --extra=--max_wall_s=$w --only=overlap:--trace_dir=$ROOT/w5_tr \
-      --timeout_s=$((w + 40))
-    timeout -s TERM 60 python3 -m experiments.bench.timeline --traces=$ROOT/w5_tr --timeline_iteration=5 \
-      --timeline_out=$ROOT/w5_overlap_h200_timeline_it5.json > $ROOT/w5_timeline.log 2>&1
-    echo "[w5_timeline] exit $?" ;;
+    export MUJOCO_GL=egl
+    overlap_pair w5_overlap_1gpu experiments/w5_pixels.flags ${W5_WALL_S:-130} 5 ;;
   w5prof|w6prof)  # issues 13/14: W5 (Warp pixels) or W6 isolated stage times at --num_updates_per_batch=1/4/16
     ff=$([ $PART = w5prof ] && echo w5_pixels_warp || echo w6_token)
     for u in 1 4 16; do
