@@ -14,7 +14,7 @@ from ebrl_jax.config_cells import LAUNCHERS, CellConfig, check_run_cells
 from ebrl_jax.config_checks import check_choice as _check_choice, check_positive as _check_positive
 from ebrl_jax.config_checks import check_playground_sim, check_solver_caps
 from ebrl_jax.config_checks import check_env_slices, check_host_rollout_quotas, check_range as _check_range
-from ebrl_jax.config_checks import check_schedule_options
+from ebrl_jax.config_checks import check_grpo_run, check_learning_rate_decay, check_schedule_options, planned_iterations
 from ebrl_jax.config_checks import parse_group_schedule
 from ebrl_jax.config_generation import CRITICS, GENERATION_TRANSPORTS, check_critic, check_generation
 from ebrl_jax.config_randomize import RANDOMIZE_PARAMS, RandomizationConfig, parse_randomize
@@ -161,9 +161,12 @@ class AlgoConfig:
   # Decoupled PPO: the behaviour/proximal importance weight is clipped at this value (async schedules).
   max_behaviour_ratio: float = 2.0
   policy_ratio: str = 'joint'  # or 'geometric': per action value (GSPO's length-normalised ratio)
+  learning_rate_end: Optional[float] = None  # a linear decay to this over the run's gradient steps (None: constant)
+  learning_rate_decay_updates: int = 0  # the decay's gradient steps (0: the run's, filled in by Config)
 
   def __post_init__(self):
     _check_choice('algo', self.name, ALGORITHMS)
+    check_learning_rate_decay(self)
     _check_choice('policy_ratio', self.policy_ratio, POLICY_RATIOS)
     _check_positive('learning_rate', self.learning_rate)
     _check_range('discount', self.discount, 0.0, 1.0)
@@ -322,20 +325,15 @@ class Config:
     check_run_pixels(self)
     check_run_cells(self, self.cells.num_processes)
     check_host_rollout_quotas(self)
+    if self.algo.learning_rate_end is not None and not self.algo.learning_rate_decay_updates:
+      steps = planned_iterations(self.schedule.num_timesteps, self.env_steps_per_iteration, self.schedule.num_evals)
+      updates = steps * self.algo.num_updates_per_batch * self.algo.num_minibatches
+      object.__setattr__(self, 'algo', dataclasses.replace(self.algo, learning_rate_decay_updates=updates))
     if self.algo.unroll_length % self.policy.action_chunk:
       raise ValueError(f'--unroll_length={self.algo.unroll_length} must be a multiple of '
                        f'--action_chunk={self.policy.action_chunk}.')
     if self.algo.episodic:
-      # GRPO rolls out whole episodes (no critic to bootstrap from): minibatches split the envs.
-      if self.sim.group_size < 2:
-        raise ValueError(f'--algo=grpo needs --group_size >= 2 (got {self.sim.group_size}): advantages are '
-                         'normalised within groups of envs that share an initial state.')
-      if self.sim.num_envs % self.algo.num_minibatches:
-        raise ValueError(f'--num_envs={self.sim.num_envs} must be a multiple of '
-                         f'--num_minibatches={self.algo.num_minibatches} for --algo=grpo (minibatches split envs).')
-      if self.sim.episode_length % self.policy.action_chunk:
-        raise ValueError(f'--episode_length={self.sim.episode_length} must be a multiple of '
-                         f'--action_chunk={self.policy.action_chunk} for --algo=grpo.')
+      check_grpo_run(self)
       return
     seg = self.algo.segments_per_iteration
     if seg % self.sim.num_envs:

@@ -2,6 +2,8 @@
 and what is allowed."""
 from __future__ import annotations
 
+import math
+
 
 def check_choice(field: str, value, allowed) -> None:
   if value not in allowed:
@@ -165,3 +167,36 @@ def check_env_slices(cfg) -> None:
   if group_envs % slices:
     raise ValueError(f'--env_slices={slices} must divide the {group_envs} envs of each env group '
                      f'(--num_envs={cfg.sim.num_envs} / --num_groups={cfg.schedule.num_groups}).')
+
+
+def check_grpo_run(cfg) -> None:
+  """A GRPO run (`cfg` a `config.Config`): whole episodes after group resets (no critic to bootstrap from), with
+  minibatches splitting the envs."""
+  if cfg.sim.group_size < 2:
+    raise ValueError(f'--algo=grpo needs --group_size >= 2 (got {cfg.sim.group_size}): advantages are '
+                     'normalised within groups of envs that share an initial state.')
+  if cfg.sim.num_envs % cfg.algo.num_minibatches:
+    raise ValueError(f'--num_envs={cfg.sim.num_envs} must be a multiple of '
+                     f'--num_minibatches={cfg.algo.num_minibatches} for --algo=grpo (minibatches split envs).')
+  if cfg.sim.episode_length % cfg.policy.action_chunk:
+    raise ValueError(f'--episode_length={cfg.sim.episode_length} must be a multiple of '
+                     f'--action_chunk={cfg.policy.action_chunk} for --algo=grpo.')
+
+
+def check_learning_rate_decay(algo) -> None:
+  """--learning_rate_end / --learning_rate_decay_updates (`algo` a `config.AlgoConfig`)."""
+  check_positive('learning_rate_decay_updates', algo.learning_rate_decay_updates, allow_zero=True)
+  if algo.learning_rate_end is None:
+    if algo.learning_rate_decay_updates:
+      raise ValueError(f'--learning_rate_decay_updates={algo.learning_rate_decay_updates} needs --learning_rate_end '
+                       '(the value the learning rate decays to).')
+    return
+  check_range('learning_rate_end', algo.learning_rate_end, 0.0, algo.learning_rate)
+
+
+def planned_iterations(num_timesteps: int, env_steps_per_iteration: int, num_evals: int) -> int:
+  """Training iterations of a run: enough for `num_timesteps`, rounded up to whole chunks between evaluations
+  (a shorter last chunk would be a second program to compile mid-run)."""
+  total = max(1, math.ceil(num_timesteps / env_steps_per_iteration))
+  per_eval = max(1, math.ceil(total / max(1, num_evals)))
+  return math.ceil(total / per_eval) * per_eval

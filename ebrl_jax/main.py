@@ -108,6 +108,10 @@ _HELP = {
                'shared with --obs=pixels).'),
     'algo':
         f'Algorithm: {", ".join(config_lib.ALGORITHMS)}.',
+    'learning_rate_end': ('A linear decay of the learning rate from --learning_rate to this over '
+                          '--learning_rate_decay_updates gradient steps, then held (unset: constant).'),
+    'learning_rate_decay_updates': ('--learning_rate_end: gradient steps of the decay (0: the whole run\'s, iterations '
+                                    'x --num_updates_per_batch x --num_minibatches).'),
     'schedule':
         f'Schedule: {", ".join(config_lib.SCHEDULES)}.',
     'num_envs':

@@ -16,6 +16,7 @@ from absl import logging
 import jax
 
 from ebrl_jax import config as config_lib
+from ebrl_jax import config_checks
 from ebrl_jax import config_generation
 from ebrl_jax import sim
 from ebrl_jax.generation import policies
@@ -178,9 +179,8 @@ def _iteration_plan(cfg: TrainerConfig) -> Tuple[int, int, int]:
   """(env steps per iteration, total iterations, iterations per evaluation): whole chunks only, since a shorter
   last chunk would be a second program to compile (MJX) mid-run."""
   per_iteration = cfg.env_steps_per_iteration
-  total = max(1, math.ceil(cfg.schedule.num_timesteps / per_iteration))
-  per_eval = max(1, math.ceil(total / max(1, cfg.schedule.num_evals)))
-  return per_iteration, math.ceil(total / per_eval) * per_eval, per_eval
+  total = config_checks.planned_iterations(cfg.schedule.num_timesteps, per_iteration, cfg.schedule.num_evals)
+  return per_iteration, total, max(1, math.ceil(total / max(1, cfg.schedule.num_evals)))
 
 
 def _evaluate(cfg, source, train_state, root_key, progress: _Progress, logger, clock: _Clock) -> float:

@@ -44,8 +44,14 @@ class TrainState:
 
 
 def make_optimizer(algo: AlgoConfig) -> optax.GradientTransformation:
-  """Adam at `algo.learning_rate`, after global-norm clipping when `algo.max_grad_norm` is set (as Brax)."""
-  adam = optax.adam(algo.learning_rate)
+  """Adam at `algo.learning_rate` (decaying linearly to `algo.learning_rate_end` over
+  `algo.learning_rate_decay_updates` gradient steps when set, then held), after global-norm clipping when
+  `algo.max_grad_norm` is set (as Brax)."""
+  learning_rate = algo.learning_rate
+  if algo.learning_rate_end is not None:
+    learning_rate = optax.linear_schedule(algo.learning_rate, algo.learning_rate_end,
+                                          max(1, algo.learning_rate_decay_updates))
+  adam = optax.adam(learning_rate)
   if algo.max_grad_norm is None:
     return adam
   return optax.chain(optax.clip_by_global_norm(algo.max_grad_norm), adam)

@@ -1,0 +1,64 @@
+"""--learning_rate_end: the decay's length filled in from the run, its validation, and Adam's step following it."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ebrl_jax import config as config_lib
+from ebrl_jax import main
+from ebrl_jax.trainer import stages
+
+
+def _config(**algo):
+  return config_lib.Config(sim=config_lib.SimConfig(num_envs=8),
+                           algo=config_lib.AlgoConfig(batch_size=8, num_minibatches=2, unroll_length=5, **algo),
+                           schedule=config_lib.ScheduleConfig(num_timesteps=1000, num_evals=3))
+
+
+def test_decay_length_is_the_runs_gradient_steps():
+  cfg = _config(learning_rate_end=0.0, num_updates_per_batch=3)
+  # 80 env steps an iteration: 13 iterations for 1000 steps, rounded up to 3 chunks of 5 = 15; 3 epochs x 2 mb.
+  assert cfg.env_steps_per_iteration == 80
+  assert cfg.algo.learning_rate_decay_updates == 15 * 3 * 2
+  assert _config().algo.learning_rate_decay_updates == 0  # constant: nothing filled in
+  assert _config(learning_rate_end=0.0, learning_rate_decay_updates=7).algo.learning_rate_decay_updates == 7
+
+
+@pytest.mark.parametrize('algo,flag', [
+    (dict(learning_rate_end=1e-3), 'learning_rate_end'),
+    (dict(learning_rate_end=-1e-5), 'learning_rate_end'),
+    (dict(learning_rate_decay_updates=10), 'learning_rate_decay_updates'),
+    (dict(learning_rate_end=0.0, learning_rate_decay_updates=-1), 'learning_rate_decay_updates'),
+])
+def test_bad_decay_names_its_flag(algo, flag):
+  with pytest.raises(ValueError, match=f'--{flag}='):
+    config_lib.AlgoConfig(learning_rate=3e-4, **algo)
+
+
+def test_adam_steps_follow_the_linear_decay():
+  """Adam's step on a constant gradient is the learning rate (its moments normalise it): 1e-3 at first, 5e-4
+  halfway through 10 steps, the end value from step 10 on."""
+  algo = config_lib.AlgoConfig(learning_rate=1e-3, learning_rate_end=1e-4, learning_rate_decay_updates=10)
+  optimizer = stages.make_optimizer(algo)
+  params = {'w': jnp.zeros(3)}
+  state = optimizer.init(params)
+  steps = []
+  for _ in range(14):
+    updates, state = optimizer.update({'w': jnp.ones(3)}, state, params)
+    steps.append(-float(updates['w'][0]))
+  expected = [1e-3 - 9e-4 * min(i, 10) / 10 for i in range(14)]
+  np.testing.assert_allclose(steps, expected, rtol=1e-4)
+  constant = stages.make_optimizer(config_lib.AlgoConfig(learning_rate=1e-3))
+  c_state = constant.init(params)
+  for _ in range(12):
+    c_updates, c_state = constant.update({'w': jnp.ones(3)}, c_state, params)
+  np.testing.assert_allclose(-float(c_updates['w'][0]), 1e-3, rtol=1e-4)
+
+
+def test_flags_reach_the_config():
+  values = main.FLAGS.__class__()
+  main.define_flags(values)
+  values(['prog', '--learning_rate_end=0', '--num_timesteps=1000', '--num_envs=8', '--batch_size=8',
+          '--num_minibatches=2', '--num_evals=3', '--num_updates_per_batch=3'])
+  cfg = main.config_from_flags(values)
+  assert cfg.algo.learning_rate_end == 0.0
+  assert cfg.algo.learning_rate_decay_updates == 15 * 3 * 2
