@@ -57,8 +57,10 @@ def test_adam_steps_follow_the_linear_decay():
 def test_flags_reach_the_config():
   values = main.FLAGS.__class__()
   main.define_flags(values)
-  values(['prog', '--learning_rate_end=0', '--num_timesteps=1000', '--num_envs=8', '--batch_size=8',
-          '--num_minibatches=2', '--num_evals=3', '--num_updates_per_batch=3'])
+  values([
+      'prog', '--learning_rate_end=0', '--num_timesteps=1000', '--num_envs=8', '--batch_size=8', '--num_minibatches=2',
+      '--num_evals=3', '--num_updates_per_batch=3'
+  ])
   cfg = main.config_from_flags(values)
   assert cfg.algo.learning_rate_end == 0.0
   assert cfg.algo.learning_rate_decay_updates == 15 * 3 * 2
