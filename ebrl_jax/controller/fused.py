@@ -15,7 +15,6 @@ from ebrl_jax.controller import cells as cells_lib
 from ebrl_jax.controller import fused_cpu
 from ebrl_jax.controller import topology
 from ebrl_jax.runtime import errors
-from ebrl_jax.runtime import startup
 from ebrl_jax.trainer import driver
 from ebrl_jax.trainer import ranks
 
@@ -28,14 +27,10 @@ def make_source(cfg: config_lib.Config,
                 vote: Optional[ranks.StopVote] = None) -> driver.BatchSource:
   """The fused loop of `cfg`'s backend (it runs in the controller's process, so it sees the whole config); with
   `cell`, that cell's rank of the data-parallel loop (on MJX the chunk split at its train step: `fused_mjx`)."""
-  return _loop_class(cfg)(cfg, spec, network, optimizer, cell, vote)
-
-
-def _loop_class(cfg: config_lib.Config):
   if cfg.sim.backend == 'mujoco_cpu':
-    return fused_cpu.CpuFusedLoop
+    return fused_cpu.CpuFusedLoop(cfg, spec, network, optimizer, cell, vote)
   from ebrl_jax.controller import fused_mjx  # lazy: brax and MJX (~2 s of imports) load only for an MJX run
-  return fused_mjx.MjxFusedLoop
+  return fused_mjx.MjxFusedLoop(cfg, spec, network, optimizer, cell, vote)
 
 
 def run(cfg: config_lib.Config,
@@ -52,8 +47,6 @@ def run(cfg: config_lib.Config,
   trainer = cells_lib.trainer_of_cell(trainer, cell or cells_lib.Cell(run_dir=cfg.schedule.run_dir),
                                       cfg.schedule.resume)
   vote = ranks.StopVote(cfg.schedule.max_wall_s, trainer.start.unix if trainer.start else None) if multi else None
-  startup.start_backend_early()  # the accelerator starts while the loop's modules (brax and MJX) load
-  _loop_class(cfg)
   # a cell of several: SIGTERM and Ctrl-C are this rank's vote to stop; one MJX process: held to a chunk's end
   with cells_lib.signals_vote(vote), errors.deferred_stops(not multi and cfg.sim.backend != 'mujoco_cpu'):
     summary = driver.run_training(

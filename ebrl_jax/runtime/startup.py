@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import threading
 from typing import Dict, List, Optional, Sequence
 
 from absl import logging
@@ -92,21 +91,3 @@ def start_process(process: ProcessConfig, env: Optional[Dict[str, str]]) -> None
   """A worker's first call: its environment and cores (`apply_worker_env`), then JAX's platform and cache."""
   apply_worker_env(env)
   configure_jax(process.platform, process.compilation_cache_dir)
-
-
-def _start_backend() -> None:
-  try:
-    import jax  # lazy, as configure_jax
-    jax.devices()
-  except Exception:  # pylint: disable=broad-except
-    pass  # the first use on the main thread starts it again and raises the error there, where it belongs
-
-
-def start_backend_early() -> threading.Thread:
-  """Starts JAX's backend (on a GPU: the CUDA context and the PJRT client, ~2 s on the H200, spent outside the
-  GIL) on a thread, so that the Python imports that follow run beside it. Call it after `configure_jax`, in a
-  process that will use the accelerator anyway (never in a process schedule's controller, which must stay off the
-  GPU); JAX starts a backend once, so the main thread's first use waits for this one. Errors are left to that use."""
-  thread = threading.Thread(target=_start_backend, name='jax-backend-start', daemon=True)
-  thread.start()
-  return thread
