@@ -49,8 +49,10 @@ def make_optimizer(algo: AlgoConfig) -> optax.GradientTransformation:
   `algo.max_grad_norm` is set (as Brax)."""
   learning_rate = algo.learning_rate
   if algo.learning_rate_end is not None:
-    learning_rate = optax.linear_schedule(algo.learning_rate, algo.learning_rate_end,
-                                          max(1, algo.learning_rate_decay_updates))
+    if not algo.learning_rate_decay_updates:
+      raise ValueError(f'--learning_rate_end={algo.learning_rate_end} needs the decay\'s length: a Config fills in '
+                       '--learning_rate_decay_updates from the run; an AlgoConfig used on its own must set it.')
+    learning_rate = optax.linear_schedule(algo.learning_rate, algo.learning_rate_end, algo.learning_rate_decay_updates)
   adam = optax.adam(learning_rate)
   if algo.max_grad_norm is None:
     return adam

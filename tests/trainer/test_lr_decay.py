@@ -64,3 +64,8 @@ def test_flags_reach_the_config():
   cfg = main.config_from_flags(values)
   assert cfg.algo.learning_rate_end == 0.0
   assert cfg.algo.learning_rate_decay_updates == 15 * 3 * 2
+
+
+def test_an_algo_config_alone_must_say_how_long_the_decay_is():
+  with pytest.raises(ValueError, match='--learning_rate_decay_updates'):
+    stages.make_optimizer(config_lib.AlgoConfig(learning_rate_end=0.0))
