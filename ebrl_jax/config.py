@@ -326,7 +326,7 @@ class Config:
     check_run_cells(self, self.cells.num_processes)
     check_host_rollout_quotas(self)
     if self.algo.learning_rate_end is not None and not self.algo.learning_rate_decay_updates:
-      steps = planned_iterations(self.schedule.num_timesteps, self.env_steps_per_iteration, self.schedule.num_evals)
+      steps, _ = planned_iterations(self.schedule.num_timesteps, self.env_steps_per_iteration, self.schedule.num_evals)
       updates = steps * self.algo.num_updates_per_batch * self.algo.num_minibatches
       object.__setattr__(self, 'algo', dataclasses.replace(self.algo, learning_rate_decay_updates=updates))
     if self.algo.unroll_length % self.policy.action_chunk:

@@ -3,6 +3,7 @@ and what is allowed."""
 from __future__ import annotations
 
 import math
+from typing import Tuple
 
 
 def check_choice(field: str, value, allowed) -> None:
@@ -194,9 +195,9 @@ def check_learning_rate_decay(algo) -> None:
   check_range('learning_rate_end', algo.learning_rate_end, 0.0, algo.learning_rate)
 
 
-def planned_iterations(num_timesteps: int, env_steps_per_iteration: int, num_evals: int) -> int:
-  """Training iterations of a run: enough for `num_timesteps`, rounded up to whole chunks between evaluations
-  (a shorter last chunk would be a second program to compile mid-run)."""
+def planned_iterations(num_timesteps: int, env_steps_per_iteration: int, num_evals: int) -> Tuple[int, int]:
+  """(training iterations, iterations per evaluation) of a run: enough for `num_timesteps`, rounded up to whole
+  chunks between evaluations (a shorter last chunk would be a second program to compile mid-run)."""
   total = max(1, math.ceil(num_timesteps / env_steps_per_iteration))
   per_eval = max(1, math.ceil(total / max(1, num_evals)))
-  return math.ceil(total / per_eval) * per_eval
+  return math.ceil(total / per_eval) * per_eval, per_eval

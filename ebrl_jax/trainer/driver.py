@@ -179,8 +179,8 @@ def _iteration_plan(cfg: TrainerConfig) -> Tuple[int, int, int]:
   """(env steps per iteration, total iterations, iterations per evaluation): whole chunks only, since a shorter
   last chunk would be a second program to compile (MJX) mid-run."""
   per_iteration = cfg.env_steps_per_iteration
-  total = config_checks.planned_iterations(cfg.schedule.num_timesteps, per_iteration, cfg.schedule.num_evals)
-  return per_iteration, total, max(1, math.ceil(total / max(1, cfg.schedule.num_evals)))
+  total, per_eval = config_checks.planned_iterations(cfg.schedule.num_timesteps, per_iteration, cfg.schedule.num_evals)
+  return per_iteration, total, per_eval
 
 
 def _evaluate(cfg, source, train_state, root_key, progress: _Progress, logger, clock: _Clock) -> float:
