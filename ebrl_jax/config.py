@@ -14,9 +14,10 @@ from ebrl_jax.config_cells import LAUNCHERS, CellConfig, check_run_cells
 from ebrl_jax.config_checks import check_choice as _check_choice, check_positive as _check_positive
 from ebrl_jax.config_checks import check_playground_sim, check_solver_caps
 from ebrl_jax.config_checks import check_env_slices, check_host_rollout_quotas, check_range as _check_range
-from ebrl_jax.config_checks import check_grpo_run, check_learning_rate_decay, check_schedule_options, planned_iterations
-from ebrl_jax.config_checks import parse_group_schedule
+from ebrl_jax.config_checks import check_grpo_run, check_optimizer, check_schedule_options, planned_iterations
+from ebrl_jax.config_checks import GRAD_CLIP_SCOPES, parse_group_schedule
 from ebrl_jax.config_generation import CRITICS, GENERATION_TRANSPORTS, check_critic, check_generation
+from ebrl_jax.config_generation import check_grad_clip_critic
 from ebrl_jax.config_randomize import RANDOMIZE_PARAMS, RandomizationConfig, parse_randomize
 from ebrl_jax.config_resources import EVALUATOR_QUOTA, QUOTA_ROLES, ResourceConfig
 from ebrl_jax.config_vision import OBS_MODES, check_policy_vision, check_run_pixels, check_sim_obs, pixel_shape
@@ -163,10 +164,11 @@ class AlgoConfig:
   policy_ratio: str = 'joint'  # or 'geometric': per action value (GSPO's length-normalised ratio)
   learning_rate_end: Optional[float] = None  # a linear decay to this over the run's gradient steps (None: constant)
   learning_rate_decay_updates: int = 0  # the decay's gradient steps (0: the run's, filled in by Config)
+  grad_clip_scope: str = 'global'  # or 'per_network': policy and critic parameters clipped apart (make_optimizer)
 
   def __post_init__(self):
     _check_choice('algo', self.name, ALGORITHMS)
-    check_learning_rate_decay(self)
+    check_optimizer(self)
     _check_choice('policy_ratio', self.policy_ratio, POLICY_RATIOS)
     _check_positive('learning_rate', self.learning_rate)
     _check_range('discount', self.discount, 0.0, 1.0)
@@ -320,6 +322,7 @@ class Config:
       raise ValueError(f'each env group ({self.sim.num_envs} / --num_groups={self.schedule.num_groups}) must hold '
                        f'whole GRPO groups of --group_size={self.sim.group_size}.')
     check_generation(self)
+    check_grad_clip_critic(self)
     check_env_slices(self)
     check_schedule_options(self)
     check_run_pixels(self)

@@ -184,8 +184,14 @@ def check_grpo_run(cfg) -> None:
                      f'--action_chunk={cfg.policy.action_chunk} for --algo=grpo.')
 
 
-def check_learning_rate_decay(algo) -> None:
-  """--learning_rate_end / --learning_rate_decay_updates (`algo` a `config.AlgoConfig`)."""
+GRAD_CLIP_SCOPES = ('global', 'per_network')  # trainer/stages.make_optimizer
+
+
+def check_optimizer(algo) -> None:
+  """--learning_rate_end / --learning_rate_decay_updates and --grad_clip_scope (`algo` a `config.AlgoConfig`)."""
+  check_choice('grad_clip_scope', algo.grad_clip_scope, GRAD_CLIP_SCOPES)
+  if algo.grad_clip_scope != 'global' and algo.max_grad_norm is None:
+    raise ValueError(f'--grad_clip_scope={algo.grad_clip_scope} says how --max_grad_norm clips: set --max_grad_norm.')
   check_positive('learning_rate_decay_updates', algo.learning_rate_decay_updates, allow_zero=True)
   if algo.learning_rate_end is None:
     if algo.learning_rate_decay_updates:

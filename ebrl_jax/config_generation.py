@@ -48,6 +48,18 @@ def critic_of(policy, pixels: bool) -> str:
   return policy.critic
 
 
+def check_grad_clip_critic(cfg) -> None:
+  """--grad_clip_scope=per_network clips the critic's gradient apart from the policy's: the critic must share no
+  parameter with the policy (a shared trunk, or the MLP policy's CNN encoder with camera observations)."""
+  if cfg.algo.grad_clip_scope != 'per_network':
+    return
+  pixels = cfg.sim.obs == 'pixels'
+  if (pixels if cfg.policy.kind == 'mlp' else critic_of(cfg.policy, pixels) == 'shared'):
+    raise ValueError(f'--grad_clip_scope=per_network needs a critic that shares no parameter with the policy: '
+                     f'--policy={cfg.policy.kind} --critic={cfg.policy.critic} --obs={cfg.sim.obs} shares the '
+                     'trunk (use --critic=mlp, or --grad_clip_scope=global).')
+
+
 def check_generation(cfg) -> None:
   """`--colocate_generation` / `--generation_transport` of a `Config` against the backend and the schedule."""
   schedule, backend = cfg.schedule, cfg.sim.backend

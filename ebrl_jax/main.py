@@ -112,6 +112,9 @@ _HELP = {
                           '--learning_rate_decay_updates gradient steps, then held (unset: constant).'),
     'learning_rate_decay_updates': ('--learning_rate_end: gradient steps of the decay (0: the whole run\'s, iterations '
                                     'x --num_updates_per_batch x --num_minibatches).'),
+    'grad_clip_scope': (f'What --max_grad_norm clips: {", ".join(config_lib.GRAD_CLIP_SCOPES)} (global: all gradients '
+                        'as one vector, as Brax; per_network: the policy\'s and the critic\'s apart, so a critic loss '
+                        'spike does not shrink the policy\'s step; needs a critic of its own, --critic=mlp).'),
     'schedule':
         f'Schedule: {", ".join(config_lib.SCHEDULES)}.',
     'num_envs':

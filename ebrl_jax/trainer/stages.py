@@ -43,10 +43,54 @@ class TrainState:
   policy_version: Array
 
 
+CRITIC_MODULES = ('value', 'value_mlp', 'value_head')  # the networks' value modules (generation/policies.py)
+
+
+def critic_labels(network_params: Any) -> Any:
+  """'critic' for each leaf of the network's own value module (a top-level module named in CRITIC_MODULES; a
+  shared trunk's parameters are not among them), 'policy' for every other leaf: the same tree of labels."""
+
+  def label(path, _):
+    names = [getattr(k, 'key', None) for k in path]
+    top = names[1] if len(names) > 1 and names[0] == 'params' else names[0]
+    return 'critic' if top in CRITIC_MODULES else 'policy'
+
+  return jax.tree_util.tree_map_with_path(label, network_params)
+
+
+def _critic_labels_checked(network_params: Any) -> Any:
+  labels = critic_labels(network_params)
+  if 'critic' not in jax.tree_util.tree_leaves(labels):
+    raise ValueError('--grad_clip_scope=per_network found no critic parameters (a top-level module named one of '
+                     f'{", ".join(CRITIC_MODULES)}) in the network.')
+  return labels
+
+
+def grad_norms(grads: Any) -> Dict[str, Array]:
+  """Global L2 norms of `grads` (a network-params tree): all of it, the policy's leaves and the critic's."""
+  labels = critic_labels(grads)
+
+  def norm(keep):
+    sq = [
+        jnp.sum(jnp.square(g))
+        for g, l in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(labels))
+        if keep(l)
+    ]
+    return jnp.sqrt(sum(sq)) if sq else jnp.zeros((), jnp.float32)
+
+  return {
+      'grad_norm': norm(lambda l: True),
+      'policy_grad_norm': norm(lambda l: l == 'policy'),
+      'critic_grad_norm': norm(lambda l: l == 'critic')
+  }
+
+
 def make_optimizer(algo: AlgoConfig) -> optax.GradientTransformation:
   """Adam at `algo.learning_rate` (decaying linearly to `algo.learning_rate_end` over
-  `algo.learning_rate_decay_updates` gradient steps when set, then held), after global-norm clipping when
-  `algo.max_grad_norm` is set (as Brax)."""
+  `algo.learning_rate_decay_updates` gradient steps when set, then held), after gradient-norm clipping at
+  `algo.max_grad_norm` when set: of all gradients together (`grad_clip_scope='global'`, as Brax), or of the
+  policy's and the critic's apart ('per_network': a spike in the critic's loss no longer scales the policy's
+  gradient down, which Adam's running second moment turns into oversized policy steps once the spike passes)."""
   learning_rate = algo.learning_rate
   if algo.learning_rate_end is not None:
     if not algo.learning_rate_decay_updates:
@@ -56,7 +100,13 @@ def make_optimizer(algo: AlgoConfig) -> optax.GradientTransformation:
   adam = optax.adam(learning_rate)
   if algo.max_grad_norm is None:
     return adam
-  return optax.chain(optax.clip_by_global_norm(algo.max_grad_norm), adam)
+  clip = optax.clip_by_global_norm(algo.max_grad_norm)
+  if algo.grad_clip_scope == 'per_network':
+    clip = optax.multi_transform({
+        'policy': clip,
+        'critic': optax.clip_by_global_norm(algo.max_grad_norm)
+    }, _critic_labels_checked)
+  return optax.chain(clip, adam)
 
 
 def init_train_state(network: nn.Module,
@@ -141,7 +191,7 @@ def _sgd_epoch(network, optimizer, algo, min_std, carry, key, data, axis_name=No
     minibatch, k = xs
     grads, metrics = grad_fn(params.network, network, algo, min_std, params, minibatch, k, axis_name)
     updates, opt_state = optimizer.update(grads, opt_state, params.network)
-    metrics['grad_norm'] = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree_util.tree_leaves(grads)))
+    metrics.update(grad_norms(grads))
     return (params.replace(network=optax.apply_updates(params.network, updates)), opt_state), metrics
 
   keys = jax.random.split(key_loss, algo.num_minibatches)
@@ -172,8 +222,9 @@ def train_step(network: nn.Module,
      minibatches and takes one optimizer step per minibatch.
   Returns the new state (policy_version + 1, num_updates + epochs * minibatches) and metrics averaged over all
   minibatch steps (total_loss, policy_loss, value_loss, entropy_loss, entropy, approx_kl, clip_fraction,
-  behaviour_weight, grad_norm). `axis_name`: the data-parallel ranks' mesh axis (see the module's docstring); S is
-  then this rank's segments and GRPO's groups lie within one rank.
+  behaviour_weight, grad_norm and its parts policy_grad_norm and critic_grad_norm). `axis_name`: the data-parallel
+  ranks' mesh axis (see the module's docstring); S is then this rank's segments and GRPO's groups lie within one
+  rank.
   """
   t, s = batch.reward.shape
   chex.assert_shape([batch.termination, batch.truncation, batch.behaviour_log_prob, batch.mask], (t, s))
