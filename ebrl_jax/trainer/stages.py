@@ -177,9 +177,54 @@ def _rank_key(key: PRNGKey, axis_name: Optional[str]) -> PRNGKey:
   return key if axis_name is None else jax.random.fold_in(key, jax.lax.axis_index(axis_name))
 
 
+@struct.dataclass
+class KLGuard:
+  """`--max_update_kl` through one iteration's minibatch steps: the network variables and optimizer state before
+  the latest step (to undo it), the approx KL measured at the iteration's first step (before any update: the
+  normaliser's shift alone), steps taken and steps applied and not undone (int32 []), and whether the iteration
+  has stopped (bool [])."""
+  prev_network: Any
+  prev_opt_state: Any
+  base_kl: Array
+  steps: Array
+  applied: Array
+  stopped: Array
+
+
+def _tree_where(cond: Array, a: Any, b: Any) -> Any:
+  return jax.tree_util.tree_map(lambda x, y: jnp.where(cond, x, y), a, b)
+
+
+def _kl_over(algo: AlgoConfig, guard: KLGuard, kl: Array) -> Array:
+  """Whether the approx KL `kl` measured now is past the bound: more than `algo.max_update_kl` above the first
+  step's (only once steps were taken and not already stopped)."""
+  return (guard.steps > 0) & ~guard.stopped & (kl - guard.base_kl > algo.max_update_kl)
+
+
+def _guarded_update(algo, optimizer, params, opt_state, guard: KLGuard, grads, kl):
+  """One minibatch step under `--max_update_kl`. `kl`: approx KL(proximal || current params) on this minibatch,
+  measured by the loss before the step. Past the bound the previous step is undone and this and every later step
+  of the iteration are skipped (their gradients are computed, not applied: one program for every iteration)."""
+  guard = guard.replace(base_kl=jnp.where(guard.steps == 0, kl, guard.base_kl))
+  over = _kl_over(algo, guard, kl)
+  network = _tree_where(over, guard.prev_network, params.network)
+  opt_state = _tree_where(over, guard.prev_opt_state, opt_state)
+  stopped = guard.stopped | over
+  updates, new_opt_state = optimizer.update(grads, opt_state, network)
+  new_network = optax.apply_updates(network, updates)
+  guard = guard.replace(prev_network=network,
+                        prev_opt_state=opt_state,
+                        steps=guard.steps + 1,
+                        applied=guard.applied - over.astype(jnp.int32) + (~stopped).astype(jnp.int32),
+                        stopped=stopped)
+  return (params.replace(network=_tree_where(stopped, network, new_network)),
+          _tree_where(stopped, opt_state, new_opt_state), guard)
+
+
 def _sgd_epoch(network, optimizer, algo, min_std, carry, key, data, axis_name=None):
   """One pass over the batch: reshuffle segments, then one optax update per minibatch (lax.scan). With
-  `axis_name`, minibatch m is the union of every rank's minibatch m."""
+  `axis_name`, minibatch m is the union of every rank's minibatch m. `carry`: (params, opt_state, KLGuard or
+  None)."""
   key_perm, key_loss = (_rank_key(k, axis_name) for k in jax.random.split(key))
   (batch, proximal), advantages = data
   (batch, proximal), advantages = _shuffle_into_minibatches(key_perm, (batch, proximal), advantages,
@@ -187,15 +232,28 @@ def _sgd_epoch(network, optimizer, algo, min_std, carry, key, data, axis_name=No
   grad_fn = jax.grad(_minibatch_loss, has_aux=True)
 
   def minibatch_step(carry, xs):
-    params, opt_state = carry
+    params, opt_state, guard = carry
     minibatch, k = xs
     grads, metrics = grad_fn(params.network, network, algo, min_std, params, minibatch, k, axis_name)
-    updates, opt_state = optimizer.update(grads, opt_state, params.network)
     metrics.update(grad_norms(grads))
-    return (params.replace(network=optax.apply_updates(params.network, updates)), opt_state), metrics
+    if guard is None:
+      updates, opt_state = optimizer.update(grads, opt_state, params.network)
+      return (params.replace(network=optax.apply_updates(params.network, updates)), opt_state, None), metrics
+    params, opt_state, guard = _guarded_update(algo, optimizer, params, opt_state, guard, grads, metrics['approx_kl'])
+    return (params, opt_state, guard), metrics
 
   keys = jax.random.split(key_loss, algo.num_minibatches)
   return jax.lax.scan(minibatch_step, carry, ((batch, proximal, advantages), keys))
+
+
+def _final_kl_check(network, algo, min_std, params, opt_state, guard: KLGuard, minibatch, key, axis_name):
+  """The iteration's last step has no next minibatch to measure it: the approx KL on `minibatch` under the final
+  params, and the step undone past the bound. Returns (params, opt_state, guard)."""
+  _, metrics = _minibatch_loss(params.network, network, algo, min_std, params, minibatch, key, axis_name)
+  over = _kl_over(algo, guard, metrics['approx_kl'])
+  guard = guard.replace(applied=guard.applied - over.astype(jnp.int32), stopped=guard.stopped | over)
+  return (params.replace(network=_tree_where(over, guard.prev_network, params.network)),
+          _tree_where(over, guard.prev_opt_state, opt_state), guard)
 
 
 def train_step(network: nn.Module,
@@ -219,7 +277,10 @@ def train_step(network: nn.Module,
   3. GRPO: advantages from the per-env returns sum_t(mask * reward), normalised within consecutive groups of
      `group_size` envs (static) and broadcast over T.
   4. `algo.num_updates_per_batch` epochs; each reshuffles the S segments into `algo.num_minibatches`
-     minibatches and takes one optimizer step per minibatch.
+     minibatches and takes one optimizer step per minibatch. With `algo.max_update_kl` (`KLGuard`), a step
+     whose approx KL, measured on the next minibatch (after the last step: on the first minibatch, one more
+     forward pass), rises more than that above the first step's is undone, and the iteration's later steps are
+     skipped (metric updates_applied: the fraction of steps kept; num_updates counts them all the same).
   Returns the new state (policy_version + 1, num_updates + epochs * minibatches) and metrics averaged over all
   minibatch steps (total_loss, policy_loss, value_loss, entropy_loss, entropy, approx_kl, clip_fraction,
   behaviour_weight, grad_norm and its parts policy_grad_norm and critic_grad_norm). `axis_name`: the data-parallel
@@ -250,14 +311,25 @@ def train_step(network: nn.Module,
   def epoch(carry, k):
     return _sgd_epoch(network, optimizer, algo, min_std, carry, k, ((batch, proximal), advantages), axis_name)
 
-  (params, opt_state), metrics = jax.lax.scan(epoch, (params, state.opt_state),
-                                              jax.random.split(key, algo.num_updates_per_batch))
+  guard = None
+  if algo.max_update_kl is not None:
+    zero = jnp.zeros((), jnp.int32)
+    guard = KLGuard(params.network, state.opt_state, jnp.zeros((), jnp.float32), zero, zero, zero > 0)
+  (params, opt_state, guard), metrics = jax.lax.scan(epoch, (params, state.opt_state, guard),
+                                                     jax.random.split(key, algo.num_updates_per_batch))
+  metrics = jax.tree_util.tree_map(jnp.mean, metrics)
   num_steps = algo.num_updates_per_batch * algo.num_minibatches
+  if guard is not None:
+    m = s // algo.num_minibatches
+    first = jax.tree_util.tree_map(lambda x: x[:, :m], (batch, proximal)) + (advantages[:m],)
+    params, opt_state, guard = _final_kl_check(network, algo, min_std, params, opt_state, guard, first,
+                                               _rank_key(jax.random.fold_in(key, 1), axis_name), axis_name)
+    metrics['updates_applied'] = guard.applied.astype(jnp.float32) / num_steps
   new_state = state.replace(params=params,
                             opt_state=opt_state,
                             num_updates=state.num_updates + num_steps,
                             policy_version=state.policy_version + 1)
-  return new_state, jax.tree_util.tree_map(jnp.mean, metrics)
+  return new_state, metrics
 
 
 def train_fn(network: nn.Module, optimizer: optax.GradientTransformation, algo: AlgoConfig, min_std: float,
