@@ -694,3 +694,32 @@ def test_report_table_marks_seed_counts_and_the_older_definition():
   assert rows['sync'][4] == '100 ± 0'  # steady over all three seeds
   assert rows['async'][3] == '70 †'
   assert '† ' in md  # the footnote saying what the mark means
+
+
+def test_source_tree_is_the_commits_tree_and_sees_uncommitted_files(tmp_path, monkeypatch):
+  """The harness's `tree` names the files a run used, where a copied checkout's HEAD may be stale."""
+  from experiments.bench import run as bench_run  # pylint: disable=g-import-not-at-top
+
+  def git(*args):
+    return subprocess.run(['git', '-c', 'user.name=t', '-c', 'user.email=t@example.com', *args],
+                          cwd=tmp_path,
+                          check=True,
+                          capture_output=True,
+                          text=True).stdout.strip()
+
+  git('init', '-q')
+  (tmp_path / 'a.txt').write_text('a')
+  (tmp_path / '.gitignore').write_text('ignored/\n')
+  (tmp_path / 'ignored').mkdir()
+  (tmp_path / 'ignored' / 'x').write_text('x')
+  git('add', '-A')
+  git('commit', '-qm', 'one')
+  monkeypatch.chdir(tmp_path)
+  assert bench_run.source_tree() == git('rev-parse', 'HEAD^{tree}')
+  (tmp_path / 'b.txt').write_text('b')  # untracked, not ignored: part of what a run uses
+  changed = bench_run.source_tree()
+  assert changed != git('rev-parse', 'HEAD^{tree}')
+  assert git('status', '--porcelain') == '?? b.txt'  # the real index was not touched
+  git('add', '-A')
+  git('commit', '-qm', 'two')
+  assert changed == git('rev-parse', 'HEAD^{tree}')

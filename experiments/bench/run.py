@@ -30,6 +30,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Dict, List, NamedTuple, Optional, Tuple
@@ -190,6 +191,21 @@ def commit() -> str:
   except (OSError, subprocess.SubprocessError):
     out = None
   return out.stdout.strip() if out is not None and out.returncode == 0 else os.environ.get('EBRL_COMMIT', 'unknown')
+
+
+def source_tree() -> str:
+  """Git's tree hash of the files the run used: the checkout as it is (tracked and untracked, .gitignore applied),
+  hashed through a throw-away index. A tree copied to another host without its latest commits keeps a stale
+  HEAD (`commit`), but this hash equals `git rev-parse <commit>^{tree}` of the commit it was copied from
+  (`git log --format='%h %T' | grep <tree>` finds it). 'unknown' outside a git checkout."""
+  with tempfile.TemporaryDirectory() as tmp:
+    env = dict(os.environ, GIT_INDEX_FILE=os.path.join(tmp, 'index'))
+    try:
+      add = subprocess.run(['git', 'add', '-A'], capture_output=True, env=env, timeout=60)
+      out = subprocess.run(['git', 'write-tree'], capture_output=True, text=True, env=env, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+      return 'unknown'
+  return out.stdout.strip() if add.returncode == 0 and out.returncode == 0 else 'unknown'
 
 
 def _command(flagfile: str, job: Job, extra: List[str], run_dir: str) -> List[str]:
@@ -592,6 +608,7 @@ def main(argv):
   run_root = os.path.splitext(_OUT.value)[0] + '_runs'
   result = {
       'commit': commit(),
+      'tree': source_tree(),
       'flagfile': flagfile,
       'extra_flags': extra,
       'quick': _QUICK.value,
