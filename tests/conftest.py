@@ -287,7 +287,7 @@ SLOW = frozenset({
     ('test_pipeline.py', 'test_sync_with_one_group_replays_fused_exactly'),
     ('test_overlap.py', 'test_overlap_replays_sync_bit_for_bit_on_native_mujoco'),
     ('test_overlap_mjx.py', 'test_overlap_replays_sync_bit_for_bit_on_mjx'),
-    ('test_pipeline.py', 'test_async_processes_learn_with_bounded_staleness'),
+    ('test_pipeline.py', 'test_async_processes_learn_with_bounded_staleness_and_trace_every_process'),
     ('test_evaluator.py', 'test_the_evaluator_scores_a_version_as_the_in_trainer_evaluation_does'),
     ('test_evaluator.py', 'test_a_killed_evaluator_is_restarted_and_the_curve_has_every_version'),
     ('test_deterministic.py', 'test_deterministic_async_repeats_its_curve_and_parameters_under_different_timing'),
@@ -296,7 +296,6 @@ SLOW = frozenset({
     ('test_replan_groups.py', 'test_replanner_changes_the_groups_without_losing_or_duplicating_a_segment'),
     ('test_pipeline.py', 'test_killed_worker_is_restarted_without_losing_or_duplicating_segments'),
     ('test_pipeline.py', 'test_ctrl_c_leaves_no_process_and_no_shared_memory'),
-    ('test_pipeline.py', 'test_trace_dir_writes_a_timeline_of_every_process'),
     ('test_pipeline.py', 'test_killed_trainer_stops_the_run_with_its_checkpoint_intact'),
     ('test_pipeline.py', 'test_mps_daemon_death_stops_the_run_and_resume_continues'),
     ('test_fused_e2e.py', 'test_ppo_learns_the_pendulum_on_native_mujoco'),
@@ -332,6 +331,9 @@ def tier_of(path: str, name: str, fixturenames=()) -> str:
 # backends' agreement on the locomotion tasks (test_agreement), 2 ranks matching 1 (test_data_parallel). Run them
 # before a release: EBRL_FULL_TESTS=1 python -m pytest -q -n 2 tests
 OPT_IN = frozenset({
+    # ~35 s alone, ~70 s in CI: a third MJX compile; the warm run's reuse and its curve == the cold run's stay in
+    # CI, and so does a small program's (test_stored_program_gives_what_tracing_gives)
+    ('test_trace_cache.py', 'test_exported_mjx_programs_learn_as_the_traced_ones'),
     # MJX groups served by a generation worker: the short async run (176 s on the loaded 2-core machine, MJX
     # compiles of both groups) and the served segment == the co-located one (~70 s); the hand-off round trips, the
     # per-request keys and the server's key routing (test_generation_transport) stay in CI

@@ -74,8 +74,14 @@ def test_sync_with_one_group_replays_fused_exactly_on_mjx(tmp_path):
   assert all(jax.tree_util.tree_leaves(same)), same
 
 
-def test_async_processes_learn_with_bounded_staleness(tmp_path):
-  cfg = _config(tmp_path / 'async', schedule='async', transport='shm', num_groups=2, max_staleness=1)
+def test_async_processes_learn_with_bounded_staleness_and_trace_every_process(tmp_path):
+  trace_dir = tmp_path / 'trace'
+  cfg = _config(tmp_path / 'async',
+                schedule='async',
+                transport='shm',
+                num_groups=2,
+                max_staleness=1,
+                trace_dir=str(trace_dir))
   summary = controller.run(cfg)
   # 20 iterations x 2 groups; every record unique; nothing older than the bound was trained on.
   extra = runs_testlib.assert_each_segment_once(summary, 25_600, 40, max_staleness=1)
@@ -92,6 +98,23 @@ def test_async_processes_learn_with_bounded_staleness(tmp_path):
   # curve is keyed by version and env steps, in order (10 iterations per evaluation, 1,280 env steps each).
   assert [(e['version'], e['env_steps']) for e in summary.eval_curve] == [(0, 0), (10, 12_800), (20, 25_600)]
   assert extra['evaluator']['evaluations'] == 3 and extra['evaluator']['missing'] == 0
+  _assert_timeline_of_every_process(json.load(open(trace_dir / 'trace.json'))['traceEvents'], summary)
+
+
+def _assert_timeline_of_every_process(events, summary):
+  """--trace_dir's timeline: a track per process, the controller's telemetry counters, each stage's spans."""
+  names = {e['args']['name'] for e in events if e.get('ph') == 'M'}
+  assert names == {'trainer', 'rollout/0', 'rollout/1', 'evaluator', 'telemetry'}
+  # The controller's telemetry adds counter tracks: CPU use of every worker (no GPU here).
+  counters = {e['name'] for e in events if e.get('ph') == 'C'}
+  assert {'cpu_pct/trainer', 'cpu_pct/rollout/0', 'cpu_pct/rollout/1'} <= counters
+  assert summary.extra['telemetry']['cpu_pct/trainer'] > 0
+  spans = {e['name'] for e in events if e.get('ph') == 'X'}
+  assert {'gen/act', 'sim/step', 'rollout/collect', 'train/train_step', 'train/wait_segments'} <= spans
+  assert 'evaluator/evaluate' in spans and 'train/evaluate' not in spans  # the evaluator process evaluated
+  assert all(e['dur'] >= 0 for e in events if e.get('ph') == 'X')
+  # 20 iterations were trained, each one train_step span.
+  assert summary.extra['stage_ms']['train/train_step']['count'] == 20
 
 
 def _launch(run_dir, *flags, env=None):
@@ -203,26 +226,6 @@ def test_ctrl_c_leaves_no_process_and_no_shared_memory(tmp_path):
                                                            compilation_cache_dir='',
                                                            progress_bar=False)))
   assert summary.env_steps >= 1280 * 2
-
-
-def test_trace_dir_writes_a_timeline_of_every_process(tmp_path):
-  trace_dir = tmp_path / 'trace'
-  summary = controller.run(
-      _config(tmp_path / 'traced', schedule='async', transport='shm', num_groups=2, trace_dir=str(trace_dir)))
-  trace = json.load(open(trace_dir / 'trace.json'))
-  events = trace['traceEvents']
-  names = {e['args']['name'] for e in events if e.get('ph') == 'M'}
-  assert names == {'trainer', 'rollout/0', 'rollout/1', 'evaluator', 'telemetry'}
-  # The controller's telemetry adds counter tracks: CPU use of every worker (no GPU here).
-  counters = {e['name'] for e in events if e.get('ph') == 'C'}
-  assert {'cpu_pct/trainer', 'cpu_pct/rollout/0', 'cpu_pct/rollout/1'} <= counters
-  assert summary.extra['telemetry']['cpu_pct/trainer'] > 0
-  spans = {e['name'] for e in events if e.get('ph') == 'X'}
-  assert {'gen/act', 'sim/step', 'rollout/collect', 'train/train_step', 'train/wait_segments'} <= spans
-  assert 'evaluator/evaluate' in spans and 'train/evaluate' not in spans  # the evaluator process evaluated
-  assert all(e['dur'] >= 0 for e in events if e.get('ph') == 'X')
-  # 20 iterations were trained, each one train_step span.
-  assert summary.extra['stage_ms']['train/train_step']['count'] == 20
 
 
 def test_killed_trainer_stops_the_run_with_its_checkpoint_intact(tmp_path):
