@@ -186,6 +186,8 @@ TEST_TIERS = {
         'contract',
     ('test_bench.py', 'test_overlap_bounds_by_hand'):
         'unit',
+    ('test_bench.py', 'test_each_label_gets_its_own_cold_cache_unless_a_flag_says_otherwise'):
+        'unit',
     ('test_bench.py', 'test_source_tree_is_the_commits_tree_and_sees_uncommitted_files'):
         'contract',  # git in a temporary repository
     ('test_bench.py', 'test_steady_pace_is_taken_between_the_second_and_the_last_evaluation'):

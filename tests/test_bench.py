@@ -723,3 +723,17 @@ def test_source_tree_is_the_commits_tree_and_sees_uncommitted_files(tmp_path, mo
   git('add', '-A')
   git('commit', '-qm', 'two')
   assert changed == git('rev-parse', 'HEAD^{tree}')
+
+
+def test_each_label_gets_its_own_cold_cache_unless_a_flag_says_otherwise():
+  from experiments.bench import run as bench_run  # pylint: disable=g-import-not-at-top
+  job = bench_run.Job('sync_mps', 'sync', '0', ('--use_mps',))
+  per_label = bench_run.cache_flags('per_label', 'out/w1_runs', 'sync_mps')
+  assert per_label == [f'--compilation_cache_dir={os.path.abspath("out/w1_runs")}/cache/sync_mps']
+  assert bench_run.cache_flags('per_label', 'out/w1_runs', 'fused') != per_label
+  assert bench_run.cache_flags('off', 'r', 'fused') == ['--compilation_cache_dir=']
+  assert bench_run.cache_flags('shared', 'r', 'fused') == []
+  command = bench_run._command('w.flags', job, ['--compilation_cache_dir=/mine'], 'run', per_label)
+  cache_args = [a for a in command if a.startswith('--compilation_cache_dir=')]
+  assert cache_args == per_label + ['--compilation_cache_dir=/mine']  # the last one (--extra's) wins in absl
+  assert command.index('--use_mps') > command.index('--compilation_cache_dir=/mine')

@@ -27,6 +27,7 @@ import os
 import platform
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,6 +69,12 @@ _TELEMETRY = flags.DEFINE_list(
     'telemetry', [], 'With --merge: telemetry logs (telemetry_gpu<N>.jsonl[.gz]) of the '
     'merged runs, for the SM activity over each run\'s steady window where a kept run '
     'lacks it.')
+_CACHE = flags.DEFINE_enum(
+    'compile_cache', 'per_label', ['per_label', 'shared', 'off'],
+    'Compilation caches (XLA, traces, Warp kernels) of the runs: per_label, a fresh one per label under the run '
+    'folder, so every label\'s first seed starts cold and no label warms another\'s (the order of labels does not '
+    'decide start-up); shared, the runs\' own --compilation_cache_dir (warm from earlier runs on the machine); off, '
+    'none. A --compilation_cache_dir in --extra or --only wins.')
 _QUICK = flags.DEFINE_bool('quick', False, 'Tiny CPU workload (native MuJoCo pendulum) that exercises the harness.')
 
 SCHEDULES = ('fused', 'sync', 'async', 'overlap', 'auto', 'brax')
@@ -208,12 +215,20 @@ def source_tree() -> str:
   return out.stdout.strip() if add.returncode == 0 and out.returncode == 0 else 'unknown'
 
 
-def _command(flagfile: str, job: Job, extra: List[str], run_dir: str) -> List[str]:
+def cache_flags(mode: str, run_root: str, label: str) -> List[str]:
+  """The --compilation_cache_dir a label's runs get under `--compile_cache=mode` (placed before --extra and
+  --only, so that theirs wins)."""
+  if mode == 'per_label':
+    return [f'--compilation_cache_dir={os.path.join(os.path.abspath(run_root), "cache", label)}']
+  return ['--compilation_cache_dir='] if mode == 'off' else []
+
+
+def _command(flagfile: str, job: Job, extra: List[str], run_dir: str, cache: List[str] = ()) -> List[str]:
   if job.schedule == 'brax':
     head = [sys.executable, '-m', 'experiments.bench.brax_ppo', f'--flagfile={flagfile}', '--schedule=fused']
   else:
     head = [sys.executable, '-m', 'ebrl_jax.main', f'--flagfile={flagfile}', f'--schedule={job.schedule}']
-  return head + [f'--seed={job.seed}', f'--run_dir={run_dir}', '--noprogress_bar', *extra, *job.flags]
+  return head + [f'--seed={job.seed}', f'--run_dir={run_dir}', '--noprogress_bar', *cache, *extra, *job.flags]
 
 
 _LIVE: set = set()  # the runs in flight, stopped with SIGTERM when the harness itself is told to stop
@@ -609,6 +624,7 @@ def main(argv):
   result = {
       'commit': commit(),
       'tree': source_tree(),
+      'compile_cache': _CACHE.value,
       'flagfile': flagfile,
       'extra_flags': extra,
       'quick': _QUICK.value,
@@ -625,6 +641,8 @@ def main(argv):
       'runs': {}
   }
   os.makedirs(run_root, exist_ok=True)
+  if _CACHE.value == 'per_label':  # cold for every label of this invocation, also where an earlier one wrote here
+    shutil.rmtree(os.path.join(run_root, 'cache'), ignore_errors=True)
   # Device-wide figures only (no pids), one sampler per GPU: each run's own telemetry covers its processes.
   tels = {}
   for slot in dict.fromkeys(slots):  # one sampler per GPU, also where --gpus names one GPU several times
@@ -661,7 +679,8 @@ def main(argv):
       run_dir = os.path.join(run_root, job.label, f'seed{job.seed}')
       with lock:
         print(f'== {job.label} seed {job.seed}' + (f' on GPU {slot[0]}' if slot else ''), flush=True)
-      run = _run_one(_command(flagfile, job, extra, run_dir), run_dir, env, tels[slot], timeouts[job.label])
+      command = _command(flagfile, job, extra, run_dir, cache_flags(_CACHE.value, run_root, job.label))
+      run = _run_one(command, run_dir, env, tels[slot], timeouts[job.label])
       if slot is not None:
         run['gpu'] = slot[0]
       summary = run.get('summary', {})
