@@ -202,7 +202,7 @@ TEST_TIERS = {
         'contract',
     ('test_bench.py', 'test_brax_refuses_what_its_trainer_cannot_run'):
         'contract',
-    ('test_bench.py', 'test_label_time_limits_are_checked_and_default_to_timeout_s'):
+    ('test_bench.py', 'test_label_time_limits_and_environments_are_checked_and_default_to_timeout_s'):
         'contract',
     ('test_bench.py', 'test_a_stopped_runs_summary_is_taken_and_a_stale_one_is_not'):
         'unit',

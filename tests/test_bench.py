@@ -264,7 +264,7 @@ def test_schedule_labels_and_only_flags_are_checked():
     bench_run.parse_schedules(['async'], ['async'])
 
 
-def test_label_time_limits_are_checked_and_default_to_timeout_s():
+def test_label_time_limits_and_environments_are_checked_and_default_to_timeout_s():
   from experiments.bench import run as bench_run
   labels = bench_run.parse_schedules(['fused', 'auto'], [])
   assert bench_run.parse_label_timeouts(['auto:400'], labels, 300) == {'fused': 300, 'auto': 400}
@@ -272,6 +272,18 @@ def test_label_time_limits_are_checked_and_default_to_timeout_s():
     bench_run.parse_label_timeouts(['sync:5'], labels, 300)
   with pytest.raises(ValueError, match='seconds must be a positive integer'):
     bench_run.parse_label_timeouts(['auto:soon'], labels, 300)
+  assert bench_run.parse_label_env(['auto:XLA_FLAGS=--a=1 --b', 'auto:X=', 'fused:Y=2'], labels) == {
+      'fused': {
+          'Y': '2'
+      },
+      'auto': {
+          'XLA_FLAGS': '--a=1 --b',
+          'X': ''
+      }
+  }
+  for bad in ('sync:X=1', 'auto:X', 'auto:=1', 'auto:1X=2', 'X=1'):
+    with pytest.raises(ValueError, match='must be label:NAME=VALUE'):
+      bench_run.parse_label_env([bad], labels)
 
 
 def test_a_stopped_runs_summary_is_taken_and_a_stale_one_is_not(tmp_path):

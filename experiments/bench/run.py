@@ -55,6 +55,10 @@ _TIMEOUT = flags.DEFINE_integer('timeout_s', 3600, 'Per-run time limit (the run 
 _LABEL_TIMEOUT = flags.DEFINE_multi_string(
     'label_timeout_s', [], 'label:seconds, a time limit for one label\'s runs instead of --timeout_s '
     '(e.g. auto:400: its calibration comes first).')
+_LABEL_ENV = flags.DEFINE_multi_string(
+    'label_env', [], 'label:NAME=VALUE, an environment variable for one label\'s runs (every process of the run '
+    'inherits it), e.g. det:XLA_FLAGS=--xla_gpu_deterministic_ops=true: a cost measured side by side in one '
+    'invocation.')
 _STAGE_PROFILE = flags.DEFINE_bool(
     'stage_profile', False, 'Before the runs, time each stage alone (experiments/bench/stage_profile.py) and report '
     'every label\'s overlap efficiency: env steps/s over the perfect-overlap ceiling.')
@@ -134,6 +138,20 @@ def parse_label_timeouts(entries: List[str], labels, default: int) -> Dict[str, 
     if seconds <= 0:
       raise ValueError(f'--label_timeout_s={entry!r}: seconds must be a positive integer.')
     out[label] = seconds
+  return out
+
+
+def parse_label_env(entries: List[str], labels) -> Dict[str, Dict[str, str]]:
+  """{label: {NAME: VALUE}} from `--label_env` entries (label:NAME=VALUE); errors name the bad entry."""
+  known = [label for label, _, _ in labels]
+  out: Dict[str, Dict[str, str]] = {label: {} for label in known}
+  for entry in entries:
+    label, sep, assignment = entry.partition(':')
+    name, eq, value = assignment.partition('=')
+    if not sep or label not in known or not eq or not re.fullmatch(r'[A-Za-z_][A-Za-z0-9_]*', name):
+      raise ValueError(f'--label_env={entry!r} must be label:NAME=VALUE with a label of --schedules '
+                       f'({", ".join(known)}) and a variable name.')
+    out[label][name] = value
   return out
 
 
@@ -617,6 +635,7 @@ def main(argv):
   try:
     labels = parse_schedules(_SCHEDULES.value, _ONLY.value)
     timeouts = parse_label_timeouts(_LABEL_TIMEOUT.value, labels, _TIMEOUT.value)
+    label_env = parse_label_env(_LABEL_ENV.value, labels)
     slots = _gpu_slots(_GPUS.value)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
@@ -633,7 +652,8 @@ def main(argv):
           label: {
               'schedule': sched,
               'flags': list(f),
-              'time_limit_s': timeouts[label]
+              'time_limit_s': timeouts[label],
+              'env': label_env[label]
           } for label, sched, f in labels
       },
       'gpus': [s[0] for s in slots if s is not None],
@@ -680,7 +700,7 @@ def main(argv):
       with lock:
         print(f'== {job.label} seed {job.seed}' + (f' on GPU {slot[0]}' if slot else ''), flush=True)
       command = _command(flagfile, job, extra, run_dir, cache_flags(_CACHE.value, run_root, job.label))
-      run = _run_one(command, run_dir, env, tels[slot], timeouts[job.label])
+      run = _run_one(command, run_dir, dict(env, **label_env[job.label]), tels[slot], timeouts[job.label])
       if slot is not None:
         run['gpu'] = slot[0]
       summary = run.get('summary', {})
