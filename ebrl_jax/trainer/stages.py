@@ -179,12 +179,11 @@ def _rank_key(key: PRNGKey, axis_name: Optional[str]) -> PRNGKey:
 
 @struct.dataclass
 class KLGuard:
-  """`--max_update_kl` through one iteration's minibatch steps: the network variables and optimizer state before
-  the latest step (to undo it), the approx KL measured at the iteration's first step (before any update: the
-  normaliser's shift alone), steps taken and steps applied and not undone (int32 []), and whether the iteration
-  has stopped (bool [])."""
+  """`--max_update_kl` through one iteration's minibatch steps: the network variables before the latest step (to
+  undo it), the approx KL measured at the iteration's first step (before any update: the normaliser's shift
+  alone), steps taken and steps applied and not undone (int32 []), and whether the iteration has stopped (bool
+  [])."""
   prev_network: Any
-  prev_opt_state: Any
   base_kl: Array
   steps: Array
   applied: Array
@@ -203,17 +202,19 @@ def _kl_over(algo: AlgoConfig, guard: KLGuard, kl: Array) -> Array:
 
 def _guarded_update(algo, optimizer, params, opt_state, guard: KLGuard, grads, kl):
   """One minibatch step under `--max_update_kl`. `kl`: approx KL(proximal || current params) on this minibatch,
-  measured by the loss before the step. Past the bound the previous step is undone and this and every later step
-  of the iteration are skipped (their gradients are computed, not applied: one program for every iteration)."""
+  measured by the loss before the step. Past the bound the previous step's change to the network is undone and
+  this and every later step of the iteration are skipped (their gradients are computed, not applied: one program
+  for every iteration). The optimizer keeps the undone step's statistics: restoring them too would hand the next
+  iteration the same state, and a step that overshoots from it (Adam's first steps move every parameter by the
+  full learning rate) would be undone again on every iteration (`w2_learn_klguard_h200.json`: no step kept in
+  42.7 M env steps)."""
   guard = guard.replace(base_kl=jnp.where(guard.steps == 0, kl, guard.base_kl))
   over = _kl_over(algo, guard, kl)
   network = _tree_where(over, guard.prev_network, params.network)
-  opt_state = _tree_where(over, guard.prev_opt_state, opt_state)
   stopped = guard.stopped | over
   updates, new_opt_state = optimizer.update(grads, opt_state, network)
   new_network = optax.apply_updates(network, updates)
   guard = guard.replace(prev_network=network,
-                        prev_opt_state=opt_state,
                         steps=guard.steps + 1,
                         applied=guard.applied - over.astype(jnp.int32) + (~stopped).astype(jnp.int32),
                         stopped=stopped)
@@ -252,8 +253,7 @@ def _final_kl_check(network, algo, min_std, params, opt_state, guard: KLGuard, m
   _, metrics = _minibatch_loss(params.network, network, algo, min_std, params, minibatch, key, axis_name)
   over = _kl_over(algo, guard, metrics['approx_kl'])
   guard = guard.replace(applied=guard.applied - over.astype(jnp.int32), stopped=guard.stopped | over)
-  return (params.replace(network=_tree_where(over, guard.prev_network, params.network)),
-          _tree_where(over, guard.prev_opt_state, opt_state), guard)
+  return params.replace(network=_tree_where(over, guard.prev_network, params.network)), opt_state, guard
 
 
 def train_step(network: nn.Module,
@@ -279,7 +279,8 @@ def train_step(network: nn.Module,
   4. `algo.num_updates_per_batch` epochs; each reshuffles the S segments into `algo.num_minibatches`
      minibatches and takes one optimizer step per minibatch. With `algo.max_update_kl` (`KLGuard`), a step
      whose approx KL, measured on the next minibatch (after the last step: on the first minibatch, one more
-     forward pass), rises more than that above the first step's is undone, and the iteration's later steps are
+     forward pass), rises more than that above the first step's is undone (the network; the optimizer keeps its
+     statistics), and the iteration's later steps are
      skipped (metric updates_applied: the fraction of steps kept; num_updates counts them all the same).
   Returns the new state (policy_version + 1, num_updates + epochs * minibatches) and metrics averaged over all
   minibatch steps (total_loss, policy_loss, value_loss, entropy_loss, entropy, approx_kl, clip_fraction,
@@ -314,7 +315,7 @@ def train_step(network: nn.Module,
   guard = None
   if algo.max_update_kl is not None:
     zero = jnp.zeros((), jnp.int32)
-    guard = KLGuard(params.network, state.opt_state, jnp.zeros((), jnp.float32), zero, zero, zero > 0)
+    guard = KLGuard(params.network, jnp.zeros((), jnp.float32), zero, zero, zero > 0)
   (params, opt_state, guard), metrics = jax.lax.scan(epoch, (params, state.opt_state, guard),
                                                      jax.random.split(key, algo.num_updates_per_batch))
   metrics = jax.tree_util.tree_map(jnp.mean, metrics)
