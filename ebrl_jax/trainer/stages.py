@@ -280,8 +280,8 @@ def train_step(network: nn.Module,
      minibatches and takes one optimizer step per minibatch. With `algo.max_update_kl` (`KLGuard`), a step
      whose approx KL, measured on the next minibatch (after the last step: on the first minibatch, one more
      forward pass), rises more than that above the first step's is undone (the network; the optimizer keeps its
-     statistics), and the iteration's later steps are
-     skipped (metric updates_applied: the fraction of steps kept; num_updates counts them all the same).
+     statistics), and the iteration's later steps are skipped (metric updates_applied: the fraction of steps
+     kept; num_updates counts them all the same).
   Returns the new state (policy_version + 1, num_updates + epochs * minibatches) and metrics averaged over all
   minibatch steps (total_loss, policy_loss, value_loss, entropy_loss, entropy, approx_kl, clip_fraction,
   behaviour_weight, grad_norm and its parts policy_grad_norm and critic_grad_norm). `axis_name`: the data-parallel
