@@ -116,9 +116,9 @@ _HELP = {
                         'as one vector, as Brax; per_network: the policy\'s and the critic\'s apart, so a critic loss '
                         'spike does not shrink the policy\'s step; needs a critic of its own, --critic=mlp).'),
     'max_update_kl': ('PPO/GRPO: a minibatch step that raises the approx KL to the proximal policy by more than this '
-                      '(above its value at the iteration\'s first step) is undone (the network; Adam keeps its '
-                      'statistics) and the iteration\'s later steps are skipped (unset: off; SB3\'s target_kl, which '
-                      'stops the epochs without undoing, is a related idea).'),
+                      '(above its value at the iteration\'s first step) is undone and the iteration\'s later steps '
+                      'leave the network as it is; Adam\'s statistics take in every step\'s gradient (unset: off; '
+                      'SB3\'s target_kl, which stops the epochs without undoing, is a related idea).'),
     'schedule':
         f'Schedule: {", ".join(config_lib.SCHEDULES)}.',
     'num_envs':

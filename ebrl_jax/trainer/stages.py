@@ -203,11 +203,12 @@ def _kl_over(algo: AlgoConfig, guard: KLGuard, kl: Array) -> Array:
 def _guarded_update(algo, optimizer, params, opt_state, guard: KLGuard, grads, kl):
   """One minibatch step under `--max_update_kl`. `kl`: approx KL(proximal || current params) on this minibatch,
   measured by the loss before the step. Past the bound the previous step's change to the network is undone and
-  this and every later step of the iteration are skipped (their gradients are computed, not applied: one program
-  for every iteration). The optimizer keeps the undone step's statistics: restoring them too would hand the next
-  iteration the same state, and a step that overshoots from it (Adam's first steps move every parameter by the
-  full learning rate) would be undone again on every iteration (`w2_learn_klguard_h200.json`: no step kept in
-  42.7 M env steps)."""
+  this and every later step of the iteration leave the network as it is (one program for every iteration). The
+  optimizer's statistics (Adam's moments and step count) take in every step's gradient all the same, the undone
+  one's and the skipped ones' (gradients at the network as it is): restoring them with the network handed each
+  iteration a fresh Adam, whose first step moves every parameter by the whole learning rate (W2: approx KL ~1.7),
+  so it was undone on every iteration (`w2_learn_klguard_h200.json`: no step kept in 42.7 M env steps); freezing
+  them while steps are skipped would warm Adam up by one step an iteration."""
   guard = guard.replace(base_kl=jnp.where(guard.steps == 0, kl, guard.base_kl))
   over = _kl_over(algo, guard, kl)
   network = _tree_where(over, guard.prev_network, params.network)
@@ -218,8 +219,7 @@ def _guarded_update(algo, optimizer, params, opt_state, guard: KLGuard, grads, k
                         steps=guard.steps + 1,
                         applied=guard.applied - over.astype(jnp.int32) + (~stopped).astype(jnp.int32),
                         stopped=stopped)
-  return (params.replace(network=_tree_where(stopped, network, new_network)),
-          _tree_where(stopped, opt_state, new_opt_state), guard)
+  return params.replace(network=_tree_where(stopped, network, new_network)), new_opt_state, guard
 
 
 def _sgd_epoch(network, optimizer, algo, min_std, carry, key, data, axis_name=None):
@@ -279,9 +279,9 @@ def train_step(network: nn.Module,
   4. `algo.num_updates_per_batch` epochs; each reshuffles the S segments into `algo.num_minibatches`
      minibatches and takes one optimizer step per minibatch. With `algo.max_update_kl` (`KLGuard`), a step
      whose approx KL, measured on the next minibatch (after the last step: on the first minibatch, one more
-     forward pass), rises more than that above the first step's is undone (the network; the optimizer keeps its
-     statistics), and the iteration's later steps are skipped (metric updates_applied: the fraction of steps
-     kept; num_updates counts them all the same).
+     forward pass), rises more than that above the first step's is undone and the iteration's later steps leave
+     the network as it is (the optimizer's statistics take in every step's gradient; metric updates_applied: the
+     fraction of steps kept; num_updates counts them all).
   Returns the new state (policy_version + 1, num_updates + epochs * minibatches) and metrics averaged over all
   minibatch steps (total_loss, policy_loss, value_loss, entropy_loss, entropy, approx_kl, clip_fraction,
   behaviour_weight, grad_norm and its parts policy_grad_norm and critic_grad_norm). `axis_name`: the data-parallel

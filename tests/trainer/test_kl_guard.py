@@ -54,9 +54,9 @@ def test_an_undone_first_adam_step_does_not_freeze_training():
   """Adam's first step moves a parameter by the whole learning rate whatever its gradient's size; later steps on a
   noisy gradient (its sign alternating from iteration to iteration here) are smaller. Iterations of two steps,
   the KL a step causes standing in as (its change / lr)^2, bound 0.5: the first iteration's first step (a move of
-  1.0) is undone and its second skipped, but the optimizer keeps its statistics, so the next iterations' steps are
-  small and kept. Had the undo restored them with the network, every iteration would start from a fresh Adam and
-  be undone (W2 froze for 42.7 M env steps so)."""
+  1.0) is undone and its second skipped, but the optimizer's statistics take in both gradients, so the next
+  iterations' steps are small and kept. Had the undo restored them with the network, every iteration would start
+  from a fresh Adam and be undone (W2 froze for 42.7 M env steps so)."""
   algo = AlgoConfig(max_update_kl=0.5)
   optimizer = optax.adam(1.0)
   params, opt_state = _Params(jnp.zeros(())), optimizer.init(jnp.zeros(()))
@@ -70,7 +70,8 @@ def test_an_undone_first_adam_step_does_not_freeze_training():
                                                         kl)
     kept.append(int(guard.applied))
   assert kept == [0, 2, 2, 2, 2], kept
-  assert float(params.network) > 0.1
+  assert abs(float(params.network)) > 0.1
+  assert int(opt_state[0].count) == 10  # every step's gradient, undone and skipped ones included
 
 
 def _train(algo, lr=3e-3):
@@ -95,12 +96,17 @@ def test_far_bound_is_the_unguarded_step_bit_for_bit():
 
 def test_a_tiny_bound_undoes_the_first_step_and_keeps_the_rest_from_moving():
   """At rate 3e-2 every step moves the policy: the KL after the first step is past a 1e-9 bound, so it is undone
-  and nothing else is applied; the normaliser still took the batch in (it is not a gradient step)."""
+  and nothing else is applied to the network; the normaliser still took the batch in (it is not a gradient step)
+  and Adam every gradient."""
   initial, state, metrics = _train(AlgoConfig(max_update_kl=1e-9, **_ALGO))
   same = jax.tree_util.tree_map(np.array_equal, initial, jax.tree_util.tree_map(np.asarray, state.params.network))
   assert all(jax.tree_util.tree_leaves(same))
   assert float(metrics['updates_applied']) == 0.0
   assert float(state.params.normalizer.count) == tts.T * tts.S
+  # Adam took in all 3 x 2 steps' gradients (its first moment is no longer zero) without moving the network.
+  adam = state.opt_state[1][0]
+  assert int(adam.count) == 6
+  assert any(float(jnp.abs(m).max()) > 0 for m in jax.tree_util.tree_leaves(adam.mu))
 
 
 def test_bound_must_be_positive():
