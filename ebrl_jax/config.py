@@ -164,6 +164,7 @@ class AlgoConfig:
   policy_ratio: str = 'joint'  # or 'geometric': per action value (GSPO's length-normalised ratio)
   learning_rate_end: Optional[float] = None  # a linear decay to this over the run's gradient steps (None: constant)
   learning_rate_decay_updates: int = 0  # the decay's gradient steps (0: the run's, filled in by Config)
+  learning_rate_warmup_updates: int = 0  # a linear warm-up from 0 over these gradient steps (trainer/stages)
   grad_clip_scope: str = 'global'  # or 'per_network': policy and critic parameters clipped apart (make_optimizer)
   max_update_kl: Optional[float] = None  # undo a step past this rise of approx KL, skip the rest (trainer/stages)
 

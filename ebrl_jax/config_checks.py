@@ -188,14 +188,15 @@ GRAD_CLIP_SCOPES = ('global', 'per_network')  # trainer/stages.make_optimizer
 
 
 def check_optimizer(algo) -> None:
-  """--learning_rate_end / --learning_rate_decay_updates, --grad_clip_scope and --max_update_kl (`algo` a
-  `config.AlgoConfig`)."""
+  """--learning_rate_end / --learning_rate_decay_updates / --learning_rate_warmup_updates, --grad_clip_scope and
+  --max_update_kl (`algo` a `config.AlgoConfig`)."""
   check_choice('grad_clip_scope', algo.grad_clip_scope, GRAD_CLIP_SCOPES)
   if algo.grad_clip_scope != 'global' and algo.max_grad_norm is None:
     raise ValueError(f'--grad_clip_scope={algo.grad_clip_scope} says how --max_grad_norm clips: set --max_grad_norm.')
   if algo.max_update_kl is not None:
     check_positive('max_update_kl', algo.max_update_kl)
   check_positive('learning_rate_decay_updates', algo.learning_rate_decay_updates, allow_zero=True)
+  check_positive('learning_rate_warmup_updates', algo.learning_rate_warmup_updates, allow_zero=True)
   if algo.learning_rate_end is None:
     if algo.learning_rate_decay_updates:
       raise ValueError(f'--learning_rate_decay_updates={algo.learning_rate_decay_updates} needs --learning_rate_end '

@@ -112,6 +112,10 @@ _HELP = {
                           '--learning_rate_decay_updates gradient steps, then held (unset: constant).'),
     'learning_rate_decay_updates': ('--learning_rate_end: gradient steps of the decay (0: the whole run\'s, iterations '
                                     'x --num_updates_per_batch x --num_minibatches).'),
+    'learning_rate_warmup_updates': ('A linear warm-up of the learning rate from 0 over this many gradient steps (0: '
+                                     'none; with --learning_rate_end the decay follows it). Adam\'s first steps move '
+                                     'every parameter by the whole rate: W2\'s first one moved its policy by approx KL '
+                                     '~1.7.'),
     'grad_clip_scope': (f'What --max_grad_norm clips: {", ".join(config_lib.GRAD_CLIP_SCOPES)} (global: all gradients '
                         'as one vector, as Brax; per_network: the policy\'s and the critic\'s apart, so a critic loss '
                         'spike does not shrink the policy\'s step; needs a critic of its own, --critic=mlp).'),

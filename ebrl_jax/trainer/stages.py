@@ -85,19 +85,33 @@ def grad_norms(grads: Any) -> Dict[str, Array]:
   }
 
 
-def make_optimizer(algo: AlgoConfig) -> optax.GradientTransformation:
-  """Adam at `algo.learning_rate` (decaying linearly to `algo.learning_rate_end` over
-  `algo.learning_rate_decay_updates` gradient steps when set, then held), after gradient-norm clipping at
-  `algo.max_grad_norm` when set: of all gradients together (`grad_clip_scope='global'`, as Brax), or of the
-  policy's and the critic's apart ('per_network': a spike in the critic's loss no longer scales the policy's
-  gradient down, which Adam's running second moment turns into oversized policy steps once the spike passes)."""
-  learning_rate = algo.learning_rate
+def learning_rate_schedule(algo: AlgoConfig):
+  """Adam's learning rate: `algo.learning_rate` (a float), or an optax schedule over gradient steps: a linear
+  warm-up from 0 over `algo.learning_rate_warmup_updates` steps, then, with `algo.learning_rate_end`, a linear
+  decay to it that ends at step `algo.learning_rate_decay_updates` (the warm-up's steps count in that length), then
+  held."""
+  lr, warmup = algo.learning_rate, algo.learning_rate_warmup_updates
+  rate = lr
   if algo.learning_rate_end is not None:
     if not algo.learning_rate_decay_updates:
       raise ValueError(f'--learning_rate_end={algo.learning_rate_end} needs the decay\'s length: a Config fills in '
                        '--learning_rate_decay_updates from the run; an AlgoConfig used on its own must set it.')
-    learning_rate = optax.linear_schedule(algo.learning_rate, algo.learning_rate_end, algo.learning_rate_decay_updates)
-  adam = optax.adam(learning_rate)
+    if warmup >= algo.learning_rate_decay_updates:
+      raise ValueError(f'--learning_rate_warmup_updates={warmup} must be below the decay\'s length, '
+                       f'--learning_rate_decay_updates={algo.learning_rate_decay_updates}.')
+    rate = optax.linear_schedule(lr, algo.learning_rate_end, algo.learning_rate_decay_updates - warmup)
+  if warmup:
+    rate = optax.join_schedules(
+        [optax.linear_schedule(0.0, lr, warmup), rate if callable(rate) else optax.constant_schedule(rate)], [warmup])
+  return rate
+
+
+def make_optimizer(algo: AlgoConfig) -> optax.GradientTransformation:
+  """Adam at `learning_rate_schedule(algo)`, after gradient-norm clipping at `algo.max_grad_norm` when set: of all
+  gradients together (`grad_clip_scope='global'`, as Brax), or of the policy's and the critic's apart
+  ('per_network': a spike in the critic's loss no longer scales the policy's gradient down, which Adam's running
+  second moment turns into oversized policy steps once the spike passes)."""
+  adam = optax.adam(learning_rate_schedule(algo))
   if algo.max_grad_norm is None:
     return adam
   clip = optax.clip_by_global_norm(algo.max_grad_norm)

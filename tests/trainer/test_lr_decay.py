@@ -59,13 +59,46 @@ def test_flags_reach_the_config():
   main.define_flags(values)
   values([
       'prog', '--learning_rate_end=0', '--num_timesteps=1000', '--num_envs=8', '--batch_size=8', '--num_minibatches=2',
-      '--num_evals=3', '--num_updates_per_batch=3'
+      '--num_evals=3', '--num_updates_per_batch=3', '--learning_rate_warmup_updates=5'
   ])
   cfg = main.config_from_flags(values)
-  assert cfg.algo.learning_rate_end == 0.0
+  assert cfg.algo.learning_rate_end == 0.0 and cfg.algo.learning_rate_warmup_updates == 5
   assert cfg.algo.learning_rate_decay_updates == 15 * 3 * 2
 
 
 def test_an_algo_config_alone_must_say_how_long_the_decay_is():
   with pytest.raises(ValueError, match='--learning_rate_decay_updates'):
     stages.make_optimizer(config_lib.AlgoConfig(learning_rate_end=0.0))
+
+
+def test_warmup_then_decay():
+  """Adam's step on a constant gradient is the learning rate: 0, 1/4, 2/4, 3/4 of 1e-3 over a 4-step warm-up, then
+  the decay to 1e-4 over the remaining 6 of its 10 steps, then held."""
+  algo = config_lib.AlgoConfig(learning_rate=1e-3,
+                               learning_rate_end=1e-4,
+                               learning_rate_decay_updates=10,
+                               learning_rate_warmup_updates=4)
+  optimizer = stages.make_optimizer(algo)
+  params = {'w': jnp.zeros(3)}
+  state = optimizer.init(params)
+  steps = []
+  for _ in range(12):
+    updates, state = optimizer.update({'w': jnp.ones(3)}, state, params)
+    steps.append(-float(updates['w'][0]))
+  expected = [1e-3 * i / 4 for i in range(4)] + [1e-3 - 9e-4 * min(i, 6) / 6 for i in range(8)]
+  np.testing.assert_allclose(steps, expected, rtol=1e-4, atol=1e-9)
+  constant = stages.make_optimizer(config_lib.AlgoConfig(learning_rate=1e-3, learning_rate_warmup_updates=2))
+  c_state = constant.init(params)
+  c_steps = []
+  for _ in range(4):
+    c_updates, c_state = constant.update({'w': jnp.ones(3)}, c_state, params)
+    c_steps.append(-float(c_updates['w'][0]))
+  np.testing.assert_allclose(c_steps, [0.0, 5e-4, 1e-3, 1e-3], rtol=1e-4, atol=1e-9)
+
+
+def test_warmup_errors_name_the_flag():
+  with pytest.raises(ValueError, match='--learning_rate_warmup_updates=-1'):
+    config_lib.AlgoConfig(learning_rate_warmup_updates=-1)
+  with pytest.raises(ValueError, match='--learning_rate_warmup_updates=10 must be below'):
+    stages.make_optimizer(
+        config_lib.AlgoConfig(learning_rate_end=0.0, learning_rate_decay_updates=10, learning_rate_warmup_updates=10))
