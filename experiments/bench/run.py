@@ -222,7 +222,8 @@ def source_tree() -> str:
   """Git's tree hash of the files the run used: the checkout as it is (tracked and untracked, .gitignore applied),
   hashed through a throw-away index. A tree copied to another host without its latest commits keeps a stale
   HEAD (`commit`), but this hash equals `git rev-parse <commit>^{tree}` of the commit it was copied from
-  (`git log --format='%h %T' | grep <tree>` finds it). 'unknown' outside a git checkout."""
+  (`git log --format='%h %T' | grep <tree>` finds it). 'unknown' outside a git checkout. The run folders
+  (`<out>_runs/`, checkpoints and caches) are git-ignored, so they are not hashed."""
   with tempfile.TemporaryDirectory() as tmp:
     env = dict(os.environ, GIT_INDEX_FILE=os.path.join(tmp, 'index'))
     try:
