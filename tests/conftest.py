@@ -349,6 +349,9 @@ def tier_of(path: str, name: str, fixturenames=()) -> str:
 # backends' agreement on the locomotion tasks (test_agreement), 2 ranks matching 1 (test_data_parallel). Run them
 # before a release: EBRL_FULL_TESTS=1 python -m pytest -q -n 2 tests
 OPT_IN = frozenset({
+    # ~70 s in CI: a tiny fused MJX run; fused MJX runs stay in CI through test_signals (SIGTERM at a chunk
+    # boundary, plain jit) and test_trace_cache (cold and warm, the same curve)
+    ('test_fused_e2e.py', 'test_mjx_backend_runs_the_fused_program'),
     # ~35 s alone, ~70 s in CI: a third MJX compile; the warm run's reuse and its curve == the cold run's stay in
     # CI, and so does a small program's (test_stored_program_gives_what_tracing_gives)
     ('test_trace_cache.py', 'test_exported_mjx_programs_learn_as_the_traced_ones'),

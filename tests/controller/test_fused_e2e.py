@@ -60,17 +60,17 @@ def test_grpo_learns_with_group_resets(tmp_path):
 
 def test_resume_continues_the_step_count(tmp_path):
   run_dir = tmp_path / 'resume'
-  first = controller.run(_config(run_dir, schedule=dict(num_timesteps=12_800, num_evals=2)))
-  assert first.env_steps == 12_800
+  first = controller.run(_config(run_dir, schedule=dict(num_timesteps=2_560, num_evals=2)))
+  assert first.env_steps == 2_560  # 2 iterations of 32 x 8 segments x 5 steps = 1,280 env steps each
   with pytest.raises(ValueError, match='already holds checkpoints; pass --resume'):
-    controller.run(_config(run_dir, schedule=dict(num_timesteps=25_600, num_evals=4)))
-  second = controller.run(_config(run_dir, schedule=dict(num_timesteps=25_600, num_evals=4, resume=True)))
-  assert second.env_steps == 25_600
+    controller.run(_config(run_dir, schedule=dict(num_timesteps=5_120, num_evals=4)))
+  second = controller.run(_config(run_dir, schedule=dict(num_timesteps=5_120, num_evals=4, resume=True)))
+  assert second.env_steps == 5_120
   steps = [json.loads(line)['env_steps'] for line in open(run_dir / 'metrics.jsonl')]
-  # The resumed session starts where the first stopped: no step count goes back to zero after 12,800.
-  resumed_from = steps.index(12_800)
-  assert all(s >= 12_800 for s in steps[resumed_from:])
-  assert max(steps) == 25_600
+  # The resumed session starts where the first stopped: no step count goes back to zero after 2,560.
+  resumed_from = steps.index(2_560)
+  assert all(s >= 2_560 for s in steps[resumed_from:])
+  assert max(steps) == 5_120
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
