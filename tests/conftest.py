@@ -446,9 +446,10 @@ def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argu
     base = os.path.basename(path)
     if (base, name) in SLOW or (base, item.name) in SLOW or E2E_FIXTURES.intersection(fixtures):
       item.add_marker(pytest.mark.slow)
-  # Longest first (a stable sort: the slow tests, then the other runs, then the rest, each in collection order):
-  # pytest-xdist hands the two CI workers tests in this order, so the suite ends on short tests instead of one
-  # worker finishing a long run while the other waits. Measured on the 2-core machine: 1090.6 s of tests with this
-  # order under the default `--dist load`; `--dist worksteal` was worse (1152.8 s, 36 min of CPU against 30), as
-  # stealing splits modules across the workers, which then compile the same programs and build the same fixtures.
+  # Longest first (a stable sort: the slow tests, then the other runs, then the rest, each in collection order).
+  # Measured on the 2-core machine: 1090.6 s of tests with this order under the default `--dist load` (its first
+  # chunk gives one worker most slow tests; the other takes the rest from the queue); its own effect is not
+  # isolated (1138 s without it, at an earlier tree, with other work beside the run). `--dist worksteal` was worse
+  # (1152.8 s, 36 min of CPU against 30): stealing splits modules across the workers, which then compile the same
+  # programs and build the same fixtures twice.
   items.sort(key=lambda it: 0 if it.get_closest_marker('slow') else 1 if it.get_closest_marker('e2e') else 2)
