@@ -67,21 +67,15 @@ def _critic_labels_checked(network_params: Any) -> Any:
 
 
 def grad_norms(grads: Any) -> Dict[str, Array]:
-  """Global L2 norms of `grads` (a network-params tree): all of it, the policy's leaves and the critic's."""
-  labels = critic_labels(grads)
-
-  def norm(keep):
-    sq = [
-        jnp.sum(jnp.square(g))
-        for g, l in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(labels))
-        if keep(l)
-    ]
-    return jnp.sqrt(sum(sq)) if sq else jnp.zeros((), jnp.float32)
-
+  """Global L2 norms of `grads` (a network-params tree): all of it, the policy's leaves and the critic's (each
+  part's squares summed once; the whole is their sum)."""
+  squares = {'policy': jnp.zeros((), jnp.float32), 'critic': jnp.zeros((), jnp.float32)}
+  for g, label in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(critic_labels(grads))):
+    squares[label] = squares[label] + jnp.sum(jnp.square(g))
   return {
-      'grad_norm': norm(lambda l: True),
-      'policy_grad_norm': norm(lambda l: l == 'policy'),
-      'critic_grad_norm': norm(lambda l: l == 'critic')
+      'grad_norm': jnp.sqrt(squares['policy'] + squares['critic']),
+      'policy_grad_norm': jnp.sqrt(squares['policy']),
+      'critic_grad_norm': jnp.sqrt(squares['critic'])
   }
 
 
@@ -202,6 +196,12 @@ class KLGuard:
   steps: Array
   applied: Array
   stopped: Array
+
+
+def init_kl_guard(network: Any) -> KLGuard:
+  """The guard at an iteration's start: `network` (the variables before any step) to undo to, nothing measured."""
+  zero = jnp.zeros((), jnp.int32)
+  return KLGuard(network, jnp.zeros((), jnp.float32), zero, zero, zero > 0)
 
 
 def _tree_where(cond: Array, a: Any, b: Any) -> Any:
@@ -326,10 +326,7 @@ def train_step(network: nn.Module,
   def epoch(carry, k):
     return _sgd_epoch(network, optimizer, algo, min_std, carry, k, ((batch, proximal), advantages), axis_name)
 
-  guard = None
-  if algo.max_update_kl is not None:
-    zero = jnp.zeros((), jnp.int32)
-    guard = KLGuard(params.network, jnp.zeros((), jnp.float32), zero, zero, zero > 0)
+  guard = None if algo.max_update_kl is None else init_kl_guard(params.network)
   (params, opt_state, guard), metrics = jax.lax.scan(epoch, (params, state.opt_state, guard),
                                                      jax.random.split(key, algo.num_updates_per_batch))
   metrics = jax.tree_util.tree_map(jnp.mean, metrics)

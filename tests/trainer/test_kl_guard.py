@@ -18,18 +18,13 @@ class _Params:
   network: jax.Array
 
 
-def _guard(network):
-  zero = jnp.zeros((), jnp.int32)
-  return stages.KLGuard(network, jnp.zeros(()), zero, zero, zero > 0)
-
-
 def test_the_step_past_the_bound_is_undone_and_the_rest_skipped():
   """SGD at rate 1 on gradients 1, 2, 3, 4, 5: w = -1, -3, -6, ... The KL measured before step 3 (after step 2,
   at w = -6) is 0.4 above the first step's: step 2 is undone (w back to -3) and steps 3 and 4 are skipped."""
   algo = AlgoConfig(max_update_kl=0.1)
   optimizer = optax.sgd(1.0)
   params, opt_state = _Params(jnp.zeros(())), optimizer.init(jnp.zeros(()))
-  guard = _guard(params.network)
+  guard = stages.init_kl_guard(params.network)
   trace = []
   for grad, kl in zip([1.0, 2.0, 3.0, 4.0, 5.0], [0.5, 0.52, 0.56, 0.9, 0.6]):
     params, opt_state, guard = stages._guarded_update(algo, optimizer, params, opt_state, guard, jnp.array(grad),
@@ -43,7 +38,7 @@ def test_no_stop_within_the_bound():
   algo = AlgoConfig(max_update_kl=0.1)
   optimizer = optax.sgd(1.0)
   params, opt_state = _Params(jnp.zeros(())), optimizer.init(jnp.zeros(()))
-  guard = _guard(params.network)
+  guard = stages.init_kl_guard(params.network)
   for grad, kl in zip([1.0, 2.0, 3.0], [0.5, 0.55, 0.599]):
     params, opt_state, guard = stages._guarded_update(algo, optimizer, params, opt_state, guard, jnp.array(grad),
                                                       jnp.array(kl))
@@ -63,7 +58,7 @@ def test_an_undone_first_adam_step_does_not_freeze_training():
   kept = []
   for i in range(5):
     start = float(params.network)
-    guard = _guard(params.network)
+    guard = stages.init_kl_guard(params.network)
     for step in range(2):
       kl = jnp.array(0.0 if step == 0 else (float(params.network) - start)**2)
       params, opt_state, guard = stages._guarded_update(algo, optimizer, params, opt_state, guard, jnp.array((-1.0)**i),

@@ -34,24 +34,26 @@ def test_bad_decay_names_its_flag(algo, flag):
     config_lib.AlgoConfig(learning_rate=3e-4, **algo)
 
 
-def test_adam_steps_follow_the_linear_decay():
-  """Adam's step on a constant gradient is the learning rate (its moments normalise it): 1e-3 at first, 5e-4
-  halfway through 10 steps, the end value from step 10 on."""
-  algo = config_lib.AlgoConfig(learning_rate=1e-3, learning_rate_end=1e-4, learning_rate_decay_updates=10)
+def _adam_steps(algo, n):
+  """Adam's first `n` steps (as positive numbers) on a constant gradient of ones, under `make_optimizer(algo)`."""
   optimizer = stages.make_optimizer(algo)
   params = {'w': jnp.zeros(3)}
   state = optimizer.init(params)
   steps = []
-  for _ in range(14):
+  for _ in range(n):
     updates, state = optimizer.update({'w': jnp.ones(3)}, state, params)
     steps.append(-float(updates['w'][0]))
+  return steps
+
+
+def test_adam_steps_follow_the_linear_decay():
+  """Adam's step on a constant gradient is the learning rate (its moments normalise it): 1e-3 at first, 5e-4
+  halfway through 10 steps, the end value from step 10 on."""
+  algo = config_lib.AlgoConfig(learning_rate=1e-3, learning_rate_end=1e-4, learning_rate_decay_updates=10)
+  steps = _adam_steps(algo, 14)
   expected = [1e-3 - 9e-4 * min(i, 10) / 10 for i in range(14)]
   np.testing.assert_allclose(steps, expected, rtol=1e-4)
-  constant = stages.make_optimizer(config_lib.AlgoConfig(learning_rate=1e-3))
-  c_state = constant.init(params)
-  for _ in range(12):
-    c_updates, c_state = constant.update({'w': jnp.ones(3)}, c_state, params)
-  np.testing.assert_allclose(-float(c_updates['w'][0]), 1e-3, rtol=1e-4)
+  np.testing.assert_allclose(_adam_steps(config_lib.AlgoConfig(learning_rate=1e-3), 12)[-1], 1e-3, rtol=1e-4)
 
 
 def test_flags_reach_the_config():
@@ -78,22 +80,13 @@ def test_warmup_then_decay():
                                learning_rate_end=1e-4,
                                learning_rate_decay_updates=10,
                                learning_rate_warmup_updates=4)
-  optimizer = stages.make_optimizer(algo)
-  params = {'w': jnp.zeros(3)}
-  state = optimizer.init(params)
-  steps = []
-  for _ in range(12):
-    updates, state = optimizer.update({'w': jnp.ones(3)}, state, params)
-    steps.append(-float(updates['w'][0]))
+  steps = _adam_steps(algo, 12)
   expected = [1e-3 * i / 4 for i in range(4)] + [1e-3 - 9e-4 * min(i, 6) / 6 for i in range(8)]
   np.testing.assert_allclose(steps, expected, rtol=1e-4, atol=1e-9)
-  constant = stages.make_optimizer(config_lib.AlgoConfig(learning_rate=1e-3, learning_rate_warmup_updates=2))
-  c_state = constant.init(params)
-  c_steps = []
-  for _ in range(4):
-    c_updates, c_state = constant.update({'w': jnp.ones(3)}, c_state, params)
-    c_steps.append(-float(c_updates['w'][0]))
-  np.testing.assert_allclose(c_steps, [0.0, 5e-4, 1e-3, 1e-3], rtol=1e-4, atol=1e-9)
+  np.testing.assert_allclose(_adam_steps(config_lib.AlgoConfig(learning_rate=1e-3, learning_rate_warmup_updates=2), 4),
+                             [0.0, 5e-4, 1e-3, 1e-3],
+                             rtol=1e-4,
+                             atol=1e-9)
 
 
 def test_warmup_errors_name_the_flag():
