@@ -167,6 +167,7 @@ class AlgoConfig:
   learning_rate_warmup_updates: int = 0  # a linear warm-up from 0 over these gradient steps (trainer/stages)
   grad_clip_scope: str = 'global'  # or 'per_network': policy and critic parameters clipped apart (make_optimizer)
   max_update_kl: Optional[float] = None  # undo a step past this rise of approx KL, skip the rest (trainer/stages)
+  value_norm_rate: Optional[float] = None  # PopArt: value targets' statistics move at this rate (trainer/critic)
 
   def __post_init__(self):
     _check_choice('algo', self.name, ALGORITHMS)

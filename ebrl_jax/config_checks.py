@@ -188,13 +188,19 @@ GRAD_CLIP_SCOPES = ('global', 'per_network')  # trainer/stages.make_optimizer
 
 
 def check_optimizer(algo) -> None:
-  """--learning_rate_end / --learning_rate_decay_updates / --learning_rate_warmup_updates, --grad_clip_scope and
-  --max_update_kl (`algo` a `config.AlgoConfig`)."""
+  """--learning_rate_end / --learning_rate_decay_updates / --learning_rate_warmup_updates, --grad_clip_scope,
+  --max_update_kl and --value_norm_rate (`algo` a `config.AlgoConfig`)."""
   check_choice('grad_clip_scope', algo.grad_clip_scope, GRAD_CLIP_SCOPES)
   if algo.grad_clip_scope != 'global' and algo.max_grad_norm is None:
     raise ValueError(f'--grad_clip_scope={algo.grad_clip_scope} says how --max_grad_norm clips: set --max_grad_norm.')
   if algo.max_update_kl is not None:
     check_positive('max_update_kl', algo.max_update_kl)
+  if algo.value_norm_rate is not None:
+    if algo.name != 'ppo':
+      raise ValueError(f'--value_norm_rate normalises the critic\'s targets; --algo={algo.name} trains no critic.')
+    if not 0.0 < algo.value_norm_rate <= 1.0:
+      raise ValueError(f'--value_norm_rate={algo.value_norm_rate} must be in (0, 1] (the statistics\' step per '
+                       'iteration; 1 takes each batch\'s own).')
   check_positive('learning_rate_decay_updates', algo.learning_rate_decay_updates, allow_zero=True)
   check_positive('learning_rate_warmup_updates', algo.learning_rate_warmup_updates, allow_zero=True)
   if algo.learning_rate_end is None:

@@ -123,6 +123,10 @@ _HELP = {
                       '(above its value at the iteration\'s first step) is undone and the iteration\'s later steps '
                       'leave the network as it is; Adam\'s statistics take in every step\'s gradient (unset: off; '
                       'SB3\'s target_kl, which stops the epochs without undoing, is a related idea).'),
+    'value_norm_rate': ('PPO: PopArt value normalisation: the critic regresses value targets normalised by running '
+                        'statistics (each iteration\'s batch moves their mean and second moment by this rate; the '
+                        'first sets them), its output layer rescaled so its values in return units are kept when they '
+                        'move (unset: off; needs a critic with one output unit).'),
     'schedule':
         f'Schedule: {", ".join(config_lib.SCHEDULES)}.',
     'num_envs':

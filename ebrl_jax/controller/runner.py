@@ -182,8 +182,8 @@ def check_checkpoints(cfg: config_lib.Config) -> Optional[dict]:
 def _state_template(cfg: config_lib.Config):
   """The shapes of this run's train state (`jax.eval_shape`: nothing computed, no JAX backend started)."""
   spec, network, optimizer = driver.network_and_optimizer(cfg.sim, cfg.policy, cfg.algo)
-  return jax.eval_shape(lambda: trainer_stages.init_train_state(network, optimizer, jax.random.PRNGKey(0), spec.obs_dim,
-                                                                cfg.policy.normalize_observations, spec.pixel_shape))
+  return jax.eval_shape(lambda: trainer_stages.init_train_state(network, optimizer, jax.random.PRNGKey(
+      0), spec.obs_dim, cfg.policy.normalize_observations, spec.pixel_shape, cfg.algo.value_norm_rate is not None))
 
 
 def _written_by(cfg: config_lib.Config, step: int) -> str:

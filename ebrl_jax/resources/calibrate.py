@@ -313,7 +313,8 @@ def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5, all_gro
   network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim, spec.pixel_shape)
   optimizer = trainer_stages.make_optimizer(cfg.algo)
   train_state = trainer_stages.init_train_state(network, optimizer, jax.random.PRNGKey(cfg.schedule.seed), spec.obs_dim,
-                                                cfg.policy.normalize_observations, spec.pixel_shape)
+                                                cfg.policy.normalize_observations, spec.pixel_shape,
+                                                cfg.algo.value_norm_rate is not None)
   act = gen_stages.make_act(network, cfg.policy.min_std)
   unroll_steps = cfg.algo.unroll_length * cfg.sim.action_repeat  # env steps per env in one sim/gen call
   iteration_steps = cfg.env_steps_per_iteration

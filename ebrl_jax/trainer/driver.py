@@ -1,9 +1,7 @@
 """The training driver every schedule shares: evaluation cadence, checkpoints, the target, metrics, the summary.
-
 `train(cfg, make_source)` asks a `BatchSource` for training iterations and does everything around them: the fused
 schedule's (`controller.fused_mjx.MjxFusedLoop`, one jitted program per chunk of iterations; `controller.fused_cpu.
-CpuFusedLoop`, native MuJoCo from a Python loop) or the trainer worker's (`trainer.worker.ChannelSource`).
-"""
+CpuFusedLoop`, native MuJoCo from a Python loop) or the trainer worker's (`trainer.worker.ChannelSource`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -349,7 +347,8 @@ def train(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
   os.makedirs(run_dir := cfg.process.run_dir, exist_ok=True)
   spec, network, optimizer = network_and_optimizer(cfg.sim, cfg.policy, cfg.algo)
   root_key = keys.root(cfg.schedule.seed)
-  init = trainer_stages.init_fn(network, optimizer, spec.obs_dim, cfg.policy.normalize_observations, spec.pixel_shape)
+  init = trainer_stages.init_fn(network, optimizer, spec.obs_dim, cfg.policy.normalize_observations, spec.pixel_shape,
+                                cfg.algo.value_norm_rate is not None)
   train_state = trace_cache.jit(cfg.process.trace_cache_dir, 'init_train_state', init,
                                 (cfg.sim, cfg.policy, cfg.algo))(keys.init_key(root_key))
   num_params = policies.count_params(train_state.params.network)

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from ebrl_jax.config import AlgoConfig
 from ebrl_jax.generation import stages as gen_stages
+from ebrl_jax.trainer import critic
 from ebrl_jax.types import Array, PRNGKey, Transition
 
 Metrics = Dict[str, Array]
@@ -143,7 +144,8 @@ def ppo_loss(network: nn.Module,
              key: PRNGKey,
              algo: AlgoConfig,
              min_std: float,
-             axis_name: Optional[str] = None) -> Tuple[Array, Metrics]:
+             axis_name: Optional[str] = None,
+             value_stats: Optional[critic.ValueStats] = None) -> Tuple[Array, Metrics]:
   """PPO loss on a minibatch of segments (with `axis_name`, this rank's share of a minibatch spread over the
   data-parallel ranks: every mean, the advantage normalisation's included, is over the whole minibatch).
 
@@ -155,13 +157,16 @@ def ppo_loss(network: nn.Module,
   Returns:
     (total loss, metrics: total_loss, policy_loss, value_loss, entropy_loss, entropy, approx_kl,
      clip_fraction, behaviour_weight).
-  Values are recomputed with `params` for obs and for the last next_obs (the bootstrap).
+  Values are recomputed with `params` for obs and for the last next_obs (the bootstrap). With `value_stats` (a
+  `critic.ValueStats`: `--value_norm_rate`, PopArt) the network's values are normalised: GAE runs on
+  `value * std + mean`, and the critic regresses `(target - mean) / std` (value_loss in those units).
   """
   chex.assert_equal_shape([batch.reward, proximal_log_prob, batch.mask, batch.termination, batch.truncation])
   out = _evaluate_segments(network, params, batch, key, min_std)
   bootstrap_value = gen_stages.value(network, params, jax.tree_util.tree_map(lambda x: x[-1], batch.next_obs))
-  vs, advantages = compute_gae(batch.reward * algo.reward_scaling, out.values, bootstrap_value, batch.termination,
-                               batch.truncation, algo.discount, algo.gae_lambda)
+  vs, advantages = compute_gae(batch.reward * algo.reward_scaling, critic.denormalize(value_stats, out.values),
+                               critic.denormalize(value_stats, bootstrap_value), batch.termination, batch.truncation,
+                               algo.discount, algo.gae_lambda)
   mask = batch.mask.astype(jnp.float32)
   if algo.normalize_advantage:
     mean = masked_mean(advantages, mask, axis_name)
@@ -169,7 +174,8 @@ def ppo_loss(network: nn.Module,
     advantages = (advantages - mean) / (std + ADVANTAGE_EPS)
   policy_loss, metrics = clipped_surrogate(out.log_probs, proximal_log_prob, batch.behaviour_log_prob, advantages, mask,
                                            algo, axis_name, values_per_step(batch))
-  value_loss = algo.value_cost * masked_mean(jnp.square(vs - out.values), mask, axis_name)
+  value_loss = algo.value_cost * masked_mean(jnp.square(critic.normalize(value_stats, vs) - out.values), mask,
+                                             axis_name)
   entropy = masked_mean(out.entropy, mask, axis_name)
   entropy_loss = -algo.entropy_cost * entropy
   total = policy_loss + value_loss + entropy_loss

@@ -29,6 +29,7 @@ from ebrl_jax.config import AlgoConfig
 from ebrl_jax.generation import normalization
 from ebrl_jax.generation import stages as gen_stages
 from ebrl_jax import types
+from ebrl_jax.trainer import critic
 from ebrl_jax.trainer import losses
 from ebrl_jax.types import Array, PRNGKey, Transition
 
@@ -36,41 +37,20 @@ from ebrl_jax.types import Array, PRNGKey, Transition
 @struct.dataclass
 class TrainState:
   """params: policy parameters; opt_state: optax state of params.network; num_updates: optimizer steps taken
-  (int32 []); policy_version: train steps taken (int32 []), the tag attached to segments the policy produces."""
+  (int32 []); policy_version: train steps taken (int32 []), the tag attached to segments the policy produces;
+  value_stats: the value targets' statistics under `--value_norm_rate` (`critic.ValueStats`), else None."""
   params: gen_stages.PolicyParams
   opt_state: Any
   num_updates: Array
   policy_version: Array
-
-
-CRITIC_MODULES = ('value', 'value_mlp', 'value_head')  # the networks' value modules (generation/policies.py)
-
-
-def critic_labels(network_params: Any) -> Any:
-  """'critic' for each leaf of the network's own value module (a top-level module named in CRITIC_MODULES; a
-  shared trunk's parameters are not among them), 'policy' for every other leaf: the same tree of labels."""
-
-  def label(path, _):
-    names = [getattr(k, 'key', None) for k in path]
-    top = names[1] if len(names) > 1 and names[0] == 'params' else names[0]
-    return 'critic' if top in CRITIC_MODULES else 'policy'
-
-  return jax.tree_util.tree_map_with_path(label, network_params)
-
-
-def _critic_labels_checked(network_params: Any) -> Any:
-  labels = critic_labels(network_params)
-  if 'critic' not in jax.tree_util.tree_leaves(labels):
-    raise ValueError('--grad_clip_scope=per_network found no critic parameters (a top-level module named one of '
-                     f'{", ".join(CRITIC_MODULES)}) in the network.')
-  return labels
+  value_stats: Optional[critic.ValueStats] = None
 
 
 def grad_norms(grads: Any) -> Dict[str, Array]:
   """Global L2 norms of `grads` (a network-params tree): all of it, the policy's leaves and the critic's (each
   part's squares summed once; the whole is their sum)."""
   squares = {'policy': jnp.zeros((), jnp.float32), 'critic': jnp.zeros((), jnp.float32)}
-  for g, label in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(critic_labels(grads))):
+  for g, label in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(critic.critic_labels(grads))):
     squares[label] = squares[label] + jnp.sum(jnp.square(g))
   return {
       'grad_norm': jnp.sqrt(squares['policy'] + squares['critic']),
@@ -113,7 +93,7 @@ def make_optimizer(algo: AlgoConfig) -> optax.GradientTransformation:
     clip = optax.multi_transform({
         'policy': clip,
         'critic': optax.clip_by_global_norm(algo.max_grad_norm)
-    }, _critic_labels_checked)
+    }, critic.critic_labels_checked)
   return optax.chain(clip, adam)
 
 
@@ -122,20 +102,26 @@ def init_train_state(network: nn.Module,
                      key: PRNGKey,
                      obs_dim: int,
                      normalize_observations: bool = True,
-                     pixel_shape: Tuple[int, ...] = ()) -> TrainState:
-  """A fresh train state; `pixel_shape` [H, W, C] for a network that takes camera observations (`--obs=pixels`)."""
+                     pixel_shape: Tuple[int, ...] = (),
+                     value_norm: bool = False) -> TrainState:
+  """A fresh train state; `pixel_shape` [H, W, C] for a network that takes camera observations (`--obs=pixels`);
+  `value_norm`: with the value targets' statistics (`--value_norm_rate`), after checking the critic's output layer."""
   params = gen_stages.init_policy_params(network, key, obs_dim, normalize_observations, pixel_shape)
+  if value_norm:
+    critic.output_layer(params.network)
   return TrainState(params=params,
                     opt_state=optimizer.init(params.network),
                     num_updates=jnp.zeros((), jnp.int32),
-                    policy_version=jnp.zeros((), jnp.int32))
+                    policy_version=jnp.zeros((), jnp.int32),
+                    value_stats=critic.init_value_stats() if value_norm else None)
 
 
 def init_fn(network: nn.Module,
             optimizer: optax.GradientTransformation,
             obs_dim: int,
             normalize_observations: bool = True,
-            pixel_shape: Tuple[int, ...] = ()):
+            pixel_shape: Tuple[int, ...] = (),
+            value_norm: bool = False):
   """`init_train_state` with everything but its key bound, to be jitted (`key -> TrainState`): one compiled
   program instead of one dispatch per op of the network's init (46 s of start-up for an 85 M model on the GPU)."""
   return functools.partial(init_train_state,
@@ -143,7 +129,8 @@ def init_fn(network: nn.Module,
                            optimizer,
                            obs_dim=obs_dim,
                            normalize_observations=normalize_observations,
-                           pixel_shape=pixel_shape)
+                           pixel_shape=pixel_shape,
+                           value_norm=value_norm)
 
 
 def _proximal_log_prob(network: nn.Module, params: gen_stages.PolicyParams, batch: Transition, min_std: float) -> Array:
@@ -170,13 +157,13 @@ def _shuffle_into_minibatches(key: PRNGKey, time_major: Any, per_segment: Array,
                                                                          axis=0).reshape(num_minibatches, -1))
 
 
-def _minibatch_loss(network_params, network, algo, min_std, params, minibatch, key, axis_name=None):
+def _minibatch_loss(network_params, network, algo, min_std, params, minibatch, key, axis_name=None, value_stats=None):
   """Loss of one minibatch as a function of the network variables only (the normaliser is not trained)."""
   batch, proximal, advantages = minibatch
   params = params.replace(network=network_params)
   if algo.name == 'grpo':
     return losses.grpo_loss(network, params, batch, advantages, proximal, key, algo, min_std, axis_name)
-  return losses.ppo_loss(network, params, batch, proximal, key, algo, min_std, axis_name)
+  return losses.ppo_loss(network, params, batch, proximal, key, algo, min_std, axis_name, value_stats)
 
 
 def _rank_key(key: PRNGKey, axis_name: Optional[str]) -> PRNGKey:
@@ -236,7 +223,7 @@ def _guarded_update(algo, optimizer, params, opt_state, guard: KLGuard, grads, k
   return params.replace(network=_tree_where(stopped, network, new_network)), new_opt_state, guard
 
 
-def _sgd_epoch(network, optimizer, algo, min_std, carry, key, data, axis_name=None):
+def _sgd_epoch(network, optimizer, algo, min_std, carry, key, data, axis_name=None, value_stats=None):
   """One pass over the batch: reshuffle segments, then one optax update per minibatch (lax.scan). With
   `axis_name`, minibatch m is the union of every rank's minibatch m. `carry`: (params, opt_state, KLGuard or
   None)."""
@@ -249,7 +236,7 @@ def _sgd_epoch(network, optimizer, algo, min_std, carry, key, data, axis_name=No
   def minibatch_step(carry, xs):
     params, opt_state, guard = carry
     minibatch, k = xs
-    grads, metrics = grad_fn(params.network, network, algo, min_std, params, minibatch, k, axis_name)
+    grads, metrics = grad_fn(params.network, network, algo, min_std, params, minibatch, k, axis_name, value_stats)
     metrics.update(grad_norms(grads))
     if guard is None:
       updates, opt_state = optimizer.update(grads, opt_state, params.network)
@@ -261,13 +248,38 @@ def _sgd_epoch(network, optimizer, algo, min_std, carry, key, data, axis_name=No
   return jax.lax.scan(minibatch_step, carry, ((batch, proximal, advantages), keys))
 
 
-def _final_kl_check(network, algo, min_std, params, opt_state, guard: KLGuard, minibatch, key, axis_name):
+def _final_kl_check(network,
+                    algo,
+                    min_std,
+                    params,
+                    opt_state,
+                    guard: KLGuard,
+                    minibatch,
+                    key,
+                    axis_name,
+                    value_stats=None):
   """The iteration's last step has no next minibatch to measure it: the approx KL on `minibatch` under the final
   params, and the step undone past the bound. Returns (params, opt_state, guard)."""
-  _, metrics = _minibatch_loss(params.network, network, algo, min_std, params, minibatch, key, axis_name)
+  _, metrics = _minibatch_loss(params.network, network, algo, min_std, params, minibatch, key, axis_name, value_stats)
   over = _kl_over(algo, guard, metrics['approx_kl'])
   guard = guard.replace(applied=guard.applied - over.astype(jnp.int32), stopped=guard.stopped | over)
   return params.replace(network=_tree_where(over, guard.prev_network, params.network)), opt_state, guard
+
+
+def _refresh_value_stats(network, algo, params, stats: critic.ValueStats, batch: Transition, axis_name):
+  """PopArt's step before an iteration's updates (`--value_norm_rate`): the batch's value targets (GAE's, under
+  `params` and the statistics so far, as the first minibatch step computes them) move the statistics, and the
+  critic's output layer is rescaled so that its values in return units stay as they were. Returns (params, stats)."""
+  t, s = batch.reward.shape
+  values = gen_stages.value(network, params, losses.merge_time(batch.obs)).reshape(t, s)
+  bootstrap = gen_stages.value(network, params, jax.tree_util.tree_map(lambda x: x[-1], batch.next_obs))
+  targets, _ = losses.compute_gae(batch.reward * algo.reward_scaling, critic.denormalize(stats, values),
+                                  critic.denormalize(stats, bootstrap), batch.termination, batch.truncation,
+                                  algo.discount, algo.gae_lambda)
+  mask = batch.mask.astype(jnp.float32)
+  moments = (losses.masked_mean(x, mask, axis_name) for x in (targets, jnp.square(targets)))
+  new = critic.update_value_stats(stats, *moments, algo.value_norm_rate)
+  return params.replace(network=critic.preserve_outputs(params.network, stats, new)), new
 
 
 def train_step(network: nn.Module,
@@ -288,6 +300,8 @@ def train_step(network: nn.Module,
      one forward pass cheaper, valid only when the batch came from these very params (on-policy).
   2. The observation normaliser takes in batch.obs (masked; a `PixelObs`'s state only), as Brax does before its
      SGD epochs.
+  2b. With `algo.value_norm_rate` (PopArt, `critic`): the batch's value targets move `state.value_stats` and the
+     critic's output layer is rescaled to keep its values in return units; the losses then use the new statistics.
   3. GRPO: advantages from the per-env returns sum_t(mask * reward), normalised within consecutive groups of
      `group_size` envs (static) and broadcast over T.
   4. `algo.num_updates_per_batch` epochs; each reshuffles the S segments into `algo.num_minibatches`
@@ -298,7 +312,8 @@ def train_step(network: nn.Module,
      fraction of steps kept; num_updates counts them all).
   Returns the new state (policy_version + 1, num_updates + epochs * minibatches) and metrics averaged over all
   minibatch steps (total_loss, policy_loss, value_loss, entropy_loss, entropy, approx_kl, clip_fraction,
-  behaviour_weight, grad_norm and its parts policy_grad_norm and critic_grad_norm). `axis_name`: the data-parallel
+  behaviour_weight, grad_norm and its parts policy_grad_norm and critic_grad_norm; value_target_mean and
+  value_target_std with PopArt). `axis_name`: the data-parallel
   ranks' mesh axis (see the module's docstring); S is then this rank's segments and GRPO's groups lie within one
   rank.
   """
@@ -322,9 +337,13 @@ def train_step(network: nn.Module,
   if params.normalize_observations:
     params = params.replace(
         normalizer=normalization.update_stats(params.normalizer, proprio, batch.mask, axis_name=axis_name))
+  value_stats = state.value_stats
+  if value_stats is not None:
+    params, value_stats = _refresh_value_stats(network, algo, params, value_stats, batch, axis_name)
 
   def epoch(carry, k):
-    return _sgd_epoch(network, optimizer, algo, min_std, carry, k, ((batch, proximal), advantages), axis_name)
+    return _sgd_epoch(network, optimizer, algo, min_std, carry, k, ((batch, proximal), advantages), axis_name,
+                      value_stats)
 
   guard = None if algo.max_update_kl is None else init_kl_guard(params.network)
   (params, opt_state, guard), metrics = jax.lax.scan(epoch, (params, state.opt_state, guard),
@@ -335,12 +354,15 @@ def train_step(network: nn.Module,
     m = s // algo.num_minibatches
     first = jax.tree_util.tree_map(lambda x: x[:, :m], (batch, proximal)) + (advantages[:m],)
     params, opt_state, guard = _final_kl_check(network, algo, min_std, params, opt_state, guard, first,
-                                               _rank_key(jax.random.fold_in(key, 1), axis_name), axis_name)
+                                               _rank_key(jax.random.fold_in(key, 1), axis_name), axis_name, value_stats)
     metrics['updates_applied'] = guard.applied.astype(jnp.float32) / num_steps
   new_state = state.replace(params=params,
                             opt_state=opt_state,
                             num_updates=state.num_updates + num_steps,
-                            policy_version=state.policy_version + 1)
+                            policy_version=state.policy_version + 1,
+                            value_stats=value_stats)
+  if value_stats is not None:
+    metrics.update(value_target_mean=value_stats.mean, value_target_std=value_stats.std)
   return new_state, metrics
 
 

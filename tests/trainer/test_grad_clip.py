@@ -9,6 +9,7 @@ from ebrl_jax import config as config_lib
 from ebrl_jax import main
 from ebrl_jax.config import AlgoConfig, PolicyConfig
 from ebrl_jax.generation import policies
+from ebrl_jax.trainer import critic
 from ebrl_jax.trainer import stages
 
 OBS, ACT = 6, 2
@@ -17,7 +18,7 @@ OBS, ACT = 6, 2
 def _leaf_labels(network, **policy):
   net = policies.make_network(PolicyConfig(**policy), OBS, ACT) if network is None else network
   params = jax.eval_shape(lambda: net.init(jax.random.PRNGKey(0), jnp.zeros((1, OBS))))
-  paths = jax.tree_util.tree_flatten_with_path(stages.critic_labels(params))[0]
+  paths = jax.tree_util.tree_flatten_with_path(critic.critic_labels(params))[0]
   return {'/'.join(str(getattr(k, 'key', k)) for k in path): label for path, label in paths}
 
 
@@ -32,8 +33,8 @@ def test_the_critic_is_the_value_module_only():
                              num_heads=2,
                              critic='mlp',
                              value_hidden_sizes=(8,))
-  critic = {k for k, v in transformer.items() if v == 'critic'}
-  assert critic and all(k.startswith('params/value/') for k in critic)
+  critic_leaves = {k for k, v in transformer.items() if v == 'critic'}
+  assert critic_leaves and all(k.startswith('params/value/') for k in critic_leaves)
   # The attention's own 'value' projection inside a block is the policy's.
   inner = [k for k in transformer if '/value/' in k and not k.startswith('params/value/')]
   assert inner and all(transformer[k] == 'policy' for k in inner)
@@ -47,8 +48,8 @@ def _policy_steps(scope: str, lr: float = 1e-3):
   state = optimizer.init(params)
   steps = []
   for i in range(70):
-    critic = 1000.0 if i < 50 else 0.1
-    grads = {'params': {'policy': {'w': jnp.full(4, 0.1)}, 'value': {'w': jnp.full(4, critic)}}}
+    critic_grad = 1000.0 if i < 50 else 0.1
+    grads = {'params': {'policy': {'w': jnp.full(4, 0.1)}, 'value': {'w': jnp.full(4, critic_grad)}}}
     updates, state = optimizer.update(grads, state, params)
     steps.append(-float(updates['params']['policy']['w'][0]))
   return np.array(steps)
@@ -68,12 +69,12 @@ def test_per_network_clip_keeps_the_policy_step_from_the_critic_spike():
 def test_train_step_reports_the_norms_of_both_parts():
   net = policies.make_network(PolicyConfig(policy_hidden_sizes=(8,), value_hidden_sizes=(8,)), OBS, ACT)
   grads = jax.tree_util.tree_map(jnp.ones_like, net.init(jax.random.PRNGKey(0), jnp.zeros((1, OBS))))
-  labels = jax.tree_util.tree_leaves(stages.critic_labels(grads))
+  labels = jax.tree_util.tree_leaves(critic.critic_labels(grads))
   sizes = [x.size for x in jax.tree_util.tree_leaves(grads)]
   norms = stages.grad_norms(grads)
-  critic = sum(s for s, l in zip(sizes, labels) if l == 'critic')
-  np.testing.assert_allclose(float(norms['critic_grad_norm']), np.sqrt(critic), rtol=1e-6)
-  np.testing.assert_allclose(float(norms['policy_grad_norm']), np.sqrt(sum(sizes) - critic), rtol=1e-6)
+  critic_size = sum(s for s, l in zip(sizes, labels) if l == 'critic')
+  np.testing.assert_allclose(float(norms['critic_grad_norm']), np.sqrt(critic_size), rtol=1e-6)
+  np.testing.assert_allclose(float(norms['policy_grad_norm']), np.sqrt(sum(sizes) - critic_size), rtol=1e-6)
   np.testing.assert_allclose(float(norms['grad_norm']), np.sqrt(sum(sizes)), rtol=1e-6)
 
 
