@@ -42,6 +42,7 @@ FILE_TIERS = {
     'test_trainer_stages.py': 'unit',
     'test_grad_clip.py': 'unit',  # --grad_clip_scope: labels, Adam steps by hand, config errors
     'test_kl_guard.py': 'contract',  # --max_update_kl: by hand, then whole train steps compiled
+    'test_value_norm.py': 'contract',  # --value_norm_rate (PopArt): by hand, then whole train steps compiled
     'test_registry.py': 'unit',
     'test_cpu_env.py': 'unit',
     'test_mjx_stages.py': 'contract',  # the MJX env stages' reset / time-limit / auto-reset promises; compiles MJX
