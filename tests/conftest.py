@@ -1,25 +1,11 @@
 """Test speed: the tests compile many small XLA programs on the CPU, where LLVM's optimisation passes dominate
 compile time and buy nothing at these sizes. Takes effect only if no JAX backend is initialised yet; test
-subprocesses inherit it through the environment.
-
-One session-wide persistent compilation cache, every program kept: a program that one test (or its run's worker
-processes) compiled is loaded by the next one that compiles it. It is the session's own (a fresh folder, removed at
-the end; xdist's workers and every child process inherit it through the environment), so a test run starts cold
-and leaves nothing behind. A run given its own `--compilation_cache_dir` uses that one (the trace-cache and
-start-up tests). Measured on the 2-core machine: test_fused_e2e, test_pipeline, test_signals and test_cells took
-304.0 s without it, 274.0 s with it."""
+subprocesses inherit it through the environment."""
 import os
-import shutil
-import tempfile
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 if '--xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
   os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '') + ' --xla_backend_optimization_level=0').strip()
-if 'EBRL_TEST_XLA_CACHE' not in os.environ:  # the session's first process (xdist's workers inherit it)
-  os.environ['EBRL_TEST_XLA_CACHE'] = tempfile.mkdtemp(prefix='ebrl_test_xla_')
-  os.environ['EBRL_TEST_XLA_CACHE_OWNER'] = str(os.getpid())
-os.environ['JAX_COMPILATION_CACHE_DIR'] = os.environ['EBRL_TEST_XLA_CACHE']
-os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
 
 # ---------------------------------------------------------------------------------------------------------------
 # Test tiers: `pytest -m unit` (under a minute on 2 cores), `-m contract`, `-m e2e`, `-m slow` (registered in
@@ -468,9 +454,3 @@ def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argu
   # (1152.8 s, 36 min of CPU against 30): stealing splits modules across the workers, which then compile the same
   # programs and build the same fixtures twice.
   items.sort(key=lambda it: 0 if it.get_closest_marker('slow') else 1 if it.get_closest_marker('e2e') else 2)
-
-
-def pytest_unconfigure(config):  # pylint: disable=unused-argument
-  """The session's compilation cache goes with the process that made it."""
-  if os.environ.get('EBRL_TEST_XLA_CACHE_OWNER') == str(os.getpid()):
-    shutil.rmtree(os.environ['EBRL_TEST_XLA_CACHE'], ignore_errors=True)
