@@ -23,7 +23,9 @@ if '--xla_backend_optimization_level' not in os.environ.get('XLA_FLAGS', ''):
 #
 # The rules key on the test file's basename, not its directory, so a file that moves (tests/controller/ ->
 # tests/rollout/, say) keeps its marks; a file named nowhere below takes its directory's default tier.
+import importlib.util  # pylint: disable=g-import-not-at-top,wrong-import-position
 import re  # pylint: disable=g-import-not-at-top,wrong-import-position
+import sys  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -348,7 +350,7 @@ def tier_of(path: str, name: str, fixturenames=()) -> str:
 # together they put the suite past CI's 20-minute budget. Each has a cheaper CI sibling: sync == fused bit for bit
 # on native MuJoCo (test_pipeline), the randomised draws reaching native MuJoCo's step (test_randomize), the
 # backends' agreement on the locomotion tasks (test_agreement), 2 ranks matching 1 (test_data_parallel). Run them
-# before a release: EBRL_FULL_TESTS=1 python -m pytest -q -n 2 tests
+# before a release: EBRL_FULL_TESTS=1 python -m pytest -q -n 2 --dist loadfile tests
 OPT_IN = frozenset({
     # ~70 s in CI: a tiny fused MJX run; fused MJX runs stay in CI through test_signals (SIGTERM at a chunk
     # boundary, plain jit) and test_trace_cache (cold and warm, the same curve)
@@ -448,9 +450,30 @@ def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argu
     if (base, name) in SLOW or (base, item.name) in SLOW or E2E_FIXTURES.intersection(fixtures):
       item.add_marker(pytest.mark.slow)
   # Longest first (a stable sort: the slow tests, then the other runs, then the rest, each in collection order).
-  # Measured on the 2-core machine: 1090.6 s of tests with this order under the default `--dist load` (its first
-  # chunk gives one worker most slow tests; the other takes the rest from the queue); its own effect is not
-  # isolated (1138 s without it, at an earlier tree, with other work beside the run). `--dist worksteal` was worse
-  # (1152.8 s, 36 min of CPU against 30): stealing splits modules across the workers, which then compile the same
-  # programs and build the same fixtures twice.
+  # CI runs `--dist loadfile`: each test file on one worker, files handed out in the order of their first test
+  # here, so the files with the slowest tests start first. Measured on the 2-core machine: the whole suite in
+  # 1041.9 s (31 min of CPU) against 1373.3 s (35.5 min) under the default `--dist load`, which splits a file's
+  # tests across both workers so both compile its programs and build its module fixtures (`--dist worksteal`
+  # splits them further: 1152.8 s against 1090.6 s for `load` at an earlier tree).
   items.sort(key=lambda it: 0 if it.get_closest_marker('slow') else 1 if it.get_closest_marker('e2e') else 2)
+
+
+FAKES = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'fakes')
+
+
+@pytest.fixture
+def fake_pynvml(monkeypatch):
+  """`install(gpu_mib)`: tests/fakes/pynvml.py as `pynvml` for this test only, an NVML of one GPU of `gpu_mib`
+  MiB; returns the module (its `calls`). Put in sys.modules through monkeypatch, so it goes when the test ends: a
+  fake imported by the code under test would stay in sys.modules and give every later test of the same worker
+  process a 16 GiB GPU (found when `--dist loadfile` ran test_memory before test_deterministic in one worker)."""
+
+  def install(gpu_mib: int):
+    spec = importlib.util.spec_from_file_location('pynvml', os.path.join(FAKES, 'pynvml.py'))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(sys.modules, 'pynvml', module)
+    monkeypatch.setenv('EBRL_FAKE_GPU_MIB', str(gpu_mib))
+    return module
+
+  return install

@@ -315,7 +315,7 @@ def test_phase_reports_write_on_change_stop_after_done_and_never_raise(tmp_path)
   lifecycle.Phase(str(tmp_path / 'file'), 'trainer')('cannot write here')  # a run dir that is a file: no raise
 
 
-def test_mps_daemon_death_stops_the_run_and_resume_continues(tmp_path, monkeypatch):
+def test_mps_daemon_death_stops_the_run_and_resume_continues(tmp_path, fake_pynvml):
   """The stand-in MPS control binary stops answering mid-run: the controller names the daemon's pipe directory,
   stops every worker, frees shared memory, keeps the checkpoint, and says to resume; --resume then continues.
   A stand-in NVML reports a 24 GiB GPU, so both runs make a memory plan (4 processes with a GPU context: the
@@ -358,9 +358,7 @@ def test_mps_daemon_death_stops_the_run_and_resume_continues(tmp_path, monkeypat
     step = ckpt.latest_step()
   assert step
   # Resume (in threads, to be quick) for two iterations of 1280 env steps past the checkpoint.
-  monkeypatch.syspath_prepend(FAKES)
-  monkeypatch.delitem(sys.modules, 'pynvml', raising=False)
-  monkeypatch.setenv('EBRL_FAKE_GPU_MIB', '24576')
+  fake_pynvml(24576)
   summary = controller.run(
       _config(run_dir,
               schedule='sync',

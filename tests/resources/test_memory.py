@@ -14,7 +14,6 @@ from ebrl_jax.resources import calibrate
 from ebrl_jax.resources import memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FAKES = os.path.join(ROOT, 'tests', 'fakes')
 MIB, GIB = 2**20, 2**30
 PENDULUM = sim.env_spec('inverted_pendulum', 1000, 1)  # obs 4, action 1
 ROLES = ['trainer', 'rollout/0', 'rollout/1']
@@ -205,10 +204,8 @@ def test_worker_env_one_fraction_variable_and_the_mps_limit_only_under_mps():
 
 
 @pytest.fixture(name='fake_nvml')
-def _fake_nvml(monkeypatch):
-  monkeypatch.syspath_prepend(FAKES)
-  monkeypatch.delitem(sys.modules, 'pynvml', raising=False)
-  monkeypatch.setenv('EBRL_FAKE_GPU_MIB', '16384')
+def _fake_nvml(fake_pynvml, monkeypatch):
+  fake_pynvml(16384)
   monkeypatch.delenv('CUDA_VISIBLE_DEVICES', raising=False)
 
 
