@@ -451,8 +451,9 @@ def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argu
       item.add_marker(pytest.mark.slow)
   # Longest first (a stable sort: the slow tests, then the other runs, then the rest, each in collection order).
   # CI runs `--dist loadfile`: each test file on one worker, files handed out in the order of their first test
-  # here, so the files with the slowest tests start first. Measured on the 2-core machine: the whole suite in
-  # 1041.9 s (31 min of CPU) against 1373.3 s (35.5 min) under the default `--dist load`, which splits a file's
+  # here, so the files with the slowest tests start first. Measured on the 2-core machine the same morning: the
+  # whole suite in 1041.9 s (31 min of CPU) against 1373.3 s (35.5 min; with a session compilation cache since
+  # taken out) and 1360.3 s (with other work beside it) under the default `--dist load`, which splits a file's
   # tests across both workers so both compile its programs and build its module fixtures (`--dist worksteal`
   # splits them further: 1152.8 s against 1090.6 s for `load` at an earlier tree).
   items.sort(key=lambda it: 0 if it.get_closest_marker('slow') else 1 if it.get_closest_marker('e2e') else 2)
