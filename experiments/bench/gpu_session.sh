@@ -74,6 +74,8 @@
 # detcost issues 14/15: the throughput cost of XLA_FLAGS=--xla_gpu_deterministic_ops=true (what makes sync and
 #         overlap repeat bit for bit on the GPU): `sync` and `sync_det` (the same with the flag, through the harness's
 #         --label_env), MPS, 2 groups, each stopped by --max_wall_s=DETCOST_WALL_S (100 s); W1 unless DETCOST_FLAGFILE.
+#         The budget counts from process start: at 45 s (stop 29) both runs ended after their first iteration, inside
+#         W1's cold start-up (46-54 s), with no throughput to compare; keep it well above the start-up.
 # ovdet   issue 15 (not yet run): whether `overlap` replays `sync` on the GPU once XLA's GPU ops are deterministic
 #         (XLA_FLAGS=--xla_gpu_deterministic_ops=true for every process): W6 `sync`, `sync` again and `overlap`, MPS,
 #         2 groups, OVDET_STEPS (4.1 M) env steps, 3 evaluations, then experiments/bench/curve_agreement.py on the
