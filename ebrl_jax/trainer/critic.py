@@ -25,8 +25,12 @@ CRITIC_MODULES = ('value', 'value_mlp', 'value_head')  # the networks' value mod
 STD_MIN = 1e-2
 
 
+def _keys(path) -> tuple:
+  return tuple(getattr(k, 'key', None) for k in path)
+
+
 def _top_module(path) -> Optional[str]:
-  names = [getattr(k, 'key', None) for k in path]
+  names = _keys(path)
   return names[1] if len(names) > 1 and names[0] == 'params' else names[0]
 
 
@@ -90,7 +94,7 @@ def output_layer(network_params: Any) -> Any:
   found = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(network_params)[0]:
     if _top_module(path) in CRITIC_MODULES and getattr(path[-1], 'key', None) == 'kernel' and leaf.shape[-1] == 1:
-      found.append(tuple(getattr(k, 'key', None) for k in path[:-1]))
+      found.append(_keys(path[:-1]))
   if len(found) != 1:
     raise ValueError(f'--value_norm_rate needs a critic with one output layer (a Dense of 1 unit in a module named one '
                      f'of {", ".join(CRITIC_MODULES)}); the network has {len(found)}: {found}.')
@@ -104,7 +108,7 @@ def preserve_outputs(network_params: Any, old: ValueStats, new: ValueStats) -> A
   ratio = old.std / new.std
 
   def rescale(p, leaf):
-    keys = tuple(getattr(k, 'key', None) for k in p)
+    keys = _keys(p)
     if keys == path + ('kernel',):
       return (leaf * ratio).astype(leaf.dtype)
     if keys == path + ('bias',):

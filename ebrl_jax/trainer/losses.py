@@ -137,6 +137,18 @@ def clipped_surrogate(log_probs: Array,
   return policy_loss, metrics
 
 
+def batch_gae(batch: Transition,
+              algo: AlgoConfig,
+              values: Array,
+              bootstrap_value: Array,
+              value_stats: Optional[critic.ValueStats] = None) -> Tuple[Array, Array]:
+  """`compute_gae` on a batch [T, B] with the network's `values` [T, B] and `bootstrap_value` [B] (denormalised
+  with `value_stats` under PopArt) and the batch's rewards scaled by `algo.reward_scaling`: (vs, advantages)."""
+  return compute_gae(batch.reward * algo.reward_scaling, critic.denormalize(value_stats, values),
+                     critic.denormalize(value_stats, bootstrap_value), batch.termination, batch.truncation,
+                     algo.discount, algo.gae_lambda)
+
+
 def ppo_loss(network: nn.Module,
              params: gen_stages.PolicyParams,
              batch: Transition,
@@ -164,9 +176,7 @@ def ppo_loss(network: nn.Module,
   chex.assert_equal_shape([batch.reward, proximal_log_prob, batch.mask, batch.termination, batch.truncation])
   out = _evaluate_segments(network, params, batch, key, min_std)
   bootstrap_value = gen_stages.value(network, params, jax.tree_util.tree_map(lambda x: x[-1], batch.next_obs))
-  vs, advantages = compute_gae(batch.reward * algo.reward_scaling, critic.denormalize(value_stats, out.values),
-                               critic.denormalize(value_stats, bootstrap_value), batch.termination, batch.truncation,
-                               algo.discount, algo.gae_lambda)
+  vs, advantages = batch_gae(batch, algo, out.values, bootstrap_value, value_stats)
   mask = batch.mask.astype(jnp.float32)
   if algo.normalize_advantage:
     mean = masked_mean(advantages, mask, axis_name)

@@ -273,9 +273,7 @@ def _refresh_value_stats(network, algo, params, stats: critic.ValueStats, batch:
   t, s = batch.reward.shape
   values = gen_stages.value(network, params, losses.merge_time(batch.obs)).reshape(t, s)
   bootstrap = gen_stages.value(network, params, jax.tree_util.tree_map(lambda x: x[-1], batch.next_obs))
-  targets, _ = losses.compute_gae(batch.reward * algo.reward_scaling, critic.denormalize(stats, values),
-                                  critic.denormalize(stats, bootstrap), batch.termination, batch.truncation,
-                                  algo.discount, algo.gae_lambda)
+  targets, _ = losses.batch_gae(batch, algo, values, bootstrap, stats)
   mask = batch.mask.astype(jnp.float32)
   moments = (losses.masked_mean(x, mask, axis_name) for x in (targets, jnp.square(targets)))
   new = critic.update_value_stats(stats, *moments, algo.value_norm_rate)
