@@ -73,9 +73,10 @@
 #         first (`for f in .gl/*.deb; do dpkg -x $f /; done; ldconfig`), else `import mujoco` fails under MUJOCO_GL=egl.
 # detcost issues 14/15: the throughput cost of XLA_FLAGS=--xla_gpu_deterministic_ops=true (what makes sync and
 #         overlap repeat bit for bit on the GPU): `sync` and `sync_det` (the same with the flag, through the harness's
-#         --label_env), MPS, 2 groups, each stopped by --max_wall_s=DETCOST_WALL_S (100 s); W1 unless DETCOST_FLAGFILE.
+#         --label_env), MPS, 2 groups, each stopped by --max_wall_s=DETCOST_WALL_S (120 s); W1 unless DETCOST_FLAGFILE.
 #         The budget counts from process start: at 45 s (stop 29) both runs ended after their first iteration, inside
-#         W1's cold start-up (46-54 s), with no throughput to compare; keep it well above the start-up.
+#         W1's cold start-up (46-54 s), with no throughput to compare; keep it well above the start-up. At 120 s:
+#         w1_detcost_1gpu.json (0.53x).
 # ovdet   issue 15 (not yet run): whether `overlap` replays `sync` on the GPU once XLA's GPU ops are deterministic
 #         (XLA_FLAGS=--xla_gpu_deterministic_ops=true for every process): W6 `sync`, `sync` again and `overlap`, MPS,
 #         2 groups, OVDET_STEPS (4.1 M) env steps, 3 evaluations, then experiments/bench/curve_agreement.py on the
@@ -315,7 +316,7 @@ case $PART in
   w6ov2)  # issue 15: W6 sync vs overlap again after overlap moved its evaluation to the evaluator process
     overlap_pair w6_overlap2_1gpu experiments/w6_token.flags ${W6_WALL_S:-240} ;;
   detcost)  # issues 14/15: what XLA's deterministic GPU ops cost, side by side in one invocation
-    w=${DETCOST_WALL_S:-100}
+    w=${DETCOST_WALL_S:-120}
     bench ${DETCOST_NAME:-w1_detcost_1gpu} 0-15 --bench_flagfile=${DETCOST_FLAGFILE:-experiments/w1_ant.flags} --gpus=0 \
       --schedules=sync,sync_det=sync --label_env="sync_det:XLA_FLAGS=${XLA_FLAGS:-} --xla_gpu_deterministic_ops=true" \
       --extra=--num_groups=2 --extra=--use_mps --extra=--max_wall_s=$w --timeout_s=$((w + 60)) ;;
