@@ -77,7 +77,7 @@
 #         The budget counts from process start: at 45 s (stop 29) both runs ended after their first iteration, inside
 #         W1's cold start-up (46-54 s), with no throughput to compare; keep it well above the start-up. At 120 s:
 #         w1_detcost_1gpu.json (0.53x).
-# ovdet   issue 15 (not yet run): whether `overlap` replays `sync` on the GPU once XLA's GPU ops are deterministic
+# ovdet   issue 15: whether `overlap` replays `sync` on the GPU once XLA's GPU ops are deterministic
 #         (XLA_FLAGS=--xla_gpu_deterministic_ops=true for every process): W6 `sync`, `sync` again and `overlap`, MPS,
 #         2 groups, OVDET_STEPS (4.1 M) env steps, 3 evaluations, then experiments/bench/curve_agreement.py on the
 #         result (w6_overlap2_1gpu.json's curves parted from version 62 without it). OVDET_FLAGFILE / OVDET_NAME: another
@@ -91,8 +91,8 @@
 #         steps/s in manip_screen_h200 spends its time on, and which rho each point lands at.
 # w2x     W2 fused seed 1 again (cut by its limit at 11.5 M in the w2s_fused call), then the quota-change run
 #         (rollout 20 -> 25 % at iteration 10 of 48, 3 M steps) whose whole output is kept.
-# The device tool brings back a limited number of files: write OUT_DIR outside $OUT and tar it into $OUT
-# (e.g. `bash experiments/bench/gpu_session.sh w3b /tmp/w3b; tar czf $OUT/w3b.tgz -C /tmp w3b`).
+# The device tool brings back at most 8 files a call: each invocation leaves one file, OUT_DIR/PART.tgz (what it
+# wrote: JSON, telemetry, log tails, each run's output and metrics), so OUT_DIR=$OUT is fine, several parts a call too.
 # Results (JSON, telemetry) are copied to OUT_DIR; every MPS daemon a run started is stopped by the run itself,
 # and any left behind (a killed run) is stopped here.
 set -u
@@ -102,6 +102,7 @@ mkdir -p "$OUT_DIR"
 ROOT=/tmp/ebrl_bench
 mkdir -p $ROOT
 TIMEOUT=${BENCH_TIMEOUT_S:-560}
+STAMP=$(mktemp)  # what this invocation writes is newer than this
 
 bench() {  # bench NAME CORES ARGS...: one harness invocation, its output under $ROOT/NAME
   local name=$1 cores=$2
@@ -345,19 +346,25 @@ for c in $(find /tmp $ROOT runs -name control -type p 2>/dev/null); do
   echo quit | CUDA_MPS_PIPE_DIRECTORY=$(dirname "$c") timeout 5 nvidia-cuda-mps-control >/dev/null 2>&1
 done
 pgrep -a -f nvidia-cuda-mps-control || true; pgrep -a -f nvidia-cuda-mps-server || true
-cp $ROOT/*.json "$OUT_DIR"/ 2>/dev/null
-for f in $ROOT/*_runs/telemetry_gpu*.jsonl; do
-  [ -f "$f" ] && gzip -c "$f" > "$OUT_DIR/$(basename $(dirname $f) _runs)_$(basename $f).gz"
+# Only what this invocation wrote (newer than its stamp: an earlier part's files on a warm machine stay out),
+# packed into one OUT_DIR/PART.tgz: the device tool brings back at most 8 files a call, and files past that are
+# dropped (stop 30 lost two parts' JSON that way). The JSON results' last lines go to stdout as well.
+PACK=$(mktemp -d)/$PART
+mkdir -p "$PACK"
+for f in $(find $ROOT -maxdepth 1 -name '*.json' -newer "$STAMP" 2>/dev/null); do cp "$f" "$PACK"/; done
+for f in $(find $ROOT -path '*_runs/telemetry_gpu*.jsonl' -newer "$STAMP" 2>/dev/null); do
+  gzip -c "$f" > "$PACK/$(basename $(dirname $f) _runs)_$(basename $f).gz"
 done
-for f in $ROOT/*.log; do tail -c 3000 "$f" > "$OUT_DIR/$(basename $f).tail"; done
+for f in $(find $ROOT -maxdepth 1 -name '*.log' -newer "$STAMP" 2>/dev/null); do
+  tail -c 3000 "$f" > "$PACK/$(basename $f).tail"
+  echo "== $(basename $f)"; tail -n 4 "$f"
+done
 # the whole output of every run (the controller's and its workers' lines) and its metrics (losses, KL, clip
 # fractions: what a learning result is diagnosed from), compressed
-for f in $(find $ROOT -name output.log 2>/dev/null); do
+for f in $(find $ROOT \( -name output.log -o -name metrics.jsonl \) -newer "$STAMP" 2>/dev/null); do
   d=$(dirname "$f")
-  gzip -c "$f" > "$OUT_DIR/$(echo "${d#$ROOT/}" | tr / _)_output.log.gz"
+  gzip -c "$f" > "$PACK/$(echo "${d#$ROOT/}" | tr / _)_$(basename $f).gz"
 done
-for f in $(find $ROOT -name metrics.jsonl 2>/dev/null); do
-  d=$(dirname "$f")
-  gzip -c "$f" > "$OUT_DIR/$(echo "${d#$ROOT/}" | tr / _)_metrics.jsonl.gz"
-done
+tar czf "$OUT_DIR/$PART.tgz" -C "$(dirname "$PACK")" "$PART" && rm -rf "$(dirname "$PACK")"
+tar tzf "$OUT_DIR/$PART.tgz"
 ls -la "$OUT_DIR"
