@@ -108,6 +108,7 @@ FILE_TIERS = {
     'test_main_flags.py': 'contract',
     'test_layering.py': 'contract',
     'test_readme.py': 'contract',
+    'test_gpu_session.py': 'contract',  # gpu_session.sh's one-file output per part (its `pack` part, no run)
     'test_structure_tool.py': 'unit',
     'test_timeline_tool.py': 'unit',
     'test_format.py': 'contract',

@@ -92,14 +92,15 @@
 # w2x     W2 fused seed 1 again (cut by its limit at 11.5 M in the w2s_fused call), then the quota-change run
 #         (rollout 20 -> 25 % at iteration 10 of 48, 3 M steps) whose whole output is kept.
 # The device tool brings back at most 8 files a call: each invocation leaves one file, OUT_DIR/PART.tgz (what it
-# wrote: JSON, telemetry, log tails, each run's output and metrics), so OUT_DIR=$OUT is fine, several parts a call too.
+# wrote: JSON, telemetry, log tails, each run's output and metrics), so OUT_DIR=$OUT is fine, several parts a call too;
+# part `pack` packs what is already there (PACK_SINCE). EBRL_BENCH_ROOT moves the work folder (/tmp/ebrl_bench).
 # Results (JSON, telemetry) are copied to OUT_DIR; every MPS daemon a run started is stopped by the run itself,
 # and any left behind (a killed run) is stopped here.
 set -u
 PART=$1
 OUT_DIR=$2
 mkdir -p "$OUT_DIR"
-ROOT=/tmp/ebrl_bench
+ROOT=${EBRL_BENCH_ROOT:-/tmp/ebrl_bench}
 mkdir -p $ROOT
 TIMEOUT=${BENCH_TIMEOUT_S:-560}
 STAMP=$(mktemp)  # what this invocation writes is newer than this
@@ -340,12 +341,17 @@ case $PART in
         --num_updates_per_batch=$u --repeats=3 --profile_out=$ROOT/${PART}_u$u.json > $ROOT/${PART}_u$u.log 2>&1
       echo "[${PART}_u$u] exit $?"
     done ;;
+  pack)  # runs nothing: packs what earlier parts left in the work folder since PACK_SINCE (a date; default: all of
+    # it) into OUT_DIR/pack.tgz, e.g. after a part was killed by its call's time limit before packing
+    touch -d "${PACK_SINCE:-1970-01-01}" "$STAMP" ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
-for c in $(find /tmp $ROOT runs -name control -type p 2>/dev/null); do
-  echo quit | CUDA_MPS_PIPE_DIRECTORY=$(dirname "$c") timeout 5 nvidia-cuda-mps-control >/dev/null 2>&1
-done
-pgrep -a -f nvidia-cuda-mps-control || true; pgrep -a -f nvidia-cuda-mps-server || true
+if [ "$PART" != pack ]; then  # `pack` started nothing, so it stops nothing (another run's daemon stays)
+  for c in $(find /tmp $ROOT runs -name control -type p 2>/dev/null); do
+    echo quit | CUDA_MPS_PIPE_DIRECTORY=$(dirname "$c") timeout 5 nvidia-cuda-mps-control >/dev/null 2>&1
+  done
+  pgrep -a -f nvidia-cuda-mps-control || true; pgrep -a -f nvidia-cuda-mps-server || true
+fi
 # Only what this invocation wrote (newer than its stamp: an earlier part's files on a warm machine stay out),
 # packed into one OUT_DIR/PART.tgz: the device tool brings back at most 8 files a call, and files past that are
 # dropped (stop 30 lost two parts' JSON that way). The JSON results' last lines go to stdout as well.
