@@ -94,7 +94,7 @@
 # The device tool brings back at most 8 files a call: each invocation leaves one file, OUT_DIR/PART.tgz (what it
 # wrote: JSON, telemetry, log tails, each run's output and metrics), so OUT_DIR=$OUT is fine, several parts a call too;
 # part `pack` packs what is already there (PACK_SINCE). EBRL_BENCH_ROOT moves the work folder (/tmp/ebrl_bench).
-# Results (JSON, telemetry) are copied to OUT_DIR; every MPS daemon a run started is stopped by the run itself,
+# Every MPS daemon a run started is stopped by the run itself,
 # and any left behind (a killed run) is stopped here.
 set -u
 PART=$1
@@ -354,7 +354,7 @@ if [ "$PART" != pack ]; then  # `pack` started nothing, so it stops nothing (ano
 fi
 # Only what this invocation wrote (newer than its stamp: an earlier part's files on a warm machine stay out),
 # packed into one OUT_DIR/PART.tgz: the device tool brings back at most 8 files a call, and files past that are
-# dropped (stop 30 lost two parts' JSON that way). The JSON results' last lines go to stdout as well.
+# dropped (stop 30 lost two parts' JSON that way). Each log's last lines go to stdout as well.
 PACK=$(mktemp -d)/$PART
 mkdir -p "$PACK"
 for f in $(find $ROOT -maxdepth 1 -name '*.json' -newer "$STAMP" 2>/dev/null); do cp "$f" "$PACK"/; done
@@ -373,4 +373,5 @@ for f in $(find $ROOT \( -name output.log -o -name metrics.jsonl \) -newer "$STA
 done
 tar czf "$OUT_DIR/$PART.tgz" -C "$(dirname "$PACK")" "$PART" && rm -rf "$(dirname "$PACK")"
 tar tzf "$OUT_DIR/$PART.tgz"
+rm -f "$STAMP"
 ls -la "$OUT_DIR"
