@@ -351,7 +351,7 @@ def tier_of(path: str, name: str, fixturenames=()) -> str:
 # together they put the suite past CI's 20-minute budget. Each has a cheaper CI sibling: sync == fused bit for bit
 # on native MuJoCo (test_pipeline), the randomised draws reaching native MuJoCo's step (test_randomize), the
 # backends' agreement on the locomotion tasks (test_agreement), 2 ranks matching 1 (test_data_parallel). Run them
-# before a release: EBRL_FULL_TESTS=1 python -m pytest -q -n 2 --dist loadfile tests
+# before a release: EBRL_FULL_TESTS=1 python -m pytest -q -n 3 --dist loadfile tests
 OPT_IN = frozenset({
     # ~70 s in CI: a tiny fused MJX run; fused MJX runs stay in CI through test_signals (SIGTERM at a chunk
     # boundary, plain jit) and test_trace_cache (cold and warm, the same curve)
@@ -474,6 +474,9 @@ def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argu
   # taken out) and 1360.3 s (with other work beside it) under the default `--dist load`, which splits a file's
   # tests across both workers so both compile its programs and build its module fixtures (`--dist worksteal`
   # splits them further: 1152.8 s against 1090.6 s for `load` at an earlier tree).
+  # Three workers on the 2-core machine (stop 30): a worker waits on its runs' child processes, polls and sleeps
+  # part of the time, so with two the cores were ~84 % busy (20:39 of tests, 34.5 min of CPU) and with three ~95 %
+  # (17:44, 33.9 min) in the same afternoon.
   items.sort(key=lambda it: 0 if it.get_closest_marker('slow') else 1 if it.get_closest_marker('e2e') else 2)
 
 
