@@ -27,7 +27,9 @@ def test_pack_leaves_one_tarball_of_the_files_newer_than_its_date(tmp_path):
   _write(str(work / 'w2_learn_runs/telemetry_gpu0.jsonl'), '{"t": 0}\n')
   _write(str(work / 'w2_learn_runs/fused/seed0/output.log'), 'I1203 run output\n')
   _write(str(work / 'w2_learn_runs/fused/seed0/metrics.jsonl'), '{"env_steps": 0}\n')
-  env = dict(os.environ, EBRL_BENCH_ROOT=str(work), PACK_SINCE='2021-01-01')
+  scratch = tmp_path / 'tmp'  # the script's stamp and staging folder (mktemp), gone when it ends
+  scratch.mkdir()
+  env = dict(os.environ, EBRL_BENCH_ROOT=str(work), PACK_SINCE='2021-01-01', TMPDIR=str(scratch))
   done = subprocess.run(['bash', SCRIPT, 'pack', str(out)],
                         cwd=ROOT,
                         env=env,
@@ -45,10 +47,13 @@ def test_pack_leaves_one_tarball_of_the_files_newer_than_its_date(tmp_path):
     ], names
     tail = tar.extractfile([m for m in tar.getmembers() if m.name.endswith('w2_learn.log.tail')][0]).read()
     assert tail.endswith(b'wrote w2_learn.json\n')
+  assert not os.listdir(scratch)
 
 
-def test_an_unknown_part_is_refused_by_name(tmp_path):
-  env = dict(os.environ, EBRL_BENCH_ROOT=str(tmp_path / 'work'))
+def test_an_unknown_part_is_refused_by_name_and_leaves_no_stamp(tmp_path):
+  scratch = tmp_path / 'tmp'
+  scratch.mkdir()
+  env = dict(os.environ, EBRL_BENCH_ROOT=str(tmp_path / 'work'), TMPDIR=str(scratch))
   done = subprocess.run(['bash', SCRIPT, 'nope', str(tmp_path / 'out')],
                         cwd=ROOT,
                         env=env,
@@ -56,3 +61,4 @@ def test_an_unknown_part_is_refused_by_name(tmp_path):
                         text=True,
                         timeout=60)
   assert done.returncode == 2 and 'unknown part nope' in done.stdout
+  assert not os.listdir(scratch)

@@ -104,6 +104,7 @@ ROOT=${EBRL_BENCH_ROOT:-/tmp/ebrl_bench}
 mkdir -p $ROOT
 TIMEOUT=${BENCH_TIMEOUT_S:-560}
 STAMP=$(mktemp)  # what this invocation writes is newer than this
+trap 'rm -f "$STAMP"' EXIT  # also when a part is refused or the script is stopped
 
 bench() {  # bench NAME CORES ARGS...: one harness invocation, its output under $ROOT/NAME
   local name=$1 cores=$2
@@ -371,7 +372,7 @@ for f in $(find $ROOT \( -name output.log -o -name metrics.jsonl \) -newer "$STA
   d=$(dirname "$f")
   gzip -c "$f" > "$PACK/$(echo "${d#$ROOT/}" | tr / _)_$(basename $f).gz"
 done
-tar czf "$OUT_DIR/$PART.tgz" -C "$(dirname "$PACK")" "$PART" && rm -rf "$(dirname "$PACK")"
+tar czf "$OUT_DIR/$PART.tgz" -C "$(dirname "$PACK")" "$PART"
+rm -rf "$(dirname "$PACK")"
 tar tzf "$OUT_DIR/$PART.tgz"
-rm -f "$STAMP"
 ls -la "$OUT_DIR"
