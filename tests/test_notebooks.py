@@ -87,7 +87,11 @@ def _kernel_manager(tmp_path):
           'language': 'python'
       }))
   ksm = KernelSpecManager(kernel_dirs=[str(tmp_path / 'kernels')])
-  return KernelManager(kernel_name='ebrl_test', kernel_spec_manager=ksm)
+  # The connection file goes in tmp_path too: by default jupyter_client makes it with tempfile.mkstemp in the
+  # system's temporary folder and left one there per notebook run.
+  return KernelManager(kernel_name='ebrl_test',
+                       kernel_spec_manager=ksm,
+                       connection_file=str(tmp_path / 'kernel-connection.json'))
 
 
 def _probe_output(nb):
