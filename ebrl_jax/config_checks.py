@@ -12,6 +12,8 @@ def check_choice(field: str, value, allowed) -> None:
 
 
 def check_positive(field: str, value, allow_zero: bool = False) -> None:
+  if isinstance(value, float) and not math.isfinite(value):  # nan fails the comparison; inf would pass it
+    raise ValueError(f'--{field}={value!r} must be a finite number.')
   ok = value >= 0 if allow_zero else value > 0
   if not ok:
     bound = '>= 0' if allow_zero else '> 0'
@@ -85,6 +87,8 @@ def check_schedule_options(cfg) -> None:
   """`--plan`, `--quota_schedule`, `--slack_quotas` (process schedules only), `--schedule=auto`, `--deterministic`,
   `--group_schedule` and `--replan_groups` of a `Config` against what they cannot be combined with."""
   schedule, resources = cfg.schedule, cfg.resources
+  if schedule.target_return is not None and not math.isfinite(schedule.target_return):
+    raise ValueError(f'--target_return={schedule.target_return!r} must be a finite number (leave it unset for none).')
   if resources.plan and schedule.name == 'fused':
     raise ValueError('--plan chooses env groups and SM quotas for the process schedules; it needs --schedule=sync or '
                      '--schedule=async (or --schedule=overlap).')

@@ -51,6 +51,15 @@ from ebrl_jax import config as config_lib
     (config_lib.ScheduleConfig, {
         'env_slices': 0
     }, r'--env_slices=0 must be > 0'),
+    (config_lib.AlgoConfig, {
+        'learning_rate': float('inf')
+    }, r'--learning_rate=inf must be a finite number'),
+    (config_lib.AlgoConfig, {
+        'learning_rate': float('nan')
+    }, r'--learning_rate=nan must be a finite number'),
+    (config_lib.ScheduleConfig, {
+        'max_wall_s': float('inf')
+    }, r'--max_wall_s=inf must be a finite number'),
     (config_lib.ResourceConfig, {
         'sm_quotas': 'trainer=x',
         'use_mps': True
@@ -71,6 +80,13 @@ from ebrl_jax import config as config_lib
 def test_component_validation(ctor, kwargs, pattern):
   with pytest.raises(ValueError, match=pattern):
     ctor(**kwargs)
+
+
+@pytest.mark.parametrize('value', [float('nan'), float('inf'), float('-inf')])
+def test_target_return_must_be_finite(value):
+  """A target of nan is never reached and inf never either: the run would train to its end without saying why."""
+  with pytest.raises(ValueError, match=r'--target_return=.* must be a finite number'):
+    config_lib.Config(schedule=config_lib.ScheduleConfig(target_return=value))
 
 
 def test_batch_must_divide_into_env_segments():
