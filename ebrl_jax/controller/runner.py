@@ -171,10 +171,14 @@ def check_checkpoints(cfg: config_lib.Config) -> Optional[dict]:
                      'run (without --resume) in another --run_dir.')
   mismatch = checkpoint.shape_mismatch(directory, step, _state_template(cfg))
   if mismatch is not None:
+    hints = [
+        f'{field} is {flag}\'s state, set in one run and not the other' for field, flag in STATE_FLAGS.items()
+        if f'{field}.' in mismatch
+    ]
     raise ValueError(
         f'--resume: checkpoint {step} in {directory} is intact, but it was written {_written_by(cfg, step)}'
-        f' and does not fit this run\'s train state: {mismatch}. It stays loadable by a run with its '
-        f'own flags: resume with those, or choose another --run_dir for this run.')
+        f' and does not fit this run\'s train state: {mismatch}{"".join(f" ({h})" for h in hints)}. It stays '
+        f'loadable by a run with its own flags: resume with those, or choose another --run_dir for this run.')
   extra = checkpoint.read_extra(directory, step)
   return {'step': step, 'env_steps': extra.get('env_steps'), 'iterations': extra.get('iterations'), 'skipped': skipped}
 
@@ -184,6 +188,10 @@ def _state_template(cfg: config_lib.Config):
   spec, network, optimizer = driver.network_and_optimizer(cfg.sim, cfg.policy, cfg.algo)
   return jax.eval_shape(lambda: trainer_stages.init_train_state(network, optimizer, jax.random.PRNGKey(
       0), spec.obs_dim, cfg.policy.normalize_observations, spec.pixel_shape, cfg.algo.value_norm_rate is not None))
+
+
+# Parts of the train state that a flag adds: a checkpoint with them fits only a run with that flag, and back.
+STATE_FLAGS = {'value_stats': '--value_norm_rate'}
 
 
 def _written_by(cfg: config_lib.Config, step: int) -> str:

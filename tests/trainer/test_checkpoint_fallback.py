@@ -116,3 +116,25 @@ def test_the_refusal_names_the_critic_a_checkpoint_was_written_with(tmp_path, sa
   text = runner._written_by(cfg, 1)  # pylint: disable=protected-access
   assert text.startswith('for --task=ant --policy=transformer (this run: --task=ant --policy=transformer)')
   assert (named in text) if named else '--critic' not in text
+
+
+@pytest.mark.parametrize('saved_rate,resume_rate', [(None, 0.05), (0.05, None)])
+def test_a_popart_difference_is_named_by_its_flag(tmp_path, saved_rate, resume_rate):
+  """A checkpoint with or without PopArt's statistics resumed by a run without or with --value_norm_rate: the
+  refusal names the flag (task and policy agree, so they say nothing)."""
+
+  def cfg(rate, resume):
+    return config_lib.Config(sim=config_lib.SimConfig(num_envs=4),
+                             policy=PolicyConfig(policy_hidden_sizes=(8,), value_hidden_sizes=(8,)),
+                             algo=AlgoConfig(batch_size=4, num_minibatches=1, value_norm_rate=rate),
+                             schedule=config_lib.ScheduleConfig(run_dir=str(tmp_path), resume=resume))
+
+  saved = cfg(saved_rate, False)
+  state = jax.tree_util.tree_map(lambda x: np.zeros(x.shape, x.dtype), runner._state_template(saved))  # pylint: disable=protected-access
+  with checkpoint.Checkpointer(str(tmp_path / 'checkpoints')) as ckpt:
+    ckpt.save(1, state, {'env_steps': 100, 'iterations': 1})
+  assert runner.check_checkpoints(cfg(saved_rate, True))['step'] == 1
+  with pytest.raises(ValueError,
+                     match=r"value_stats\.\w+ only in (this run|the checkpoint).*\(value_stats is "
+                     r"--value_norm_rate's state, set in one run and not the other\)"):
+    runner.check_checkpoints(cfg(resume_rate, True))
