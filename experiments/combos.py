@@ -26,6 +26,7 @@ from typing import Dict, List
 from absl import flags
 
 from ebrl_jax import main as ebrl_main
+from experiments.bench import run as bench_run
 
 STEPS = 2000
 BASE = [
@@ -156,6 +157,7 @@ def main(argv=None) -> int:
     for name, error in errors.items():
       print(f'{name}: {error or "ok"}')
     return 1 if any(errors.values()) else 0
+  provenance = {'commit': bench_run.commit(), 'tree': bench_run.source_tree(), 'machine': bench_run.machine()}
   root = tempfile.mkdtemp(prefix='ebrl_combos_')
   table = {}
   try:
@@ -166,7 +168,7 @@ def main(argv=None) -> int:
     shutil.rmtree(root, ignore_errors=True)
   if args.out:
     with open(args.out, 'w') as f:
-      json.dump({'base_flags': BASE, 'extra_flags': args.extra, 'combos': table}, f, indent=1)
+      json.dump({**provenance, 'base_flags': BASE, 'extra_flags': args.extra, 'combos': table}, f, indent=1)
   failed = [n for n, r in table.items() if not r['passed']]
   print(f'{len(table) - len(failed)} of {len(table)} passed' + (f'; failed: {", ".join(failed)}' if failed else ''))
   return 1 if failed else 0
