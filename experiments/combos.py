@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -101,6 +102,17 @@ def check(names: List[str], extra: List[str]) -> Dict[str, str]:
   return errors
 
 
+def session_processes(sid: int) -> List[str]:
+  """'pid command' of each live process still in session `sid` (a zombie has exited: it waits only for init to
+  reap it, which a container's init may do a moment later)."""
+  out = subprocess.run(['ps', '-eo', 'pid=,sid=,stat=,args='], capture_output=True, text=True).stdout
+  rows = [line.split(None, 3) for line in out.splitlines()]
+  return [
+      f'{r[0]} {r[3][:120] if len(r) > 3 else ""}' for r in rows
+      if len(r) >= 3 and r[1] == str(sid) and not r[2].startswith('Z')
+  ]
+
+
 def _num_timesteps(extra: List[str]) -> int:
   given = [int(f.split('=', 1)[1]) for f in extra if f.startswith('--num_timesteps=')]
   return given[-1] if given else STEPS
@@ -110,17 +122,24 @@ def run_one(name: str, extra: List[str], root: str, timeout_s: float) -> dict:
   run_dir = os.path.join(root, name)
   shm_before = set(os.listdir('/dev/shm'))
   start = time.monotonic()
-  try:
-    proc = subprocess.run([sys.executable, '-m', 'ebrl_jax.main', *BASE, *COMBOS[name], *extra, f'--run_dir={run_dir}'],
-                          capture_output=True,
+  # Its own session: every process the run starts (workers, their children) stays in it unless it leaves on purpose,
+  # so what is left of the session afterwards is what the run left behind.
+  proc = subprocess.Popen([sys.executable, '-m', 'ebrl_jax.main', *BASE, *COMBOS[name], *extra, f'--run_dir={run_dir}'],
+                          stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE,
                           text=True,
-                          timeout=timeout_s)
-    code, lines = proc.returncode, (proc.stderr or '').strip().splitlines()
+                          start_new_session=True)
+  try:
+    _, err = proc.communicate(timeout=timeout_s)
+    code = proc.returncode
   except subprocess.TimeoutExpired:
-    code, lines = 'timeout', []
+    os.killpg(proc.pid, signal.SIGKILL)
+    _, err = proc.communicate()
+    code = 'timeout'
+  lines = (err or '').strip().splitlines()
   seconds = time.monotonic() - start
   time.sleep(1.0)  # workers that outlive the controller would show here
-  procs = subprocess.run(['pgrep', '-f', f'--run_dir={run_dir}'], capture_output=True, text=True).stdout.split()
+  procs = session_processes(proc.pid)
   shm = sorted(set(os.listdir('/dev/shm')) - shm_before)
   summary = {}
   if os.path.exists(os.path.join(run_dir, 'summary.json')):

@@ -3,6 +3,9 @@ themselves are the tool's work: results/combos_cpu.json)."""
 import os
 import subprocess
 import sys
+import time
+
+from experiments import combos
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,3 +35,20 @@ def test_an_invalid_combination_is_named_with_its_error():
 def test_an_unknown_name_is_refused_listing_the_known_ones():
   result = _combos('--only=nope')
   assert result.returncode == 2 and 'unknown combinations nope; known: hopper_cpu_sync_3groups' in result.stderr
+
+
+def test_a_process_left_in_the_runs_session_is_found_and_a_dead_one_is_not():
+  """The check that nothing is left behind looks at the run's whole session, spawned workers included; a process
+  that has exited but is not yet reaped (a zombie) is not left behind."""
+  stray = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'], start_new_session=True)
+  try:
+    found = combos.session_processes(stray.pid)
+    assert len(found) == 1 and found[0].startswith(f'{stray.pid} ') and 'time.sleep(30)' in found[0], found
+    stray.kill()
+    deadline = time.monotonic() + 10
+    while combos.session_processes(stray.pid) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    assert combos.session_processes(stray.pid) == []  # a zombie until the wait below reaps it
+  finally:
+    stray.kill()
+    stray.wait()
