@@ -8,7 +8,8 @@ randomisation, a separate generation worker, env slices, odd group counts, `--de
   python -m experiments.combos --extra=--num_timesteps=8000                  # flags added to every combination
 
 A combination passes when its run exits 0 with a summary that counts at least --num_timesteps env steps and leaves
-no process and no shared-memory segment behind. The table (`--out`) lists each one's exit, seconds, env steps,
+no process (found by a marker in its environment, as the fault suite finds them) and no shared-memory
+segment behind. The table (`--out`) lists each one's exit, seconds, env steps,
 final return, leftovers and last log line; the exit code is 1 when any failed.
 """
 from __future__ import annotations
@@ -22,11 +23,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from typing import Dict, List
 
 from absl import flags
 
 from ebrl_jax import main as ebrl_main
+from experiments import faults_kill_controller as kill_controller
 from experiments.bench import run as bench_run
 
 STEPS = 2000
@@ -102,17 +105,6 @@ def check(names: List[str], extra: List[str]) -> Dict[str, str]:
   return errors
 
 
-def session_processes(sid: int) -> List[str]:
-  """'pid command' of each live process still in session `sid` (a zombie has exited: it waits only for init to
-  reap it, which a container's init may do a moment later)."""
-  out = subprocess.run(['ps', '-eo', 'pid=,sid=,stat=,args='], capture_output=True, text=True).stdout
-  rows = [line.split(None, 3) for line in out.splitlines()]
-  return [
-      f'{r[0]} {r[3][:120] if len(r) > 3 else ""}' for r in rows
-      if len(r) >= 3 and r[1] == str(sid) and not r[2].startswith('Z')
-  ]
-
-
 def _num_timesteps(extra: List[str]) -> int:
   given = [int(f.split('=', 1)[1]) for f in extra if f.startswith('--num_timesteps=')]
   return given[-1] if given else STEPS
@@ -122,24 +114,26 @@ def run_one(name: str, extra: List[str], root: str, timeout_s: float) -> dict:
   run_dir = os.path.join(root, name)
   shm_before = set(os.listdir('/dev/shm'))
   start = time.monotonic()
-  # Its own session: every process the run starts (workers, their children) stays in it unless it leaves on purpose,
-  # so what is left of the session afterwards is what the run left behind.
+  # Every process the run starts (workers, their children) inherits this marker, as the fault suite's runs do.
+  marker = uuid.uuid4().hex
   proc = subprocess.Popen([sys.executable, '-m', 'ebrl_jax.main', *BASE, *COMBOS[name], *extra, f'--run_dir={run_dir}'],
+                          env=dict(os.environ, **{kill_controller.MARKER: marker}),
                           stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE,
-                          text=True,
-                          start_new_session=True)
+                          text=True)
   try:
     _, err = proc.communicate(timeout=timeout_s)
     code = proc.returncode
   except subprocess.TimeoutExpired:
-    os.killpg(proc.pid, signal.SIGKILL)
+    proc.kill()
     _, err = proc.communicate()
     code = 'timeout'
   lines = (err or '').strip().splitlines()
   seconds = time.monotonic() - start
   time.sleep(1.0)  # workers that outlive the controller would show here
-  procs = session_processes(proc.pid)
+  procs = kill_controller.marked_processes(marker)
+  for pid in procs:  # the next combination starts clean
+    os.kill(pid, signal.SIGKILL)
   shm = sorted(set(os.listdir('/dev/shm')) - shm_before)
   summary = {}
   if os.path.exists(os.path.join(run_dir, 'summary.json')):
