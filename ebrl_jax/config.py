@@ -45,8 +45,7 @@ class SimConfig:
   num_envs: int = 64
   episode_length: int = 1000
   action_repeat: int = 1
-  # Threads stepping native MuJoCo envs (mj_step releases the GIL); 0 means one per available core.
-  num_threads: int = 0
+  num_threads: int = 0  # threads stepping native MuJoCo envs (mj_step releases the GIL); 0: one per available core
   # GRPO: envs come in groups of `group_size` that reset to the same initial state. 1 disables grouping.
   group_size: int = 1
   num_eval_envs: int = 16
@@ -56,6 +55,7 @@ class SimConfig:
   image_size: int = 64
   frame_stack: int = 1
   pixel_depth: bool = False  # --obs=pixels: a uint8 depth channel after each frame's RGB (config_vision)
+  pixel_state: str = 'full'  # --obs=pixels: the state beside the frames, full or proprio (config_vision)
   # Constraint-solver caps on every backend, 0: the task's own (config_checks.check_solver_caps says which).
   solver_iterations: int = 0
   ls_iterations: int = 0

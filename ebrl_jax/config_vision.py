@@ -16,6 +16,9 @@ from typing import Tuple
 from ebrl_jax.config_checks import check_positive
 
 OBS_MODES = ('state', 'pixels')
+# --pixel_state: the state values beside the frames: all of the task's (full) or its proprioceptive prefix only
+# (proprio: the arm's joints and fingertip for push_cube, so where the cube and the target are comes from pixels).
+PIXEL_STATES = ('full', 'proprio')
 # Tasks whose model has the camera that pixel observations render ('fixed').
 PIXEL_TASKS = ('push_cube',)
 # 'cnn': the IMPALA CNN (its d_model features beside the state for --policy=mlp; its feature map as tokens for the
@@ -44,11 +47,16 @@ def check_sim_obs(sim) -> None:
   check_positive('frame_stack', frame_stack)
   if image_size < MIN_IMAGE_SIZE:
     raise ValueError(f'--image_size={image_size} must be at least {MIN_IMAGE_SIZE} (pixels per side).')
+  if sim.pixel_state not in PIXEL_STATES:
+    raise ValueError(f'--pixel_state={sim.pixel_state!r} is not valid; allowed values: {", ".join(PIXEL_STATES)}.')
   if obs == 'state':
     if frame_stack != 1:
       raise ValueError(f'--frame_stack={frame_stack} stacks camera frames: it needs --obs=pixels.')
     if sim.pixel_depth:
       raise ValueError('--pixel_depth adds a depth channel to camera frames: it needs --obs=pixels.')
+    if sim.pixel_state != 'full':
+      raise ValueError(f'--pixel_state={sim.pixel_state} chooses the state beside camera frames: it needs --obs=pixels '
+                       '(with --obs=state the policy sees the whole state).')
     return
   if backend in _NO_RENDERING:
     raise ValueError(f'--obs=pixels on --backend={backend}: {_NO_RENDERING[backend]}; use --backend=mjx_warp (MJX '

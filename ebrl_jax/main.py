@@ -76,13 +76,17 @@ _HELP = {
     'backend':
         f'Simulator: {", ".join(config_lib.BACKENDS)} (mjx runs on the accelerator).',
     'obs': (f'Observations: {", ".join(config_lib.OBS_MODES)}. pixels: stacked uint8 RGB frames of the task\'s '
-            'fixed camera beside the state, rendered by native MuJoCo (--backend=mujoco_cpu, --task=push_cube).'),
+            'fixed camera beside the state (--pixel_state), --task=push_cube, rendered by native MuJoCo '
+            '(--backend=mujoco_cpu) or by MJX on the GPU (--backend=mjx_warp).'),
     'image_size':
         'With --obs=pixels: the side of the square camera frames, in pixels.',
     'frame_stack':
         'With --obs=pixels: camera frames per observation, stacked on the channel axis, newest last.',
     'pixel_depth': ('With --obs=pixels: a uint8 depth channel after each frame\'s RGB (0..2 m), 4 channels a frame; '
                     'on mujoco_cpu and mjx_warp.'),
+    'pixel_state': ('With --obs=pixels: the state values beside the frames: full (the task\'s whole observation, '
+                    'object and target positions too) or proprio (the robot\'s own: push_cube\'s arm joints and '
+                    'fingertip, so the cube and the target are seen in the frames only).'),
     'solver_iterations': ('Cap on the constraint solver\'s iterations per physics step (MjOption.iterations), every '
                           'backend; 0: the task\'s own (Brax\'s 1 for ant/humanoid, MuJoCo\'s 100 otherwise). MJX '
                           'iterates until every env of the batch converges.'),

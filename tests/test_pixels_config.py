@@ -6,6 +6,10 @@ import subprocess
 import sys
 
 from absl import flags
+from brax.envs import base as brax_base
+from brax.envs import wrappers
+import jax
+from jax import numpy as jnp
 import numpy as np
 import pytest
 
@@ -13,6 +17,9 @@ from ebrl_jax import config as config_lib
 from ebrl_jax import main as main_lib
 from ebrl_jax import types
 from ebrl_jax.rollout import cpu as cpu_rollout
+from ebrl_jax.sim import manipulation
+from ebrl_jax.sim import mjx_env
+from ebrl_jax.sim import registry
 from ebrl_jax.sim import render
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,6 +39,9 @@ def _pixels(**sim):
     (dict(frame_stack=3), r'--frame_stack=3 stacks camera frames: it needs --obs=pixels'),
     (dict(pixel_depth=True), r'--pixel_depth adds a depth channel to camera frames: it needs --obs=pixels'),
     (_pixels(backend='mjx', pixel_depth=True), r'--obs=pixels on --backend=mjx: .* use --backend=mjx_warp'),
+    (_pixels(pixel_state='cube'), r"--pixel_state='cube' is not valid; allowed values: full, proprio"),
+    (dict(pixel_state='proprio'), r'--pixel_state=proprio chooses the state beside camera frames: it needs '
+     r'--obs=pixels'),
 ])
 def test_sim_obs_errors_name_the_flag(sim, pattern):
   with pytest.raises(ValueError, match=pattern):
@@ -136,3 +146,72 @@ def test_command_line_refuses_pixels_on_mjx_before_any_work(tmp_path):
   assert result.returncode == 2, result.stderr
   assert 'takes MuJoCo Warp data only' in result.stderr and '--backend=mujoco_cpu' in result.stderr
   assert not os.path.exists(tmp_path / 'run')
+
+
+def test_pixel_state_proprio_keeps_the_arm_prefix_on_the_native_pool():
+  """--pixel_state=proprio: the spec's obs_dim is push_cube's proprioceptive prefix, and the native pool's state
+  beside the frames is the first PROPRIO_DIM values of the full pool's (same seed: same resets, same actions)."""
+  values = flags.FlagValues()
+  main_lib.define_flags(values)
+  values(['prog', '--task=push_cube', '--obs=pixels', '--pixel_state=proprio', '--image_size=16', '--num_envs=2'])
+  sim = dataclasses.replace(main_lib.config_from_flags(values).sim, num_threads=1)
+  assert sim.pixel_state == 'proprio' and values['pixel_state'].default == config_lib.SimConfig.pixel_state == 'full'
+  assert render.camera_of(sim).state == 'proprio'
+  assert registry.spec_of(sim).obs_dim == manipulation.PROPRIO_DIM == 9
+  assert registry.spec_of(dataclasses.replace(sim, pixel_state='full')).obs_dim == manipulation.OBS_DIM
+  try:
+    pools = [
+        cpu_rollout.make_pool(dataclasses.replace(sim, pixel_state=s), 2, 0, auto_reset=True)
+        for s in ('full', 'proprio')
+    ]
+  except RuntimeError as err:  # no headless GL here (tests/sim/test_render.py's fixture says the same)
+    pytest.skip(f'no headless OpenGL for mujoco.Renderer: {err}')
+  full_pool, proprio_pool = pools
+  with full_pool, proprio_pool:
+    assert proprio_pool.spec.obs_dim == 9 and full_pool.spec.obs_dim == 31
+    full, proprio = full_pool.reset(), proprio_pool.reset()
+    actions = np.random.default_rng(0).uniform(-1, 1, (5, 2, 3))
+    for a in actions:
+      assert proprio.shape == (2, 9)
+      np.testing.assert_array_equal(proprio, full[:, :9])
+      want, got = cpu_rollout.observe(full_pool, full), cpu_rollout.observe(proprio_pool, proprio)
+      np.testing.assert_array_equal(got.pixels, want.pixels)
+      full, proprio = full_pool.step(a).obs, proprio_pool.step(a).obs
+
+
+def test_pixel_state_proprio_on_a_task_that_names_no_proprioception_is_refused():
+  with pytest.raises(ValueError, match=r'--pixel_state=proprio: --task=ant does not say which .* --pixel_state=full'):
+    registry.state_dim(registry.load('ant'), 'proprio')
+  assert registry.state_dim(registry.load('ant'), 'full') == 27
+
+
+def test_state_slice_wrapper_cuts_reset_step_and_auto_reset_observations():
+  """mjx_env.StateSliceWrapper (what MJX-Warp envs get with --pixel_state=proprio) under Brax's episode and
+  auto-reset wrappers, on a stand-in batched env whose obs are [step count, 1, 2, ..., 5] per env: every
+  observation the outer wrappers give, the auto-reset's first_obs too, is the first 2 values."""
+
+  class Counter(brax_base.Env):  # a batch of 2 envs; obs[:, 0] counts steps since reset
+
+    def reset(self, rng):
+      return brax_base.State(jnp.zeros((2, 1)), self._obs(jnp.zeros(2)), jnp.zeros(2), jnp.zeros(2))
+
+    def step(self, state, action):
+      count = state.pipeline_state[:, 0] + 1
+      return state.replace(pipeline_state=count[:, None], obs=self._obs(count), reward=count)
+
+    def _obs(self, count):
+      return jnp.concatenate([count[:, None], jnp.tile(jnp.arange(1.0, 6.0), (2, 1))], axis=-1)
+
+    observation_size, action_size, backend = 6, 1, 'test'
+
+  sliced = mjx_env.StateSliceWrapper(Counter(), 2)
+  assert sliced.observation_size == 2
+  env = wrappers.training.AutoResetWrapper(wrappers.training.EpisodeWrapper(sliced, 2, 1))
+  state = env.reset(jax.random.PRNGKey(0))
+  np.testing.assert_array_equal(state.obs, [[0, 1], [0, 1]])
+  np.testing.assert_array_equal(state.info['first_obs'], [[0, 1], [0, 1]])
+  state = env.step(state, jnp.zeros((2, 1)))
+  np.testing.assert_array_equal(state.obs, [[1, 1], [1, 1]])
+  state = env.step(state, jnp.zeros((2, 1)))  # the 2-step episodes end: the auto-reset's first obs, cut
+  assert np.asarray(state.done).all() and state.obs.shape == (2, 2)
+  np.testing.assert_array_equal(state.obs, [[0, 1], [0, 1]])

@@ -239,7 +239,7 @@ def _worker_configs(cfg: config_lib.Config, switches: Tuple[str, ...], cell: cel
 def make_topology(cfg: config_lib.Config, cell: Optional[cells_lib.Cell] = None) -> Topology:
   """The topology of `cfg`'s run as `cell` (None: the one cell of a one-GPU run)."""
   cell = cell or cells_lib.Cell(run_dir=cfg.schedule.run_dir)
-  spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat, config_lib.pixel_shape(cfg.sim))
+  spec = sim.spec_of(cfg.sim)
   cpu_roles, feeders = _roles(cfg)
   # Native-MuJoCo rollout workers served by a generation worker hold no GPU context.
   gpu_roles = tuple(r for r in feeders + cpu_roles if not (cfg.rollout_on_host and r.startswith('rollout/')))

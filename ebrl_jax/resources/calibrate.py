@@ -54,7 +54,6 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from ebrl_jax import config as config_lib
 from ebrl_jax import sim
 from ebrl_jax import types
 from ebrl_jax.generation import policies
@@ -309,7 +308,7 @@ def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5, all_gro
     if e <= 0:
       raise ValueError(f'calibration batch size {e} must be > 0.')
   phases = _Phases()
-  spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat, config_lib.pixel_shape(cfg.sim))
+  spec = sim.spec_of(cfg.sim)
   network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim, spec.pixel_shape)
   optimizer = trainer_stages.make_optimizer(cfg.algo)
   train_state = trainer_stages.init_train_state(network, optimizer, jax.random.PRNGKey(cfg.schedule.seed), spec.obs_dim,

@@ -91,7 +91,7 @@ def evaluator_main(cfg: EvaluatorConfig, channels: EvaluatorChannels, incarnatio
   phase = lifecycle.Phase(cfg.process.run_dir, 'evaluator' + (f'#{incarnation}' if incarnation else ''))
   phase('building its evaluation envs')
   tracer = tracing.Tracer(cfg.process.trace_dir, 'evaluator')
-  spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat, config_lib.pixel_shape(cfg.sim))
+  spec = sim.spec_of(cfg.sim)
   network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim, spec.pixel_shape)
   evaluator = evaluation.make_evaluator(cfg.sim, cfg.policy, cfg.seed, cfg.deterministic, network,
                                         trace_cache.lowerer(cfg.process.trace_cache_dir))

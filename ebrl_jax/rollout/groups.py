@@ -163,8 +163,7 @@ class CpuGroup:
 
   def __init__(self, cfg: RolloutConfig, group: int, network, tracer, mailbox=None, stop=None):
     spec = cfg.collect
-    env_spec = registry.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat,
-                                 config_lib.pixel_shape(cfg.sim))
+    env_spec = registry.spec_of(cfg.sim)
     # Group 0's envs are the fused schedule's envs, so one group replays it exactly.
     seed = keys.env_seed(cfg.seed, keys.ENV_RESET, group, cell=cfg.cell)
     self._pool = cpu_rollout.make_pool(cfg.sim, cfg.group_envs, seed, auto_reset=not spec.episodic)

@@ -17,7 +17,6 @@ from absl import logging
 import jax
 import numpy as np
 
-from ebrl_jax import config as config_lib
 from ebrl_jax import sim
 from ebrl_jax import types
 from ebrl_jax.generation import policies
@@ -124,7 +123,7 @@ def rollout_main(cfg: groups.RolloutConfig,
   phase = lifecycle.Phase(cfg.process.run_dir, f'rollout/{group}' + (f'#{incarnation}' if incarnation else ''))
   phase('building its envs')
   tracer = tracing.Tracer(cfg.process.trace_dir, f'rollout/{group}')
-  spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat, config_lib.pixel_shape(cfg.sim))
+  spec = sim.spec_of(cfg.sim)
   network = policies.make_network(cfg.policy, spec.obs_dim, spec.action_dim, spec.pixel_shape)
   worker = groups.make_group(cfg, group, network, tracer, channels.mailbox, stop)
   root_key = keys.cell_key(keys.root(cfg.seed), cfg.cell)  # the rollout keys of this worker's cell

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 
 from ebrl_jax.sim import gl_check  # first: it checks MUJOCO_GL before any module here imports mujoco
-from ebrl_jax.sim.registry import TaskDef, env_spec, get_default_config, load, names, register
+from ebrl_jax.sim.registry import TaskDef, env_spec, get_default_config, load, names, register, spec_of
 
 _LAZY = {
     'CpuEnvPool': ('ebrl_jax.sim.cpu_env', 'CpuEnvPool'),
@@ -23,7 +23,7 @@ _LAZY = {
     'step_chunk': ('ebrl_jax.sim.stages', 'step_chunk'),
 }
 
-__all__ = ['TaskDef', 'env_spec', 'get_default_config', 'load', 'names', 'register', *_LAZY]
+__all__ = ['TaskDef', 'env_spec', 'get_default_config', 'load', 'names', 'register', 'spec_of', *_LAZY]
 
 
 def __getattr__(name: str):

@@ -89,7 +89,8 @@ class CpuEnvPool:
     if num_threads < 0:
       raise ValueError(f'CpuEnvPool: num_threads={num_threads} must be >= 0 (0: one per available core).')
     self._task = registry.load(task)
-    self._spec = registry.env_spec(task, episode_length, action_repeat, camera.shape if camera is not None else ())
+    self._spec = (registry.env_spec(task, episode_length, action_repeat) if camera is None else registry.env_spec(
+        task, episode_length, action_repeat, camera.shape, camera.state))
     self.num_envs, self.episode_length, self.action_repeat = num_envs, episode_length, action_repeat
     self.group_size, self.auto_reset = group_size, auto_reset
     self.model = load_model(self._task, solver)
@@ -190,7 +191,8 @@ class CpuEnvPool:
 
   def _obs(self, ids: np.ndarray) -> np.ndarray:
     frame = {f: v[ids] for f, v in self._frame.items()}
-    return self._task.obs_fn(frame, self._consts).astype(np.float32)
+    obs = self._task.obs_fn(frame, self._consts).astype(np.float32)
+    return obs if obs.shape[-1] == self._spec.obs_dim else obs[:, :self._spec.obs_dim]  # --pixel_state=proprio
 
   def reset(self, env_ids: Optional[Sequence[int]] = None) -> np.ndarray:
     """New episodes for `env_ids` (all by default); envs of one group (env_id // group_size) share their

@@ -33,6 +33,7 @@ ARM_V, TARGET_V, CUBE_V = slice(0, 3), slice(3, 5), slice(5, 11)
 SITE_FINGERTIP, SITE_TARGET, SITE_CUBE = 0, 1, 2
 NQ, NV, NU = 12, 11, 3
 OBS_DIM = 31
+PROPRIO_DIM = 9  # the observation's first values: arm qpos, arm qvel, fingertip (what --pixel_state=proprio keeps)
 CUBE_HALF = 0.025  # the cube's half size = height of its centre at rest and of the target site
 
 PARAMS: Mapping[str, float] = dict(

@@ -107,6 +107,28 @@ class FreezeWhenDoneWrapper(brax_base.Wrapper):
     return where_envs(finished, frozen, nstate)
 
 
+class StateSliceWrapper(brax_base.Wrapper):
+  """Keeps the first `size` values of every observation (--pixel_state=proprio: the robot's own state beside the
+  camera frames, so the policy must see the objects). Sits right above the batching wrapper, so the episode and
+  auto-reset wrappers above it (their `first_obs` too) hold the cut observation."""
+
+  def __init__(self, env, size: int):
+    super().__init__(env)
+    self.size = int(size)
+
+  @property
+  def observation_size(self) -> int:
+    return self.size
+
+  def reset(self, rng: jax.Array) -> brax_base.State:
+    state = self.env.reset(rng)
+    return state.replace(obs=state.obs[..., :self.size])
+
+  def step(self, state: brax_base.State, action: jax.Array) -> brax_base.State:
+    nstate = self.env.step(state, action)
+    return nstate.replace(obs=nstate.obs[..., :self.size])
+
+
 def make_mjx_env(task: str,
                  episode_length: int,
                  action_repeat: int = 1,
@@ -327,6 +349,8 @@ def _make_mjx_env(task: str, episode_length: int, action_repeat: int, auto_reset
     renderer = None if camera is None else warp_render.WarpRenderer(warp_lib.pipeline_of(env).mj_model, camera)
     per_env = None if randomization is None else PerEnvModel(env, randomization)
     env = warp_lib.WarpVmapWrapper(env, renderer=renderer, per_env_model=per_env)
+    if camera is not None and registry.state_dim(task_def, camera.state) < task_def.obs_dim:
+      env = StateSliceWrapper(env, registry.state_dim(task_def, camera.state))
   else:
     if randomization is None:
       env = brax_training.VmapWrapper(_shared_brax_mjx_env(task_def.brax_name, solver))

@@ -58,8 +58,13 @@ class TaskDef:
   default_episode_length: int = 1000
   asset_path: Optional[str] = None  # absolute MJCF path; None: xml_file under brax/envs/assets
   brax_module: str = ''  # module that registers the Brax env `brax_name` ('' for Brax's own envs)
+  # The observation's first `proprio_dim` values are the robot's own (joints, fingertip): what --pixel_state=proprio
+  # keeps beside the camera frames. 0: the task does not say (it then offers only --pixel_state=full).
+  proprio_dim: int = 0
 
   def __post_init__(self):
+    if not 0 <= self.proprio_dim <= self.obs_dim:
+      raise ValueError(f'TaskDef {self.name!r}: proprio_dim={self.proprio_dim} must be in [0, obs_dim={self.obs_dim}].')
     if self.n_frames <= 0:
       raise ValueError(f'TaskDef {self.name!r}: n_frames={self.n_frames} must be > 0.')
     unknown = set(dict(self.mjx_opt_overrides)) - {'solver', 'disableflags', 'iterations', 'ls_iterations'}
@@ -144,12 +149,27 @@ def _timestep(xml_path: str) -> float:
   return float(mujoco.MjModel.from_xml_path(xml_path).opt.timestep)
 
 
+def state_dim(task: TaskDef, pixel_state: str = 'full') -> int:
+  """How many state values an observation carries: all `task.obs_dim`, or with --pixel_state=proprio (camera
+  frames beside it) the task's proprioceptive prefix `task.proprio_dim`."""
+  if pixel_state == 'full':
+    return task.obs_dim
+  if pixel_state != 'proprio':
+    raise ValueError(f'--pixel_state={pixel_state!r} is not valid; allowed values: full, proprio.')
+  if not task.proprio_dim:
+    raise ValueError(f'--pixel_state=proprio: --task={task.name} does not say which of its observation values are '
+                     'proprioceptive (TaskDef.proprio_dim); use --pixel_state=full.')
+  return task.proprio_dim
+
+
 def env_spec(name: str,
              episode_length: int,
              action_repeat: int = 1,
-             pixel_shape: Tuple[int, ...] = ()) -> types.EnvSpec:
+             pixel_shape: Tuple[int, ...] = (),
+             pixel_state: str = 'full') -> types.EnvSpec:
   """EnvSpec of the wrapped env: dt is the simulated time of one wrapped step (n_frames x action_repeat);
-  `pixel_shape` [H, W, C] of its stacked camera frames with --obs=pixels (`config.pixel_shape(sim)`), else ()."""
+  `pixel_shape` [H, W, C] of its stacked camera frames with --obs=pixels (`config.pixel_shape(sim)`), else ();
+  `pixel_state` (--pixel_state) how much of the state rides beside them (`state_dim`)."""
   if name.startswith(config_lib.PLAYGROUND_PREFIX):
     return _playground().env_spec(name, episode_length, action_repeat)._replace(pixel_shape=tuple(pixel_shape))
   task = load(name)
@@ -157,11 +177,16 @@ def env_spec(name: str,
     raise ValueError(f'episode_length={episode_length} and action_repeat={action_repeat} must be > 0.')
   dt = _timestep(task.xml_path) * task.n_frames * action_repeat
   return types.EnvSpec(task=name,
-                       obs_dim=task.obs_dim,
+                       obs_dim=state_dim(task, pixel_state) if pixel_shape else task.obs_dim,
                        action_dim=task.action_dim,
                        episode_length=episode_length,
                        dt=dt,
                        pixel_shape=tuple(pixel_shape))
+
+
+def spec_of(sim: config_lib.SimConfig) -> types.EnvSpec:
+  """The EnvSpec of a run's `SimConfig`: its task, episode, action repeat, camera frames and --pixel_state."""
+  return env_spec(sim.task, sim.episode_length, sim.action_repeat, config_lib.pixel_shape(sim), sim.pixel_state)
 
 
 def _params(**kw) -> Mapping[str, float]:
@@ -222,7 +247,8 @@ _TASKS = (
             manipulation.reward_push_cube,
             default_episode_length=250,
             asset_path=manipulation.XML_PATH,
-            brax_module='ebrl_jax.sim.manipulation_mjx'),
+            brax_module='ebrl_jax.sim.manipulation_mjx',
+            proprio_dim=manipulation.PROPRIO_DIM),
 )
 
 for _task in _TASKS:

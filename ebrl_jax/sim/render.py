@@ -43,6 +43,7 @@ class CameraObs:
   depth: bool = False  # add a depth channel (uint8, 0..depth_max metres) to each frame
   depth_max: float = 2.0
   num_threads: int = 1  # render threads, each owning one mujoco.Renderer
+  state: str = 'full'  # the state beside the frames: the task's whole observation or its proprio prefix (--pixel_state)
 
   def __post_init__(self):
     for field in ('height', 'width', 'frame_stack', 'num_threads'):
@@ -67,7 +68,11 @@ def camera_of(sim) -> Optional[CameraObs]:
   them, with a depth channel under --pixel_depth; None with --obs=state. Both pixel backends build it here."""
   if sim.obs != 'pixels':
     return None
-  return CameraObs(height=sim.image_size, width=sim.image_size, frame_stack=sim.frame_stack, depth=sim.pixel_depth)
+  return CameraObs(height=sim.image_size,
+                   width=sim.image_size,
+                   frame_stack=sim.frame_stack,
+                   depth=sim.pixel_depth,
+                   state=sim.pixel_state)
 
 
 def stack_frames(stack, frame, xp=np):

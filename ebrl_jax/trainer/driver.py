@@ -68,7 +68,7 @@ def trainer_config(cfg: config_lib.Config,
 
 def network_and_optimizer(sim_cfg: config_lib.SimConfig, policy: config_lib.PolicyConfig, algo: config_lib.AlgoConfig):
   """(env spec, network, optimizer) of a run: what its train state is made from."""
-  spec = sim.env_spec(sim_cfg.task, sim_cfg.episode_length, sim_cfg.action_repeat, config_lib.pixel_shape(sim_cfg))
+  spec = sim.spec_of(sim_cfg)
   network = policies.make_network(policy, spec.obs_dim, spec.action_dim, spec.pixel_shape)
   return spec, network, trainer_stages.make_optimizer(algo)
 

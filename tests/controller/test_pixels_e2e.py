@@ -27,8 +27,9 @@ def gl():
     pytest.skip(f'no headless OpenGL for mujoco.Renderer ({render.gl_backend()}): {err}')
 
 
-def _config(run_dir, schedule, **schedule_kw):
+def _config(run_dir, schedule, pixel_state='full', **schedule_kw):
   return config_lib.Config(sim=config_lib.SimConfig(task='push_cube',
+                                                    pixel_state=pixel_state,
                                                     num_envs=2,
                                                     episode_length=20,
                                                     num_eval_envs=2,
@@ -60,7 +61,8 @@ def _losses_finite(run_dir) -> int:
   return len(losses)
 
 
-def test_fused_pixels_reach_the_train_step_as_uint8_stacks(tmp_path, gl, monkeypatch):
+@pytest.mark.parametrize('pixel_state,state_dim', [('full', 31), ('proprio', 9)])
+def test_fused_pixels_reach_the_train_step_as_uint8_stacks(tmp_path, gl, monkeypatch, pixel_state, state_dim):
   seen = []
   real = trainer_stages.train_step
 
@@ -69,10 +71,11 @@ def test_fused_pixels_reach_the_train_step_as_uint8_stacks(tmp_path, gl, monkeyp
     return real(*args, **kwargs)
 
   monkeypatch.setattr(trainer_stages, 'train_step', recording)
-  summary = controller.run(_config(tmp_path / 'fused', 'fused'))
+  summary = controller.run(_config(tmp_path / 'fused', 'fused', pixel_state))
   assert summary.env_steps == ITERATIONS * 10 and summary.iterations == ITERATIONS
-  # [T, S] = [5 steps, 2 segments]; 32 x 32 RGB frames, 2 stacked: 6 uint8 channels beside push_cube's 31 floats.
-  assert seen and seen[0].pixels == ((5, 2, 32, 32, 6), 'uint8') and seen[0].state == ((5, 2, 31), 'float32')
+  # [T, S] = [5 steps, 2 segments]; 32 x 32 RGB frames, 2 stacked: 6 uint8 channels beside push_cube's 31 floats
+  # (--pixel_state=full) or its 9 arm values (proprio).
+  assert seen and seen[0].pixels == ((5, 2, 32, 32, 6), 'uint8') and seen[0].state == ((5, 2, state_dim), 'float32')
   assert _losses_finite(tmp_path / 'fused') >= 1
   assert all(math.isfinite(e['return']) for e in summary.eval_curve)
 

@@ -16,6 +16,7 @@ import pytest
 from ebrl_jax import config as config_lib
 from ebrl_jax import types
 from ebrl_jax.rollout import mjx as mjx_rollout
+from ebrl_jax.sim import manipulation
 from ebrl_jax.sim import mjx_env
 from ebrl_jax.sim import registry
 from ebrl_jax.sim import render
@@ -140,3 +141,27 @@ def test_mjx_rollouts_build_their_env_with_the_flags_camera(monkeypatch):
   assert args == ('push_cube', sim.episode_length, sim.action_repeat)
   assert pixels['camera'] == render.CameraObs(camera='fixed', height=32, width=32, frame_stack=2)
   assert pixels['impl'] == 'warp' and not pixels['auto_reset'] and state['camera'] is None and state['auto_reset']
+
+
+@needs_warp_device
+def test_warp_proprio_state_is_the_full_states_arm_prefix():
+  """--pixel_state=proprio on MJX-Warp: the state beside the frames is the first PROPRIO_DIM values of the full
+  observation of the same envs (same keys, same actions), through reset, a chunk and an auto-reset; the frames
+  are the same."""
+  full_env, proprio_env = (mjx_env.make_mjx_env('push_cube',
+                                                3,
+                                                1,
+                                                True,
+                                                impl='warp',
+                                                camera=render.CameraObs(height=16, width=16, state=state))
+                           for state in ('full', 'proprio'))
+  reset = jax.jit(stages.reset, static_argnums=(0, 2, 3))
+  chunk = jax.jit(stages.step_chunk, static_argnums=0)
+  full, proprio = reset(full_env, jax.random.PRNGKey(0), 4, 1), reset(proprio_env, jax.random.PRNGKey(0), 4, 1)
+  actions = jnp.tile(jnp.array([1.0, -1.0, 1.0]), (4, 2, 1))
+  for _ in range(3):  # env steps 2, 4 (the 3-step episodes end and auto-reset), 6
+    want, got = stages.observation(full), stages.observation(proprio)
+    assert got.state.shape == (4, manipulation.PROPRIO_DIM)
+    np.testing.assert_array_equal(np.asarray(got.state), np.asarray(want.state)[:, :manipulation.PROPRIO_DIM])
+    np.testing.assert_array_equal(np.asarray(got.pixels), np.asarray(want.pixels))
+    (full, _), (proprio, _) = chunk(full_env, full, actions), chunk(proprio_env, proprio, actions)
