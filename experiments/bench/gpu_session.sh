@@ -93,8 +93,9 @@
 #         (rollout 20 -> 25 % at iteration 10 of 48, 3 M steps) whose whole output is kept.
 # pixlearn issue 13 item 3: push_cube learned from pixels (experiments/push_cube_pixels.flags: MJX-Warp frames beside
 #         the arm's own state only, CNN + MLP heads), fused, alone on the GPU, to its target or PIXLEARN_WALL_S (470 s;
-#         PIXLEARN_EXTRA adds harness flags, e.g. --seeds=1); then tests/sim/test_warp_pixels.py on the GPU (its
-#         Warp rendering and --pixel_state=proprio tests, skipped on CPU machines) into pixlearn_warp_tests.log.
+#         PIXLEARN_EXTRA adds harness flags, e.g. --seeds=1); then tests/sim/test_warp_pixels.py on the GPU with
+#         EBRL_FULL_TESTS=1 (its Warp rendering and --pixel_state=proprio tests, which skip on CPU machines; the first
+#         call ran without it and did not print why 3 skipped) into pixlearn_warp_tests.log.
 # The device tool brings back at most 8 files a call: each invocation leaves one file, OUT_DIR/PART.tgz (what it
 # wrote: JSON, telemetry, log tails, each run's output and metrics), so OUT_DIR=$OUT is fine, several parts a call too;
 # part `pack` packs what is already there (PACK_SINCE). EBRL_BENCH_ROOT moves the work folder (/tmp/ebrl_bench).
@@ -350,8 +351,8 @@ case $PART in
     w=${PIXLEARN_WALL_S:-470}
     bench pixlearn_h200 0-15 --bench_flagfile=experiments/push_cube_pixels.flags --gpus=0 --schedules=fused \
       --extra=--max_wall_s=$w --timeout_s=$((w + 40)) ${PIXLEARN_EXTRA:-}
-    timeout -s TERM 150 python3 -m pytest -q -p no:cacheprovider tests/sim/test_warp_pixels.py \
-      > $ROOT/pixlearn_warp_tests.log 2>&1
+    EBRL_FULL_TESTS=1 timeout -s TERM 240 python3 -m pytest -q -rs -p no:cacheprovider tests/sim/test_warp_pixels.py \
+      > $ROOT/pixlearn_warp_tests.log 2>&1  # the opt-in Warp tests too, and why any test skipped
     echo "[pixlearn warp tests] exit $?" ;;
   pack)  # runs nothing: packs what earlier parts left in the work folder since PACK_SINCE (a date; default: all of
     # it) into OUT_DIR/pack.tgz, e.g. after a part was killed by its call's time limit before packing
