@@ -86,6 +86,9 @@ COMBOS: Dict[str, List[str]] = {
     'hopper_mjx_async_4groups_staleness3': [
         '--task=hopper', '--backend=mjx', '--schedule=async', '--num_groups=4', '--max_staleness=3', '--num_envs=32'
     ],
+    'push_cpu_pixels_sync_proprio_2groups': [  # the camera beside the arm's own state only (added after the 17)
+        '--task=push_cube', '--backend=mujoco_cpu', '--schedule=sync', '--num_groups=2', '--pixel_state=proprio'
+    ] + PIXELS,
     'cheetah_mjx_fused_bf16_transformer':
         ['--task=halfcheetah', '--backend=mjx', '--schedule=fused', '--compute_dtype=bfloat16'] + TRANSFORMER,
 }
