@@ -125,9 +125,6 @@ class PolicyConfig:
     # Token ids travel as float32 (Transition.raw_action), exact only below 2^24.
     if not 2 <= self.num_bins <= 2**24:
       raise ValueError(f'--num_bins={self.num_bins} must lie in [2, 2^24] (token ids travel as float32).')
-    if self.kind == 'mlp' and self.compute_dtype != 'float32':
-      raise ValueError(f'--compute_dtype={self.compute_dtype} needs --policy=transformer or token (the MLP '
-                       'computes in float32).')
     if not self.policy_hidden_sizes or any(h <= 0 for h in self.policy_hidden_sizes):
       raise ValueError(f'--policy_hidden_sizes={list(self.policy_hidden_sizes)} must be non-empty and positive.')
     if not self.value_hidden_sizes or any(h <= 0 for h in self.value_hidden_sizes):

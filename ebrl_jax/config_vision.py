@@ -79,6 +79,9 @@ def check_policy_vision(policy) -> None:
 def check_run_pixels(cfg) -> None:
   """The whole run's checks of --obs=pixels (`cfg` a `config.Config`): what the pixel path does not reach yet."""
   sim, policy = cfg.sim, cfg.policy
+  if policy.kind == 'mlp' and policy.compute_dtype != 'float32' and sim.obs != 'pixels':
+    raise ValueError(f'--compute_dtype={policy.compute_dtype} needs --policy=transformer or token, or --obs=pixels '
+                     "(where it is the MLP policy's CNN encoder's; the MLP heads compute in float32).")
   if sim.obs != 'pixels':
     return
   if not cfg.schedule.colocate_generation:

@@ -105,8 +105,9 @@ _HELP = {
         f'Policy network: {", ".join(config_lib.POLICIES)}.',
     'num_bins':
         'Token policy: discrete bins per action dimension (bin centres span [-1, 1]).',
-    'compute_dtype': (f'Activation dtype of the transformer and token policies: {", ".join(config_lib.COMPUTE_DTYPES)} '
-                      '(params, optimizer state and log-probs stay float32).'),
+    'compute_dtype': (f'Activation dtype of the transformer and token policies and of every pixel encoder (the MLP '
+                      f'policy\'s CNN too): {", ".join(config_lib.COMPUTE_DTYPES)} (params, optimizer state, the MLP '
+                      'heads and log-probs stay float32).'),
     'critic': (f'Value network of the transformer and token policies: {", ".join(config_lib.CRITICS)} (shared: a value '
                'head on the policy trunk; mlp: a separate MLP of --value_hidden_sizes on the state; auto: mlp, or '
                'shared with --obs=pixels).'),

@@ -157,7 +157,13 @@ def test_token_policy_and_compute_dtype_fields_validate_and_name_their_flags():
   assert config_lib.PolicyConfig(kind='token', num_bins=2**24).num_bins == 2**24  # the largest exact id is 2^24 - 1
   with pytest.raises(ValueError, match=r"--compute_dtype='float16' is not valid; allowed values: float32, bfloat16"):
     config_lib.PolicyConfig(kind='token', compute_dtype='float16')
-  with pytest.raises(ValueError, match='--compute_dtype=bfloat16 needs --policy=transformer or token'):
-    config_lib.PolicyConfig(kind='mlp', compute_dtype='bfloat16')
+  mlp_bf16 = config_lib.PolicyConfig(kind='mlp', compute_dtype='bfloat16')  # the CNN encoder's, with pixels
+  with pytest.raises(ValueError,
+                     match=r'--compute_dtype=bfloat16 needs --policy=transformer or token, or '
+                     r"--obs=pixels \(where it is the MLP policy's CNN encoder's"):
+    config_lib.Config(policy=mlp_bf16)
+  pixels = config_lib.SimConfig(task='push_cube', obs='pixels', num_envs=4)
+  assert config_lib.Config(sim=pixels, policy=mlp_bf16,
+                           algo=config_lib.AlgoConfig(batch_size=4, num_minibatches=1)).policy == mlp_bf16
   with pytest.raises(ValueError, match='--unroll_length=5 must be a multiple of --action_chunk=2'):
     config_lib.Config(policy=token, algo=config_lib.AlgoConfig(unroll_length=5))

@@ -103,8 +103,8 @@ class TransformerActorCritic(nn.Module):
 def make_network(policy_config: PolicyConfig, obs_dim: int, action_dim: int, pixel_shape: Tuple[int,
                                                                                                 ...] = ()) -> nn.Module:
   """Builds the network named by `policy_config.kind`. `obs_dim` is accepted for symmetry (flax infers input
-  sizes at init). The transformer and token policies compute in `policy_config.compute_dtype` (params stay
-  float32); the token policy cuts the state into `obs_token_size` tokens with `token_policy.StateTokenizer`.
+  sizes at init). The transformer and token policies, and with pixels the MLP policy's CNN encoder, compute in
+  `policy_config.compute_dtype` (params stay float32); the token policy cuts the state into `obs_token_size` tokens with `token_policy.StateTokenizer`.
   With `pixel_shape` (`--obs=pixels`) the network takes a `types.PixelObs`: see `_make_pixel_network`."""
   del obs_dim
   critic = config_generation.critic_of(policy_config, pixels=bool(pixel_shape))
@@ -144,6 +144,7 @@ def _make_pixel_network(p: PolicyConfig, action_dim: int, critic: str) -> nn.Mod
                                  feature_dim=p.d_model,
                                  policy_hidden_sizes=tuple(p.policy_hidden_sizes),
                                  value_hidden_sizes=tuple(p.value_hidden_sizes),
+                                 dtype=dtype,
                                  num_blocks=p.cnn_blocks)
   if p.kind == 'transformer':
     return vision.VisionTransformerActorCritic(d_model=p.d_model,

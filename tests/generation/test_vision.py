@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ebrl_jax.generation import distribution, vision
+from ebrl_jax import config as config_lib
+from ebrl_jax.generation import distribution, policies, vision
 
 B, H, W = 2, 16, 16
 
@@ -163,3 +164,28 @@ def test_bfloat16_compute_is_finite_and_close_to_float32():
   f16 = jax.jit(cnn16.apply)(cp, obs.pixels)
   assert f16.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(f16, np.float32), jax.jit(cnn32.apply)(cp, obs.pixels), atol=0.05, rtol=0.05)
+
+
+def test_mlp_pixel_policy_takes_the_compute_dtype_for_its_cnn_encoder():
+  """--policy=mlp --obs=pixels --compute_dtype=bfloat16: make_network builds the CNN encoder in bfloat16 (the same
+  float32 parameters give outputs that differ from float32 compute by rounding only), the heads' outputs stay
+  float32."""
+  obs = _obs()
+  shape = tuple(obs.pixels.shape[1:])
+  nets = [
+      policies.make_network(
+          config_lib.PolicyConfig(kind='mlp',
+                                  compute_dtype=dtype,
+                                  cnn_channels=(4, 8),
+                                  cnn_blocks=1,
+                                  d_model=16,
+                                  policy_hidden_sizes=(16,),
+                                  value_hidden_sizes=(16,)), obs.state.shape[-1], 2, shape)
+      for dtype in ('float32', 'bfloat16')
+  ]
+  params = jax.jit(nets[0].init)(jax.random.PRNGKey(0), obs)
+  (dp32, v32), (dp16, v16) = (jax.jit(net.apply)(params, obs) for net in nets)
+  assert dp16.dtype == v16.dtype == jnp.float32 and np.all(np.isfinite(dp16)) and np.all(np.isfinite(v16))
+  assert not np.array_equal(dp16, dp32)  # the encoder did compute in bfloat16
+  np.testing.assert_allclose(dp16, dp32, atol=0.05)
+  np.testing.assert_allclose(v16, v32, atol=0.05)
