@@ -202,8 +202,9 @@ def _save(cfg, checkpointer, train_state, progress: _Progress, spec) -> None:
 
 
 def _chunk_size(cfg: TrainerConfig, progress: _Progress, per_eval: int, total: int, clock: _Clock) -> int:
-  """Iterations until the next evaluation, cut at --first_checkpoint_iteration, at the iteration that should
-  reach --max_wall_s, and while signals are held (`errors.deferred_stops`) after `errors.STOP_LATENCY_S`."""
+  """Iterations until the next evaluation, cut at --first_checkpoint_iteration, at half of what the rest of
+  --max_wall_s holds (so chunks shrink towards it, the last one a single iteration), and while signals are held
+  (`errors.deferred_stops`) after `errors.STOP_LATENCY_S`."""
   n = min(per_eval - progress.iterations % per_eval, total - progress.iterations)
   if errors.stops_deferred():  # one iteration first, to learn how many fit STOP_LATENCY_S
     n = min(n, max(1, math.floor(errors.STOP_LATENCY_S / progress.s_per_iteration)) if progress.s_per_iteration else 1)
@@ -211,8 +212,8 @@ def _chunk_size(cfg: TrainerConfig, progress: _Progress, per_eval: int, total: i
   if cfg.schedule.checkpoint_every and progress.last_saved < first and progress.iterations < first:
     n = min(n, first - progress.iterations)
   budget = cfg.schedule.max_wall_s
-  if budget and progress.s_per_iteration:
-    n = min(n, max(1, math.ceil((budget - clock.now()) / progress.s_per_iteration)))
+  if budget and progress.s_per_iteration:  # half the rest at the latest rate: a rate that drops mid-chunk then
+    n = min(n, max(1, math.ceil((budget - clock.now()) / (2 * progress.s_per_iteration))))  # overshoots by less
   return n
 
 
