@@ -104,7 +104,8 @@ def make_network(policy_config: PolicyConfig, obs_dim: int, action_dim: int, pix
                                                                                                 ...] = ()) -> nn.Module:
   """Builds the network named by `policy_config.kind`. `obs_dim` is accepted for symmetry (flax infers input
   sizes at init). The transformer and token policies, and with pixels the MLP policy's CNN encoder, compute in
-  `policy_config.compute_dtype` (params stay float32); the token policy cuts the state into `obs_token_size` tokens with `token_policy.StateTokenizer`.
+  `policy_config.compute_dtype` (params stay float32); the token policy cuts the state into `obs_token_size`
+  tokens with `token_policy.StateTokenizer`.
   With `pixel_shape` (`--obs=pixels`) the network takes a `types.PixelObs`: see `_make_pixel_network`."""
   del obs_dim
   critic = config_generation.critic_of(policy_config, pixels=bool(pixel_shape))

@@ -192,7 +192,9 @@ class CpuEnvPool:
   def _obs(self, ids: np.ndarray) -> np.ndarray:
     frame = {f: v[ids] for f, v in self._frame.items()}
     obs = self._task.obs_fn(frame, self._consts).astype(np.float32)
-    return obs if obs.shape[-1] == self._spec.obs_dim else obs[:, :self._spec.obs_dim]  # --pixel_state=proprio
+    if obs.shape[-1] != self._spec.obs_dim:  # --pixel_state=proprio: the task's proprioceptive prefix
+      obs = np.ascontiguousarray(obs[:, :self._spec.obs_dim])
+    return obs
 
   def reset(self, env_ids: Optional[Sequence[int]] = None) -> np.ndarray:
     """New episodes for `env_ids` (all by default); envs of one group (env_id // group_size) share their
