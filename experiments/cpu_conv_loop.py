@@ -35,7 +35,9 @@ def _timed(fn, *args):
   return {'compile_and_run_s': round(first, 3), 'run_s': round(time.monotonic() - t0, 3)}
 
 
-def _batch(envs: int, steps: int, obs_dim: int, shape, seed: int = 0):
+def random_batch(envs: int, steps: int, obs_dim: int, action_dim: int, shape, seed: int = 0):
+  """A Transition [steps, envs] of random frames (uint8) and small random floats, every step valid (mask 1) and no
+  episode ending (termination and truncation 0): a batch any train step takes."""
   rng = np.random.default_rng(seed)
 
   def fill(x):
@@ -45,8 +47,10 @@ def _batch(envs: int, steps: int, obs_dim: int, shape, seed: int = 0):
       return jnp.zeros(x.shape, bool)
     return jnp.asarray(0.1 * rng.normal(size=x.shape).astype(x.dtype))
 
-  batch = jax.tree.map(fill, types.transition_template(steps, envs, obs_dim, 1, 3, shape))
-  return batch._replace(mask=jnp.ones_like(batch.mask))
+  batch = jax.tree.map(fill, types.transition_template(steps, envs, obs_dim, 1, action_dim, shape))
+  return batch._replace(mask=jnp.ones_like(batch.mask),
+                        termination=jnp.zeros_like(batch.termination),
+                        truncation=jnp.zeros_like(batch.truncation))
 
 
 def measure(envs: int, minibatches: int, epochs: int, image: int) -> dict:
@@ -64,7 +68,7 @@ def measure(envs: int, minibatches: int, epochs: int, image: int) -> dict:
   network = policies.make_network(policy, obs_dim, 3, shape)
   optimizer = stages.make_optimizer(algo)
   state = stages.init_train_state(network, optimizer, jax.random.PRNGKey(0), obs_dim, True, shape)
-  batch = _batch(envs, 10, obs_dim, shape)
+  batch = random_batch(envs, 10, obs_dim, 3, shape)
   key = jax.random.PRNGKey(1)
   out = {'envs': envs, 'steps': 10, 'minibatches': minibatches, 'epochs': epochs, 'image': image}
   for name, unroll in (('rolled', False), ('unrolled', True)):

@@ -349,8 +349,9 @@ def _make_mjx_env(task: str, episode_length: int, action_repeat: int, auto_reset
     renderer = None if camera is None else warp_render.WarpRenderer(warp_lib.pipeline_of(env).mj_model, camera)
     per_env = None if randomization is None else PerEnvModel(env, randomization)
     env = warp_lib.WarpVmapWrapper(env, renderer=renderer, per_env_model=per_env)
-    if camera is not None and registry.state_dim(task_def, camera.state) < task_def.obs_dim:
-      env = StateSliceWrapper(env, registry.state_dim(task_def, camera.state))
+    state_size = task_def.obs_dim if camera is None else registry.state_dim(task_def, camera.state)
+    if state_size < task_def.obs_dim:
+      env = StateSliceWrapper(env, state_size)
   else:
     if randomization is None:
       env = brax_training.VmapWrapper(_shared_brax_mjx_env(task_def.brax_name, solver))

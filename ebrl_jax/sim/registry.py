@@ -17,6 +17,7 @@ import os
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
 from ebrl_jax import config as config_lib
+from ebrl_jax.config_vision import PIXEL_STATES
 from ebrl_jax import types
 from ebrl_jax.sim import manipulation
 from ebrl_jax.sim import tasks
@@ -155,7 +156,7 @@ def state_dim(task: TaskDef, pixel_state: str = 'full') -> int:
   if pixel_state == 'full':
     return task.obs_dim
   if pixel_state != 'proprio':
-    raise ValueError(f'--pixel_state={pixel_state!r} is not valid; allowed values: full, proprio.')
+    raise ValueError(f'--pixel_state={pixel_state!r} is not valid; allowed values: {", ".join(PIXEL_STATES)}.')
   if not task.proprio_dim:
     raise ValueError(f'--pixel_state=proprio: --task={task.name} does not say which of its observation values are '
                      'proprioceptive (TaskDef.proprio_dim); use --pixel_state=full.')

@@ -227,7 +227,7 @@ def _scan(f, carry, xs, unroll: bool):
   """`jax.lax.scan(f, carry, xs)`, or with `unroll` the same steps traced one after the other with no loop at
   all (scan's own `unroll=True` still leaves a while loop of one trip). XLA:CPU runs a convolution inside a loop
   body far slower than the same one outside: a pixel train step (2 minibatches of 80 frames of 64 x 64, the IMPALA
-  CNN) took 24.9 s rolled and 1.0 s unrolled on 2 cores (experiments/cpu_conv_loop.py)."""
+  CNN) took 24.3 s rolled and 0.88 s unrolled on 2 cores (experiments/cpu_conv_loop.py)."""
   if not unroll:
     return jax.lax.scan(f, carry, xs)
   outs = []

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ebrl_jax import config as config_lib
-from ebrl_jax import types
 from ebrl_jax.generation import policies
 from ebrl_jax.trainer import stages
+from experiments import cpu_conv_loop
 
 
 def test_unrolled_scan_equals_lax_scan():
@@ -41,15 +41,7 @@ def _setup(obs_dim=5, shape=(16, 16, 6), pixels=True):
   network = policies.make_network(policy, obs_dim, 2, shape)
   optimizer = stages.make_optimizer(algo)
   state = stages.init_train_state(network, optimizer, jax.random.PRNGKey(0), obs_dim, True, shape)
-  rng = np.random.default_rng(0)
-
-  def fill(x):
-    if x.dtype == np.uint8:
-      return jnp.asarray(rng.integers(0, 256, x.shape, dtype=np.uint8))
-    return jnp.asarray(rng.normal(size=x.shape).astype(x.dtype)) if x.dtype != np.bool_ else jnp.zeros(x.shape, bool)
-
-  batch = jax.tree.map(fill, types.transition_template(4, 4, obs_dim, 1, 2, shape))
-  batch = batch._replace(mask=jnp.ones_like(batch.mask), termination=jnp.zeros_like(batch.termination))
+  batch = cpu_conv_loop.random_batch(4, 4, obs_dim, 2, shape)
   return network, optimizer, algo, state, batch
 
 
