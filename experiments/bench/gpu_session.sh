@@ -96,6 +96,12 @@
 #         PIXLEARN_EXTRA adds harness flags, e.g. --seeds=1); then tests/sim/test_warp_pixels.py on the GPU with
 #         EBRL_FULL_TESTS=1 (its Warp rendering and --pixel_state=proprio tests, which skip on CPU machines; the first
 #         call ran without it and did not print why 3 skipped) into pixlearn_warp_tests.log.
+# w6learn issue 13 item 4: the token policy (W6's flags) learning push_cube, a screen of 4 variants at once on the one
+#         GPU under one MPS daemon that every run shares (so their kernels run side by side instead of time-slicing;
+#         throughputs are shared ones), fused, each stopped by --max_wall_s=W6LEARN_WALL_S (480 s): W2's learning recipe
+#         (lr 1e-4, gradient-norm clip 0.5, PopArt, the lr decaying to 0) with action chunks of 4 (W6's), 2 and 1, and
+#         chunk 4 at W6's lr of 3e-4 with the rest of the recipe. Compile caches shared (warm for a later call on the
+#         same machine); W6LEARN_EXTRA adds harness flags (e.g. --extra=--resume to continue the runs' checkpoints).
 # The device tool brings back at most 8 files a call: each invocation leaves one file, OUT_DIR/PART.tgz (what it
 # wrote: JSON, telemetry, log tails, each run's output and metrics), so OUT_DIR=$OUT is fine, several parts a call too;
 # part `pack` packs what is already there (PACK_SINCE). EBRL_BENCH_ROOT moves the work folder (/tmp/ebrl_bench).
@@ -129,6 +135,13 @@ overlap_pair() {  # overlap_pair NAME FLAGFILE WALL_S [ITERATION]: sync vs overl
   timeout -s TERM 60 python3 -m experiments.bench.timeline --traces=$ROOT/${name}_tr --timeline_iteration=$it \
     --timeline_out=$ROOT/${name%_1gpu}_h200_timeline_it$it.json > $ROOT/${name}_timeline.log 2>&1
   echo "[${name}_timeline] exit $?"
+}
+
+shared_mps() {  # one MPS daemon for every process started after this (the end of the script stops it)
+  CUDA_MPS_PIPE_DIRECTORY=$(mktemp -d /tmp/mps_shared.XXXXXX)
+  export CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY=$CUDA_MPS_PIPE_DIRECTORY/log
+  mkdir -p "$CUDA_MPS_LOG_DIRECTORY"
+  nvidia-cuda-mps-control -d && echo "[mps] one daemon for every run: $CUDA_MPS_PIPE_DIRECTORY"
 }
 
 W2="--bench_flagfile=experiments/w2_transformer.flags --extra=--target_return=1000"
@@ -354,6 +367,15 @@ case $PART in
     EBRL_FULL_TESTS=1 timeout -s TERM 240 python3 -m pytest -q -rs -p no:cacheprovider tests/sim/test_warp_pixels.py \
       > $ROOT/pixlearn_warp_tests.log 2>&1  # the opt-in Warp tests too, and why any test skipped
     echo "[pixlearn warp tests] exit $?" ;;
+  w6learn)  # issue 13 item 4: the token policy learning push_cube, 4 variants at once under one shared MPS daemon
+    w=${W6LEARN_WALL_S:-480}
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.2
+    shared_mps
+    bench w6_learn_screen 0-15 --bench_flagfile=experiments/w6_token.flags --gpus=0,0,0,0 --compile_cache=shared \
+      --schedules=c4=fused,c2=fused,c1=fused,c4_lr3e4=fused --extra=--learning_rate=1e-4 --extra=--max_grad_norm=0.5 \
+      --extra=--value_norm_rate=0.05 --extra=--learning_rate_end=0 --only=c2:--action_chunk=2 \
+      --only=c1:--action_chunk=1 --only=c4_lr3e4:--learning_rate=3e-4 --extra=--max_wall_s=$w \
+      --timeout_s=$((w + 60)) ${W6LEARN_EXTRA:-} ;;
   pack)  # runs nothing: packs what earlier parts left in the work folder since PACK_SINCE (a date; default: all of
     # it) into OUT_DIR/pack.tgz, e.g. after a part was killed by its call's time limit before packing
     touch -d "${PACK_SINCE:-1970-01-01}" "$STAMP" ;;
