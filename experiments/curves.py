@@ -5,7 +5,9 @@ time limit before this project held signals on MJX) or to put several runs on on
       --target=0 --out=experiments/results/manip_screen_h200.json
 
 Writes `--out` (per label: every evaluation's env steps, its `wall_s` as logged and return (the run clock, seconds
-from process start, since this tool came; a logger clock from the driver's start before),
+from process start, since this tool came; a logger clock from the driver's start before), and the process it came
+from (`process`, 0 first: a run continued with --resume appends to the same metrics.jsonl, its clock starting again,
+so `wall_s_to_target` is on the clock of `process_of_target`),
 `compile_s` when the run logged it, best return, the first evaluation at or above `--target`, the env steps/s
 logged while training, and each `--train_metrics` name's values as logged: the mean over each chunk of
 iterations) and `--out` with `.png` (return against env steps and against wall-clock seconds).
@@ -43,7 +45,13 @@ def read_metrics(path: str) -> List[dict]:
 def curve_of(records: List[dict], target: Optional[float], train_metrics: tuple = ()) -> dict:
   """One run's figures from its metrics records (see the module's docstring). Raises ValueError without any
   evaluation."""
-  points = [{'env_steps': r['env_steps'], 'wall_s': r['wall_s'], 'return': r[RETURN]} for r in records if RETURN in r]
+  points, process, last_wall = [], 0, None
+  for r in records:
+    if last_wall is not None and r['wall_s'] < last_wall:  # a resumed process's records: its clock starts again
+      process += 1
+    last_wall = r['wall_s']
+    if RETURN in r:
+      points.append({'env_steps': r['env_steps'], 'wall_s': r['wall_s'], 'return': r[RETURN], 'process': process})
   if not points:
     raise ValueError('no evaluation in the metrics')
   compile_s = next((r['time/compile_s'] for r in records if 'time/compile_s' in r), None)
@@ -58,6 +66,8 @@ def curve_of(records: List[dict], target: Optional[float], train_metrics: tuple 
       'target_return': target,
       'env_steps_to_target': hit['env_steps'] if hit else None,
       'wall_s_to_target': hit['wall_s'] if hit else None,
+      'processes': process + 1,
+      'process_of_target': hit['process'] if hit else None,
       'rollout_env_steps_per_s_median': sorted(rates)[len(rates) // 2] if rates else None,
       'train_metrics': {
           name: [{
@@ -72,11 +82,16 @@ def plot(curves: Dict[str, dict], path: str, target: Optional[float]) -> None:
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))
   for label, c in curves.items():
     steps = [p['env_steps'] / 1e6 for p in c['eval_curve']]
-    walls = [p['wall_s'] for p in c['eval_curve']]
     returns = [p['return'] for p in c['eval_curve']]
-    axes[0].plot(steps, returns, marker='o', label=label)
-    axes[1].plot(walls, returns, marker='o', label=label)
-  for ax, xlabel in zip(axes, ('env steps (M)', 'wall_s of metrics.jsonl (s)')):
+    line, = axes[0].plot(steps, returns, marker='o', label=label)
+    for k in sorted({p.get('process', 0) for p in c['eval_curve']}):  # one line per process: clocks restart
+      mine = [p for p in c['eval_curve'] if p.get('process', 0) == k]
+      axes[1].plot([p['wall_s'] for p in mine], [p['return'] for p in mine],
+                   marker='o' if k == 0 else 's',
+                   color=line.get_color(),
+                   linestyle='-' if k == 0 else ':')
+  for ax, xlabel in zip(axes,
+                        ('env steps (M)', 'wall_s of metrics.jsonl (s; a resumed process dotted, from its start)')):
     ax.set_xlabel(xlabel)
     ax.set_ylabel('eval return')
     if target is not None:

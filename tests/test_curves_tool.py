@@ -67,6 +67,29 @@ def test_a_killed_runs_metrics_give_its_curve_and_first_hit(tmp_path):
     curves.curve_of(RECORDS[1:3], target=None)
 
 
+def test_a_resumed_runs_records_are_split_by_process_and_its_target_named_by_its_process(tmp_path):
+  resumed = [  # --resume appends to the same metrics.jsonl, the new process's clock starting again
+      {
+          'env_steps': 200,
+          'wall_s': 3.0,
+          'time/compile_s': 3.0
+      },
+      {
+          'env_steps': 300,
+          'wall_s': 4.0,
+          'eval/episode_return': 20.0
+      },
+  ]
+  c = curves.curve_of(RECORDS + resumed, target=10.0)
+  assert [p['process'] for p in c['eval_curve']] == [0, 0, 0, 1]
+  assert (c['processes'], c['env_steps_to_target'], c['wall_s_to_target'], c['process_of_target']) == (2, 300, 4.0, 1)
+  one = curves.curve_of(RECORDS, target=0.0)
+  assert (one['processes'], one['process_of_target']) == (1, 0)
+  path = tmp_path / 'r.jsonl'
+  _write(path, RECORDS + resumed)
+  assert curves.main([f'--run=r={path}', f'--out={tmp_path}/r.json']) == 0  # the plot draws each process's line
+
+
 def test_the_command_writes_json_and_png_and_names_a_bad_run(tmp_path, capsys):
   _write(tmp_path / 'a.jsonl', RECORDS)
   out = tmp_path / 'screen.json'

@@ -102,6 +102,9 @@
 #         (lr 1e-4, gradient-norm clip 0.5, PopArt, the lr decaying to 0) with action chunks of 4 (W6's), 2 and 1, and
 #         chunk 4 at W6's lr of 3e-4 with the rest of the recipe. Compile caches shared (warm for a later call on the
 #         same machine); W6LEARN_EXTRA adds harness flags (e.g. --extra=--resume to continue the runs' checkpoints).
+# w6seeds issue 13 item 4: experiments/w6_learn.flags (the screen's chunk-1 variant as a flagfile) at seeds W6SEEDS
+#         (1,2), two at once under one shared MPS daemon, each stopped by --max_wall_s=W6LEARN_WALL_S (525 s);
+#         W6LEARN_EXTRA=--extra=--resume continues them in the next call on the same warm machine.
 # The device tool brings back at most 8 files a call: each invocation leaves one file, OUT_DIR/PART.tgz (what it
 # wrote: JSON, telemetry, log tails, each run's output and metrics), so OUT_DIR=$OUT is fine, several parts a call too;
 # part `pack` packs what is already there (PACK_SINCE). EBRL_BENCH_ROOT moves the work folder (/tmp/ebrl_bench).
@@ -376,6 +379,12 @@ case $PART in
       --extra=--value_norm_rate=0.05 --extra=--learning_rate_end=0 --only=c2:--action_chunk=2 \
       --only=c1:--action_chunk=1 --only=c4_lr3e4:--learning_rate=3e-4 --extra=--max_wall_s=$w \
       --timeout_s=$((w + 60)) ${W6LEARN_EXTRA:-} ;;
+  w6seeds)  # issue 13 item 4: w6_learn.flags at more seeds, two at once under one shared MPS daemon
+    w=${W6LEARN_WALL_S:-525}
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.3
+    shared_mps
+    bench w6_learn_seeds 0-15 --bench_flagfile=experiments/w6_learn.flags --gpus=0,0 --seeds=${W6SEEDS:-1,2} \
+      --compile_cache=shared --schedules=c1=fused --extra=--max_wall_s=$w --timeout_s=$((w + 35)) ${W6LEARN_EXTRA:-} ;;
   pack)  # runs nothing: packs what earlier parts left in the work folder since PACK_SINCE (a date; default: all of
     # it) into OUT_DIR/pack.tgz, e.g. after a part was killed by its call's time limit before packing
     touch -d "${PACK_SINCE:-1970-01-01}" "$STAMP" ;;
