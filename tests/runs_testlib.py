@@ -1,6 +1,12 @@
-"""Shared pieces of the run tests (tests/rollout, tests/controller): the tiny MJX run config and the check that a
-run consumed each of its segments once."""
+"""Shared pieces of the run tests (tests/rollout, tests/controller, the command-line ones): the tiny MJX run
+config, the check that a run consumed each of its segments once, and the check that a finished process run left
+no worker and no shared memory."""
+import json
+import os
+import time
+
 from ebrl_jax import config as config_lib
+from ebrl_jax.runtime import lifecycle
 
 
 def tiny_mjx_config(run_dir=None, unroll_length=None, **schedule_kw) -> config_lib.Config:
@@ -29,3 +35,14 @@ def assert_each_segment_once(summary, env_steps: int, segments: int, max_stalene
   if max_staleness is not None:
     assert extra['max_staleness_seen'] <= max_staleness, extra['max_staleness_seen']
   return extra
+
+
+def assert_nothing_left(run_dir, wait_s: float = 10.0) -> None:
+  """The workers a process run recorded in `run_dir/workers.json` end within `wait_s`, and its controller's shared
+  memory (`/dev/shm/ebrl_<controller pid>_*`) is gone."""
+  workers = json.load(open(os.path.join(run_dir, 'workers.json')))
+  deadline = time.monotonic() + wait_s
+  while any(lifecycle.pid_alive(p) for p in workers['workers'].values()) and time.monotonic() < deadline:
+    time.sleep(0.2)
+  assert not [p for p in workers['workers'].values() if lifecycle.pid_alive(p)]
+  assert not [n for n in os.listdir('/dev/shm') if n.startswith(f'ebrl_{workers["controller"]}_')]

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from ebrl_jax.runtime import lifecycle
+import runs_testlib  # pylint: disable=g-bad-import-order
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ('--task=inverted_pendulum', '--num_envs=32', '--batch_size=32', '--num_minibatches=8', '--num_eval_envs=8',
@@ -88,12 +88,7 @@ def test_sigterm_stops_an_async_run_with_the_trainers_summary_and_leaves_nothing
   assert summary['schedule'] == 'async' and summary['extra']['segments_consumed'] >= 2
   assert summary['compile_breakdown']['driver_start'] > 0  # the trainer worker's spawn and imports
   assert summary['eval_curve'][0]['wall_s'] > summary['compile_breakdown']['imports']
-  workers = json.load(open(run_dir / 'workers.json'))
-  deadline = time.monotonic() + 10
-  while any(lifecycle.pid_alive(p) for p in workers['workers'].values()) and time.monotonic() < deadline:
-    time.sleep(0.2)
-  assert not [p for p in workers['workers'].values() if lifecycle.pid_alive(p)]
-  assert not [n for n in os.listdir('/dev/shm') if n.startswith(f'ebrl_{workers["controller"]}_')]
+  runs_testlib.assert_nothing_left(run_dir)
 
 
 def test_max_wall_s_stops_cleanly_and_writes_the_summary(tmp_path):

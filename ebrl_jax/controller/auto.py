@@ -13,6 +13,7 @@ from ebrl_jax.controller import pipeline
 from ebrl_jax.controller import topology as topology_lib
 from ebrl_jax.resources import autoplan
 from ebrl_jax.resources import mps
+from ebrl_jax.runtime import run_clock
 from ebrl_jax.trainer import driver
 
 
@@ -31,7 +32,7 @@ def resolve(cfg: config_lib.Config) -> Tuple[config_lib.Config, dict]:
       daemon.stop()
 
 
-def run(cfg: config_lib.Config, pids: Dict[str, int], start: driver.StartClock) -> driver.RunSummary:
+def run(cfg: config_lib.Config, pids: Dict[str, int], start: run_clock.StartClock) -> driver.RunSummary:
   chosen, record = resolve(cfg)
   start = start.mark('auto_choice')  # profiles read (or calibrated) and the schedule chosen
   if chosen.schedule.name == 'fused':

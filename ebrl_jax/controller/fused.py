@@ -15,6 +15,7 @@ from ebrl_jax.controller import cells as cells_lib
 from ebrl_jax.controller import fused_cpu
 from ebrl_jax.controller import topology
 from ebrl_jax.runtime import errors
+from ebrl_jax.runtime import run_clock
 from ebrl_jax.trainer import driver
 from ebrl_jax.trainer import ranks
 
@@ -34,7 +35,7 @@ def make_source(cfg: config_lib.Config,
 
 
 def run(cfg: config_lib.Config,
-        start: Optional[driver.StartClock] = None,
+        start: Optional[run_clock.StartClock] = None,
         cell: Optional[cells_lib.Cell] = None) -> driver.RunSummary:
   """Trains with the fused schedule until `num_timesteps` env steps, the target return, --max_wall_s or a
   signal (the summary's `stopped` says which). Returns the summary, its times on the clock `start`. On MJX one

@@ -39,6 +39,7 @@ from ebrl_jax.resources import memory
 from ebrl_jax.resources import mps
 from ebrl_jax.runtime import errors
 from ebrl_jax.runtime import lifecycle
+from ebrl_jax.runtime import run_clock
 from ebrl_jax.trainer import driver
 from ebrl_jax.trainer import remote_eval
 
@@ -199,13 +200,13 @@ def _start_and_watch(cfg: config_lib.Config, workers: supervisor_lib.Supervisor)
 
 def run(cfg: config_lib.Config,
         pids: Optional[Dict[str, int]] = None,
-        start: Optional[driver.StartClock] = None,
+        start: Optional[run_clock.StartClock] = None,
         cell: Optional[cells_lib.Cell] = None) -> driver.RunSummary:
   """Runs `sync` or `async` and returns the trainer's summary (plus what the controller saw), also of a run
   stopped by SIGTERM or Ctrl-C (its `stopped` names the signal). `pids` (role -> pid) is kept up to date for
   telemetry while the run goes on; `start` is the run's clock, which the trainer's figures count from. `cell`:
   this run is that cell of several (its trainer worker a rank; None: the one cell)."""
-  start = start or driver.StartClock(time.time())
+  start = start or run_clock.StartClock(time.time())
   os.makedirs(cfg.schedule.run_dir, exist_ok=True)
   for path in _generation_stats_files(cfg):  # a reused run directory: count this run's batches only
     os.remove(path)

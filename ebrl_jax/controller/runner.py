@@ -26,6 +26,7 @@ from ebrl_jax.resources import telemetry as telemetry_lib
 from ebrl_jax.runtime import distributed
 from ebrl_jax.runtime import errors
 from ebrl_jax.runtime import metrics
+from ebrl_jax.runtime import run_clock
 from ebrl_jax.runtime import startup
 from ebrl_jax.runtime import storage
 from ebrl_jax.runtime import tracing
@@ -37,14 +38,14 @@ RunError = errors.RunError
 _PSEUDO_FILESYSTEMS = ('/proc', '/sys', '/dev')
 
 
-def _run_fused(cfg: config_lib.Config, pids: Dict[str, int], start: driver.StartClock) -> driver.RunSummary:
+def _run_fused(cfg: config_lib.Config, pids: Dict[str, int], start: run_clock.StartClock) -> driver.RunSummary:
   del pids  # one process: the controller itself
   return fused.run(cfg, start)
 
 
 # Schedule registry: every name in config.SCHEDULES. A schedule gets the config, the role -> pid map that
 # telemetry watches (it adds its workers as it starts them) and the run's clock.
-SCHEDULES: Dict[str, Callable[[config_lib.Config, Dict[str, int], driver.StartClock], driver.RunSummary]] = {
+SCHEDULES: Dict[str, Callable[[config_lib.Config, Dict[str, int], run_clock.StartClock], driver.RunSummary]] = {
     'fused': _run_fused,
     'sync': pipeline.run,
     'async': pipeline.run,
@@ -226,9 +227,10 @@ def check_before_start(cfg: config_lib.Config) -> Optional[dict]:
 
 def run(cfg: config_lib.Config, start_unix: Optional[float] = None) -> driver.RunSummary:
   """Runs `cfg` with its schedule, with telemetry alongside; writes the run's config.json (the whole config, the
-  one place that sees it) and its summary.json, and returns the summary. Every time of the run counts from
-  `start_unix` (`time.time()` at process start: main.py passes it; None: from this call)."""
-  start = driver.StartClock(start_unix or time.time()).mark('imports')  # interpreter, flags, controller imports
+  one place that sees it) and its summary.json, and returns the summary; a run whose loss or return became
+  NaN/inf writes its summary too, then raises `errors.Diverged`. Every time of the run counts from `start_unix`
+  (`time.time()` at process start: main.py passes it; None: from this call)."""
+  start = run_clock.StartClock(start_unix or time.time()).mark('imports')  # interpreter, flags, controller imports
   with supervisor.sigterm_as_interrupt():
     spec = cells_lib.resolve(cfg)  # the cells of the run: flags, else JAX_* / SLURM's environment
     resumed = check_before_start(cfg)  # nothing is started or written before this
@@ -244,8 +246,12 @@ def run(cfg: config_lib.Config, start_unix: Optional[float] = None) -> driver.Ru
     metrics.quiet_library_logs()
     summary, means = _run_schedule(cfg, start.mark('controller'), cell)
   _add_telemetry_and_trace(cfg, summary, means)
-  write_summary(cfg, summary)
+  path = write_summary(cfg, summary)
   cells_lib.finish(cell, summary)  # the end barrier of ranks that finished, or stopped together
+  if summary.stopped == driver.DIVERGED:
+    raise errors.Diverged(f'training diverged: {summary.extra.get("diverged")}; the run stopped. {path} holds the '
+                          'run so far. ' + storage.checkpoint_advice(cfg.schedule.run_dir, 'lower --learning_rate '
+                                                                     'or set --max_grad_norm'))
   if summary.stopped not in errors.STOP_SIGNALS:  # a signal's stop is main.py's one line
     final = 'none' if summary.final_eval_return is None else f'{summary.final_eval_return:.1f}'
     logging.info('%s: %d env steps, final eval return %s, %.0f env steps/s, start-up %.1f s, wall %.1f s.',
@@ -254,7 +260,7 @@ def run(cfg: config_lib.Config, start_unix: Optional[float] = None) -> driver.Ru
   return summary
 
 
-def _run_schedule(cfg: config_lib.Config, start: driver.StartClock, cell: cells_lib.Cell):
+def _run_schedule(cfg: config_lib.Config, start: run_clock.StartClock, cell: cells_lib.Cell):
   """(summary, telemetry means) of the schedule; a run stopped before its schedule had a summary (SIGTERM or
   Ctrl-C during start-up) gets the controller's own. A cell of several runs `fused` as one rank, or `sync` /
   `async` with its trainer worker as the rank; a failed all-reduce in this process is a `distributed.RankFailed`

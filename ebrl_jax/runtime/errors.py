@@ -36,13 +36,20 @@ class MpsDaemonDied(RunError):
   """The run's MPS daemon stopped answering; every worker was stopped. The message says how to resume."""
 
 
+class Diverged(RunError):
+  """A loss or a return became NaN or infinite: training stopped there. The message names the metric and the env
+  step, the summary that holds the run so far, and the checkpoint (written before it) that --resume can load."""
+
+
 class ErrorReport(NamedTuple):
   """A worker's error as it crosses to the controller: `kind` names a class of `KINDS`."""
   kind: str
   message: str
 
 
-KINDS: Dict[str, Type[RunError]] = {cls.__name__: cls for cls in (RunError, DiskFull, WorkerFailure, MpsDaemonDied)}
+KINDS: Dict[str, Type[RunError]] = {
+    cls.__name__: cls for cls in (RunError, DiskFull, WorkerFailure, MpsDaemonDied, Diverged)
+}
 
 
 def report(error: RunError) -> ErrorReport:

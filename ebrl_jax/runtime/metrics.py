@@ -92,7 +92,8 @@ def quiet_tensorboard_on_a_full_disk() -> None:
 
 
 class NonFiniteMetricError(FloatingPointError):
-  """Raised when a loss or return is NaN/inf: training stops at once rather than writing garbage."""
+  """Raised when a loss or return is NaN/inf: training stops at once rather than writing garbage (the training
+  driver then stops the run with its summary, and the controller raises `errors.Diverged`)."""
 
 
 def _to_float(value) -> float:
@@ -169,7 +170,7 @@ class MetricsLogger:
     values = {k: _to_float(v) for k, v in metrics.items()}
     for name, value in values.items():
       if not math.isfinite(value) and any(word in name for word in self._check_finite):
-        raise NonFiniteMetricError(f'metric {name} is {value} at env step {env_steps}; stopping the run.')
+        raise NonFiniteMetricError(f'metric {name} is {value} at env step {env_steps:,}')
     record = {'env_steps': int(env_steps), 'wall_s': round(self.wall_seconds(), 3), **values}
     try:
       self._jsonl.write(json.dumps(record) + '\n')

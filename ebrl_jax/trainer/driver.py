@@ -21,25 +21,13 @@ from ebrl_jax.generation import policies
 from ebrl_jax.rollout import keys
 from ebrl_jax.runtime import errors
 from ebrl_jax.runtime import metrics as metrics_lib
+from ebrl_jax.runtime import run_clock
 from ebrl_jax.runtime import startup
 from ebrl_jax.runtime import storage
 from ebrl_jax.runtime import trace_cache
 from ebrl_jax.trainer import checkpoint as checkpoint_lib
 from ebrl_jax.trainer import evaluations
 from ebrl_jax.trainer import stages as trainer_stages
-
-
-@dataclasses.dataclass(frozen=True)
-class StartClock:
-  """When the run's first process started (`time.time()` seconds) and the start-up parts the controller measured
-  before the driver began, ((name, seconds), ...) in order: together they tile process start -> the last mark."""
-  unix: float
-  parts: Tuple[Tuple[str, float], ...] = ()
-
-  def mark(self, name: str) -> 'StartClock':
-    """This clock with one more part: the seconds from the end of the last one until now."""
-    done = sum(seconds for _, seconds in self.parts)
-    return dataclasses.replace(self, parts=self.parts + ((name, max(0.0, time.time() - self.unix - done)),))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +41,7 @@ class TrainerConfig:
   algo: config_lib.AlgoConfig
   schedule: config_lib.ScheduleConfig
   env_steps_per_iteration: int
-  start: Optional[StartClock] = None
+  start: Optional[run_clock.StartClock] = None
   windows: Tuple[str, ...] = ()  # overlap windows it runs: 'h2d', 'evaluate', 'checkpoint' (iteration_graph.py)
   checkpoint_run_dir: str = ''  # whose checkpoints --resume reads ('': process.run_dir; a cell: rank 0's)
   ranks: Any = None  # a cell of several: the runtime.distributed.DistributedSpec its trainer rank joins
@@ -61,7 +49,7 @@ class TrainerConfig:
 
 def trainer_config(cfg: config_lib.Config,
                    process: startup.ProcessConfig,
-                   start: Optional[StartClock] = None) -> TrainerConfig:
+                   start: Optional[run_clock.StartClock] = None) -> TrainerConfig:
   return TrainerConfig(process, cfg.sim, cfg.policy, cfg.algo, cfg.schedule, cfg.env_steps_per_iteration,
                        start)  # the fields in order
 
@@ -114,13 +102,15 @@ class RunSummary:
   task: str
   device: str
   extra: dict  # schedule-specific figures (segments consumed, dropped, duplicates, worker restarts, ...)
-  # Why the run ended: one of FINISHED, 'max_wall_s' (the budget), or the signal ('SIGTERM', 'SIGINT').
+  # Why the run ended: one of FINISHED, 'max_wall_s' (the budget), the signal ('SIGTERM', 'SIGINT'), or DIVERGED (a
+  # loss or return became NaN/inf: extra['diverged'] says which; the controller then raises errors.Diverged).
   stopped: str = 'num_timesteps'
   compile_breakdown: Dict[str, float] = dataclasses.field(default_factory=dict)  # the parts of compile_s
   start_unix: Optional[float] = None  # the clock's origin, `time.time()` at process start
 
 
 FINISHED = ('num_timesteps', 'target_return')
+DIVERGED = 'non_finite'
 
 
 def run_training(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
@@ -134,26 +124,6 @@ def run_training(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
     run_dir = os.path.abspath(cfg.process.run_dir)
     raise errors.DiskFull(f'the disk holding {run_dir} is full ({reason}); the run stopped. ' +
                           storage.resume_advice(run_dir)) from e
-
-
-class _Clock:
-  """Seconds since the run's process start, on this process's monotonic clock, and the start-up parts so far
-  (each `mark` adds the seconds since the previous one, so the parts tile the span)."""
-
-  def __init__(self, start: StartClock):
-    self.start_unix = start.unix
-    self._offset, self._t0 = time.time() - start.unix, time.monotonic()
-    self.parts: Dict[str, float] = dict(start.parts)
-    self._last = sum(self.parts.values())
-
-  def now(self) -> float:
-    return self._offset + time.monotonic() - self._t0
-
-  def mark(self, name: str, seconds: Optional[float] = None) -> None:
-    """Adds part `name`: the seconds since the last mark, or `seconds` (a source's own compile time)."""
-    now = self.now()
-    self.parts[name] = self.parts.get(name, 0.0) + (now - self._last if seconds is None else seconds)
-    self._last = now
 
 
 @dataclasses.dataclass
@@ -170,6 +140,7 @@ class _Progress:
   s_per_iteration: Optional[float] = None  # of the latest chunk, start-up included (sizes a chunk to the budget)
   eval_index: int = 0
   target_hit: Optional[Tuple[int, float, float]] = None  # (env steps, wall s, train s) when the target was hit
+  diverged: Optional[str] = None  # the non-finite metric that stopped the run (no checkpoint is saved after it)
   eval_curve: list = dataclasses.field(default_factory=list)
 
 
@@ -181,7 +152,7 @@ def _iteration_plan(cfg: TrainerConfig) -> Tuple[int, int, int]:
   return per_iteration, total, per_eval
 
 
-def _evaluate(cfg, source, train_state, root_key, progress: _Progress, logger, clock: _Clock) -> float:
+def _evaluate(cfg, source, train_state, root_key, progress: _Progress, logger, clock: run_clock.RunClock) -> float:
   eval_metrics = source.evaluate(train_state.params, keys.eval_key(root_key, progress.iterations))
   return evaluations.record(progress, logger, cfg.schedule.target_return, eval_metrics, progress.env_steps, clock.now(),
                             progress.train_wall, progress.iterations)
@@ -201,7 +172,7 @@ def _save(cfg, checkpointer, train_state, progress: _Progress, spec) -> None:
   progress.last_saved = progress.checkpoint = progress.iterations
 
 
-def _chunk_size(cfg: TrainerConfig, progress: _Progress, per_eval: int, total: int, clock: _Clock) -> int:
+def _chunk_size(cfg: TrainerConfig, progress: _Progress, per_eval: int, total: int, clock: run_clock.RunClock) -> int:
   """Iterations until the next evaluation, cut at --first_checkpoint_iteration, at half of what the rest of
   --max_wall_s holds (so chunks shrink towards it, the last one a single iteration), and while signals are held
   (`errors.deferred_stops`) after `errors.STOP_LATENCY_S`."""
@@ -239,7 +210,7 @@ def _account(progress: _Progress, source, num: int, elapsed: float, per_iteratio
 
 
 def _train_chunk(source, train_state, num: int, per_iteration: int, progress: _Progress, logger, eval_return,
-                 clock: _Clock):
+                 clock: run_clock.RunClock):
   """`num` iterations from the source. A source stopped part-way (`errors.StopRequested`) has its finished
   iterations counted before the stop goes on up."""
   t0 = time.monotonic()
@@ -268,7 +239,7 @@ def _close(source, logger, checkpointer) -> None:
         checkpointer.close()
 
 
-def _summary(cfg, progress: _Progress, clock: _Clock, num_params: int, extra: dict, stopped: str,
+def _summary(cfg, progress: _Progress, clock: run_clock.RunClock, num_params: int, extra: dict, stopped: str,
              device: str) -> RunSummary:
   hit, curve = progress.target_hit, progress.eval_curve
   parts = {k: round(v, 3) for k, v in clock.parts.items()}
@@ -343,7 +314,7 @@ def train(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
   metrics; returns the summary, also of a run stopped by a signal or a stop request (`stopped` says which).
   `make_source(cfg, spec, network, optimizer)` returns the `BatchSource` (`cfg`: the `TrainerConfig`); `remote`: a
   `trainer.remote_eval.RemoteEvaluations`, the evaluator process evaluating instead of the source."""
-  clock = _Clock(cfg.start or StartClock(time.time()))
+  clock = run_clock.RunClock(cfg.start or run_clock.StartClock(time.time()))
   clock.mark('driver_start')  # a spawned trainer: its process start and imports
   os.makedirs(run_dir := cfg.process.run_dir, exist_ok=True)
   spec, network, optimizer = network_and_optimizer(cfg.sim, cfg.policy, cfg.algo)
@@ -375,7 +346,7 @@ def train(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
   off_path = remote or (evaluations.OffPath(cfg.schedule.target_return) if 'evaluate' in cfg.windows else None)
   try:
     if cfg.start is None:  # a driver run on its own: its figures count from its compile
-      clock = _Clock(StartClock(time.time()))
+      clock = run_clock.RunClock(run_clock.StartClock(time.time()))
     clock.mark('compile', seconds=source.compile(train_state, per_eval))
     stopped = _loop(cfg, source, train_state, root_key, progress, logger, clock, checkpointer, spec, off_path)
     if off_path is not None and stopped in FINISHED:  # the final version's evaluation is waited for (bounded)
@@ -386,6 +357,8 @@ def train(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
       _save(cfg, checkpointer, stop.state, progress, spec)
   except KeyboardInterrupt as interrupt:  # SIGINT, or SIGTERM turned into one (runtime/errors.interrupt)
     stopped = errors.stop_reason(interrupt)
+  except metrics_lib.NonFiniteMetricError as e:  # the state is garbage now: the summary, and no checkpoint of it
+    stopped, progress.diverged = DIVERGED, str(e)
   finally:
     if off_path is not None:  # a run stopped part-way: the evaluations asked for before the stop still count
       off_path.close(progress, logger, clock.now, quiet=(errors.StopRequested, KeyboardInterrupt))
@@ -394,6 +367,8 @@ def train(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
     if progress.startup_s is not None:  # kept so a rate with the first iteration counted in can be recomputed
       extra['startup_s'] = progress.startup_s
     extra['last_checkpoint'] = progress.checkpoint
+    if progress.diverged:
+      extra['diverged'] = progress.diverged
     if resumed is not None:
       extra['resumed_from'] = resumed
     _close(source, logger, checkpointer)

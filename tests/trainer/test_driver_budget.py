@@ -11,6 +11,7 @@ import pytest
 
 from ebrl_jax import config as config_lib
 from ebrl_jax.runtime import errors
+from ebrl_jax.runtime import run_clock
 from ebrl_jax.runtime import startup
 from ebrl_jax.trainer import driver
 
@@ -122,7 +123,7 @@ def test_deferred_stops_inactive_or_off_the_main_thread_change_nothing():
 
 def test_a_stop_request_mid_chunk_keeps_the_finished_iterations_and_the_clock_starts_at_process_start(tmp_path):
   source = _Source(stop_after=6)
-  start = driver.StartClock(time.time() - 5.0, (('imports', 4.0), ('controller', 1.0)))  # 5 s before the driver
+  start = run_clock.StartClock(time.time() - 5.0, (('imports', 4.0), ('controller', 1.0)))  # 5 s before the driver
   summary = driver.run_training(_trainer(tmp_path, start=start), lambda *args: source)
   assert summary.stopped == 'SIGINT' and summary.iterations == 6 and summary.env_steps == 120
   assert summary.start_unix == pytest.approx(start.unix)
