@@ -114,7 +114,8 @@ FILE_TIERS = {
     'test_format.py': 'contract',
     'test_validation.py': 'contract',
     'test_signals.py': 'e2e',
-    'test_diverged.py': 'e2e',  # a diverged fused and async run: summary, one FATAL line, nothing left
+    'test_run_failures.py':
+        'e2e',  # runs that fail (diverged; a worker that refuses its config): one FATAL line, nothing left
     'test_faults.py': 'e2e',  # the fault suite's short version: real runs
 }
 DIR_TIERS = {
@@ -256,7 +257,7 @@ SLOW = frozenset({
     ('test_trace_cache.py', 'test_warm_mjx_fused_run_reuses_its_traces_and_learns_the_same'),
     ('test_liveness.py', 'test_a_sigkilled_controller_leaves_no_process_and_once_swept_no_shared_memory'),
     ('test_format.py', 'test_every_python_file_is_formatted'),
-    ('test_diverged.py', 'test_a_diverged_process_schedule_stops_the_same_way_and_leaves_nothing'),  # 15 s alone
+    ('test_run_failures.py', 'test_a_diverged_process_schedule_stops_the_same_way_and_leaves_nothing'),  # 15 s alone
     ('test_validation.py', 'test_bad_run_state_and_files_are_refused_up_front_and_say_whether_a_checkpoint_exists'),
     ('test_validation.py', 'test_a_truncated_newest_step_is_named_and_resume_continues_from_the_one_before'),
     ('test_policies.py', 'test_transformer_mlp_critic_value_loss_moves_no_policy_parameter'),

@@ -35,6 +35,15 @@ from ebrl_jax.trainer import driver
 from ebrl_jax.trainer import stages as trainer_stages
 
 RunError = errors.RunError
+# A run the driver stopped on a failure (driver.FAILED): the error the runner raises once the summary is written,
+# what happened, and what to change before --resume.
+_FAILURES = {
+    driver.DIVERGED: (errors.Diverged, 'training diverged', 'lower --learning_rate or set --max_grad_norm'),
+    driver.OUT_OF_MEMORY: (errors.OutOfMemory, 'out of memory',
+                           'lower --num_envs or --num_eval_envs, the segments an iteration holds (--batch_size x '
+                           '--num_minibatches, of --unroll_length steps), the policy\'s size or, with pixels, '
+                           '--image_size or --frame_stack (runs sharing a GPU: XLA_PYTHON_CLIENT_MEM_FRACTION)'),
+}
 _PSEUDO_FILESYSTEMS = ('/proc', '/sys', '/dev')
 
 
@@ -228,7 +237,7 @@ def check_before_start(cfg: config_lib.Config) -> Optional[dict]:
 def run(cfg: config_lib.Config, start_unix: Optional[float] = None) -> driver.RunSummary:
   """Runs `cfg` with its schedule, with telemetry alongside; writes the run's config.json (the whole config, the
   one place that sees it) and its summary.json, and returns the summary; a run whose loss or return became
-  NaN/inf writes its summary too, then raises `errors.Diverged`. Every time of the run counts from `start_unix`
+  NaN/inf, or that ran out of memory, writes its summary too, then raises `errors.Diverged` / `OutOfMemory`. Every time of the run counts from `start_unix`
   (`time.time()` at process start: main.py passes it; None: from this call)."""
   start = run_clock.StartClock(start_unix or time.time()).mark('imports')  # interpreter, flags, controller imports
   with supervisor.sigterm_as_interrupt():
@@ -248,10 +257,10 @@ def run(cfg: config_lib.Config, start_unix: Optional[float] = None) -> driver.Ru
   _add_telemetry_and_trace(cfg, summary, means)
   path = write_summary(cfg, summary)
   cells_lib.finish(cell, summary)  # the end barrier of ranks that finished, or stopped together
-  if summary.stopped == driver.DIVERGED:
-    raise errors.Diverged(f'training diverged: {summary.extra.get("diverged")}; the run stopped. {path} holds the '
-                          'run so far. ' + storage.checkpoint_advice(cfg.schedule.run_dir, 'lower --learning_rate '
-                                                                     'or set --max_grad_norm'))
+  if summary.stopped in _FAILURES:
+    kind, what, fix = _FAILURES[summary.stopped]
+    raise kind(f'{what}: {summary.extra.get("failure")}; the run stopped. {path} holds the run so far. ' +
+               storage.checkpoint_advice(cfg.schedule.run_dir, fix))
   if summary.stopped not in errors.STOP_SIGNALS:  # a signal's stop is main.py's one line
     final = 'none' if summary.final_eval_return is None else f'{summary.final_eval_return:.1f}'
     logging.info('%s: %d env steps, final eval return %s, %.0f env steps/s, start-up %.1f s, wall %.1f s.',
@@ -280,9 +289,13 @@ def _run_schedule(cfg: config_lib.Config, start: run_clock.StartClock, cell: cel
     else:  # sync / async: the cell's trainer worker is the rank (with --transport=thread, in this process)
       summary = pipeline.run(cfg, pids, start, cell)
   except jax.errors.JaxRuntimeError as e:
-    if not distributed.joined():  # only a rank's own all-reduce fails here
+    if errors.out_of_memory(e) is not None:  # before the driver's loop (building envs, say): no summary of its own
+      summary = stopped_summary(cfg, driver.OUT_OF_MEMORY, start.unix)
+      summary.extra['failure'] = errors.out_of_memory(e)
+    elif not distributed.joined():  # only a rank's own all-reduce fails here
       raise
-    raise distributed.failed_rank(cell.spec, e) from e
+    else:
+      raise distributed.failed_rank(cell.spec, e) from e
   except KeyboardInterrupt as interrupt:
     summary = stopped_summary(cfg, errors.stop_reason(interrupt), start.unix)
   finally:

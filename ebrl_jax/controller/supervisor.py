@@ -116,6 +116,12 @@ class Supervisor:
     self.started_t: Optional[float] = None  # when start_all ran
     self.first_step_seen = False  # the trainer's first train step is done: start-up is over
     self._next_startup_log = 0.0
+    self._failure_dir = os.path.join(cfg.schedule.run_dir, lifecycle.FAILURES_DIR)  # workers' last errors
+
+  def _cause(self, w) -> str:
+    """'; its error: Type: message' for a worker process that recorded the error it ended on, else ''."""
+    error = lifecycle.last_error(self._failure_dir, getattr(w, 'pid', None)) if self._use_processes else None
+    return f'; its error: {error["type"]}: {error["message"]}' if error else ''
 
   def _start(self, role: str, target, args, env: Optional[Dict[str, str]] = None, register: bool = True, **kwargs):
     # Threads share one process: only processes get their own environment and cores.
@@ -124,7 +130,7 @@ class Supervisor:
     kwargs['env'] = env if self._use_processes else None
     if self._use_processes:  # the stop goes first: unpickled, it arms the parent-death signal before any import
       worker = self._ctx.Process(target=lifecycle.run_worker,
-                                 args=(self.stop, target, args, kwargs),
+                                 args=(self.stop, target, args, kwargs, self._failure_dir),
                                  name=role,
                                  daemon=True)
     else:
@@ -229,8 +235,9 @@ class Supervisor:
         self._read_inbox(trainer)
         code = getattr(trainer, 'exitcode', 0)
         if code not in (0, None):
-          raise errors.WorkerFailure(f'the trainer worker (pid {trainer.pid}) died with exit code {code}; the '
-                                     f'run stopped. {storage.checkpoint_advice(self._cfg.schedule.run_dir)}')
+          raise errors.WorkerFailure(f'the trainer worker (pid {trainer.pid}) died with exit code {code}'
+                                     f'{self._cause(trainer)}; the run stopped. '
+                                     f'{storage.checkpoint_advice(self._cfg.schedule.run_dir)}')
         return
       for role, w in list(self.workers.items()):
         if role != 'trainer' and not w.is_alive() and not self.stop.is_set():
@@ -275,18 +282,21 @@ class Supervisor:
         storage.checkpoint_advice(self._cfg.schedule.run_dir, 'start MPS again (or run without --use_mps)'))
 
   def _on_worker_death(self, role: str, w) -> None:
-    code = getattr(w, 'exitcode', None)
+    code, cause, pid = getattr(w, 'exitcode', None), self._cause(w), getattr(w, 'pid', None)
+    advice = storage.checkpoint_advice(self._cfg.schedule.run_dir)
     if self._cfg.schedule.worker_fault != 'restart':
-      raise errors.WorkerFailure(f'{role} (pid {getattr(w, "pid", None)}) died with exit code {code}; stopping '
+      raise errors.WorkerFailure(f'{role} (pid {pid}) died with exit code {code}{cause}; stopping '
                                  '(--worker_fault=stop).')
+    if cause.startswith('; its error: ValueError: '):  # it refused its configuration: so would every restart
+      raise errors.WorkerFailure(f'{role} (pid {pid}) refused its configuration: {cause[len("; its error: "):]} '
+                                 f'(a restart would meet the same); stopping. {advice}')
     self._role_restarts[role] = self._role_restarts.get(role, 0) + 1
     if self._role_restarts[role] > self._cfg.schedule.max_restarts:
-      raise errors.WorkerFailure(f'{role} died {self._role_restarts[role]} times (last exit code {code}), more than '
-                                 f'--max_restarts={self._cfg.schedule.max_restarts}; stopping. '
-                                 f'{storage.checkpoint_advice(self._cfg.schedule.run_dir)}')
+      raise errors.WorkerFailure(f'{role} died {self._role_restarts[role]} times (last exit code {code}{cause}), '
+                                 f'more than --max_restarts={self._cfg.schedule.max_restarts}; stopping. {advice}')
     self.restarts += 1
-    logging.warning('%s (pid %s) died with exit code %s; restarting it (restart %d).', role, getattr(w, 'pid', None),
-                    code, self.restarts)
+    logging.warning('%s (pid %s) died with exit code %s%s; restarting it (restart %d).', role, pid, code, cause,
+                    self.restarts)
     if role == 'generation':  # its groups re-send their outstanding requests to the new one
       self._start(role, generation_worker.generation_main, self._gen_args)
       return

@@ -41,6 +41,11 @@ class Diverged(RunError):
   step, the summary that holds the run so far, and the checkpoint (written before it) that --resume can load."""
 
 
+class OutOfMemory(RunError):
+  """An allocation failed (XLA's RESOURCE_EXHAUSTED, on the device or the host): the message names the request, the
+  flags that size the run's memory, the summary so far and the checkpoint --resume can load."""
+
+
 class ErrorReport(NamedTuple):
   """A worker's error as it crosses to the controller: `kind` names a class of `KINDS`."""
   kind: str
@@ -48,8 +53,17 @@ class ErrorReport(NamedTuple):
 
 
 KINDS: Dict[str, Type[RunError]] = {
-    cls.__name__: cls for cls in (RunError, DiskFull, WorkerFailure, MpsDaemonDied, Diverged)
+    cls.__name__: cls for cls in (RunError, DiskFull, WorkerFailure, MpsDaemonDied, Diverged, OutOfMemory)
 }
+
+
+def out_of_memory(error: BaseException) -> Optional[str]:
+  """XLA's line for an allocation that failed (`RESOURCE_EXHAUSTED: Out of memory allocating N bytes.`, a JAX
+  runtime error on any platform), or None when `error` is something else."""
+  for line in str(error).splitlines():
+    if 'RESOURCE_EXHAUSTED' in line:
+      return line.strip()[:300]
+  return None
 
 
 def report(error: RunError) -> ErrorReport:

@@ -91,12 +91,39 @@ class StopFlag:
     end_with_creator(self.creator)
 
 
-def run_worker(stop, target, args, kwargs):
+FAILURES_DIR = 'failures'  # <run_dir>/failures/<pid>.json: the error a worker process ended on (run_worker)
+
+
+def run_worker(stop, target, args, kwargs, failure_dir: Optional[str] = None):
   """A worker process's entry point: `target(*args, **kwargs)`. NOTE: the `Process` unpickles its arguments in
   order, so `stop` (a `StopFlag`) arms the parent-death signal before `target`'s module, and JAX with it, is
-  imported: a worker whose controller dies during those seconds is ended too."""
+  imported: a worker whose controller dies during those seconds is ended too. With `failure_dir`, an exception
+  that ends the worker is written there first (`last_error` reads it), so the controller can name the cause of a
+  death that otherwise reaches it as an exit code; then it is raised as it was (its traceback in the log)."""
   del stop  # unpickling it was its work
-  return target(*args, **kwargs)
+  try:
+    return target(*args, **kwargs)
+  except Exception as e:  # pylint: disable=broad-except  (recorded, then raised unchanged)
+    if failure_dir is not None:
+      try:
+        os.makedirs(failure_dir, exist_ok=True)
+        storage.write_json(os.path.join(failure_dir, f'{os.getpid()}.json'), {
+            'type': type(e).__name__,
+            'message': str(e)[:2000]
+        })
+      except OSError:  # a full disk: the exit code alone reaches the controller
+        pass
+    raise
+
+
+def last_error(failure_dir: str, pid: Optional[int]) -> Optional[dict]:
+  """{'type', 'message'} of the error worker process `pid` ended on (`run_worker`), or None."""
+  try:
+    with open(os.path.join(failure_dir, f'{pid}.json')) as f:
+      record = json.load(f)
+    return {'type': str(record['type']), 'message': str(record['message'])}
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
 
 
 def make_stop(use_processes: bool):

@@ -50,6 +50,49 @@ def load_model(task: registry.TaskDef, solver: Tuple[int, int] = (0, 0)) -> mujo
   return model
 
 
+_MEMORY_SAMPLE = 64  # envs made to measure one env's resident footprint
+
+
+def _resident_bytes() -> int:
+  """This process's resident memory (/proc/self/statm), 0 where it cannot be read."""
+  try:
+    with open('/proc/self/statm') as f:
+      return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+  except (OSError, ValueError, IndexError):
+    return 0
+
+
+def available_host_bytes() -> Optional[int]:
+  """MemAvailable of /proc/meminfo (Linux): what can be allocated without swapping; None where unknown."""
+  try:
+    with open('/proc/meminfo') as f:
+      for line in f:
+        if line.startswith('MemAvailable:'):
+          return int(line.split()[1]) * 1024
+  except (OSError, ValueError, IndexError):
+    pass
+  return None
+
+
+def check_host_memory(task: str, model: mujoco.MjModel, num_envs: int, per_env_model: bool) -> None:
+  """Refuses (ValueError naming --num_envs) a pool whose envs would not fit the host's available memory, measured
+  on the first `_MEMORY_SAMPLE` envs (an MjData each, and a model copy each with `per_env_model`): far too many
+  envs otherwise grow the process until the kernel's OOM killer ends it, and maybe others, without a word. An env
+  counts at least its MjData's buffer (`nbuffer`): in a process that freed memory before, the sample may reuse it."""
+  available, first = available_host_bytes(), min(num_envs, _MEMORY_SAMPLE)
+  if available is None:
+    return
+  before = _resident_bytes()
+  sample = [(mujoco.MjData(model), model.__copy__() if per_env_model else None) for _ in range(first)]
+  per_env = max((_resident_bytes() - before) / first, model.nbuffer)
+  del sample
+  if per_env * num_envs > available:
+    raise ValueError(f'--num_envs: {num_envs:,} native MuJoCo envs of {task} would take about '
+                     f'{per_env * num_envs / 2**30:,.1f} GiB of host memory ({per_env / 1024:,.0f} KiB each, measured '
+                     f'on {first}), more than the {available / 2**30:.1f} GiB this machine has available; lower '
+                     '--num_envs (or --num_eval_envs, for the evaluation envs).')
+
+
 def _step_slice(models, datas, ids, ctrl, nstep, frame, fields) -> None:
   """Steps envs `ids` (ctrl [len(ids), A]) and gathers their data fields into `frame` rows."""
   for j, i in enumerate(ids):
@@ -96,6 +139,7 @@ class CpuEnvPool:
     self.model = load_model(self._task, solver)
     self._consts = tasks.make_consts(self.model, self._task.n_frames, self._task.params)
     self.randomization = randomization if randomization is not None and randomization.enabled else None
+    check_host_memory(task, self.model, num_envs, self.randomization is not None)
     if self.randomization is None:
       self._models = [self.model] * num_envs
     else:

@@ -102,15 +102,17 @@ class RunSummary:
   task: str
   device: str
   extra: dict  # schedule-specific figures (segments consumed, dropped, duplicates, worker restarts, ...)
-  # Why the run ended: one of FINISHED, 'max_wall_s' (the budget), the signal ('SIGTERM', 'SIGINT'), or DIVERGED (a
-  # loss or return became NaN/inf: extra['diverged'] says which; the controller then raises errors.Diverged).
+  # Why the run ended: one of FINISHED, 'max_wall_s' (the budget), the signal ('SIGTERM', 'SIGINT'), or one of
+  # FAILED (a loss or return became NaN/inf, an allocation failed: extra['failure'] says which; the controller then
+  # raises errors.Diverged or errors.OutOfMemory).
   stopped: str = 'num_timesteps'
   compile_breakdown: Dict[str, float] = dataclasses.field(default_factory=dict)  # the parts of compile_s
   start_unix: Optional[float] = None  # the clock's origin, `time.time()` at process start
 
 
 FINISHED = ('num_timesteps', 'target_return')
-DIVERGED = 'non_finite'
+DIVERGED, OUT_OF_MEMORY = 'non_finite', 'out_of_memory'
+FAILED = (DIVERGED, OUT_OF_MEMORY)
 
 
 def run_training(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
@@ -140,7 +142,7 @@ class _Progress:
   s_per_iteration: Optional[float] = None  # of the latest chunk, start-up included (sizes a chunk to the budget)
   eval_index: int = 0
   target_hit: Optional[Tuple[int, float, float]] = None  # (env steps, wall s, train s) when the target was hit
-  diverged: Optional[str] = None  # the non-finite metric that stopped the run (no checkpoint is saved after it)
+  failure: Optional[str] = None  # what stopped the run (FAILED): no checkpoint is saved after it
   eval_curve: list = dataclasses.field(default_factory=list)
 
 
@@ -358,7 +360,11 @@ def train(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
   except KeyboardInterrupt as interrupt:  # SIGINT, or SIGTERM turned into one (runtime/errors.interrupt)
     stopped = errors.stop_reason(interrupt)
   except metrics_lib.NonFiniteMetricError as e:  # the state is garbage now: the summary, and no checkpoint of it
-    stopped, progress.diverged = DIVERGED, str(e)
+    stopped, progress.failure = DIVERGED, str(e)
+  except Exception as e:  # pylint: disable=broad-except  (XLA reports a failed allocation as a runtime error)
+    if errors.out_of_memory(e) is None:
+      raise
+    stopped, progress.failure = OUT_OF_MEMORY, errors.out_of_memory(e)
   finally:
     if off_path is not None:  # a run stopped part-way: the evaluations asked for before the stop still count
       off_path.close(progress, logger, clock.now, quiet=(errors.StopRequested, KeyboardInterrupt))
@@ -367,8 +373,8 @@ def train(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
     if progress.startup_s is not None:  # kept so a rate with the first iteration counted in can be recomputed
       extra['startup_s'] = progress.startup_s
     extra['last_checkpoint'] = progress.checkpoint
-    if progress.diverged:
-      extra['diverged'] = progress.diverged
+    if progress.failure:
+      extra['failure'] = progress.failure
     if resumed is not None:
       extra['resumed_from'] = resumed
     _close(source, logger, checkpointer)

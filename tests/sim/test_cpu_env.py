@@ -162,3 +162,20 @@ def test_invalid_arguments_name_the_field():
     _pool(episode_length=0)
   with pytest.raises(ValueError, match='Unknown task'):
     _pool('cartpole')
+
+
+def test_a_pool_past_the_hosts_available_memory_is_refused_naming_num_envs(monkeypatch):
+  # Measured on the first envs, before the rest are made: a billion envs would grow the process until the kernel's
+  # OOM killer ended it (seen: a fused run killed at 24 GB resident, no message); this refusal takes a second.
+  with pytest.raises(ValueError,
+                     match=r'--num_envs: 1,000,000,000 native MuJoCo envs of inverted_pendulum would '
+                     r'take about [\d,.]+ GiB of host memory \([\d,]+ KiB each, measured on 64\), more than the'):
+    _pool(num_envs=10**9)
+  # A machine with 1 KiB to spare (each env takes at least its MjData's buffer, 13 KiB here, measured or not: in a
+  # process that freed memory before, new envs may reuse it and add nothing resident)
+  monkeypatch.setattr(cpu_env, 'available_host_bytes', lambda: 1024)
+  with pytest.raises(ValueError, match='lower --num_envs'):
+    _pool(num_envs=4)
+  monkeypatch.setattr(cpu_env, 'available_host_bytes', lambda: None)  # unknown (no /proc): no check
+  with _pool(num_envs=4) as pool:
+    assert pool.reset().shape[0] == 4
