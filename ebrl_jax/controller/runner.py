@@ -237,8 +237,9 @@ def check_before_start(cfg: config_lib.Config) -> Optional[dict]:
 def run(cfg: config_lib.Config, start_unix: Optional[float] = None) -> driver.RunSummary:
   """Runs `cfg` with its schedule, with telemetry alongside; writes the run's config.json (the whole config, the
   one place that sees it) and its summary.json, and returns the summary; a run whose loss or return became
-  NaN/inf, or that ran out of memory, writes its summary too, then raises `errors.Diverged` / `OutOfMemory`. Every time of the run counts from `start_unix`
-  (`time.time()` at process start: main.py passes it; None: from this call)."""
+  NaN/inf, or that ran out of memory, writes its summary too, then raises `errors.Diverged` / `OutOfMemory`.
+  Every time of the run counts from `start_unix` (`time.time()` at process start: main.py passes it; None: from
+  this call)."""
   start = run_clock.StartClock(start_unix or time.time()).mark('imports')  # interpreter, flags, controller imports
   with supervisor.sigterm_as_interrupt():
     spec = cells_lib.resolve(cfg)  # the cells of the run: flags, else JAX_* / SLURM's environment

@@ -117,10 +117,12 @@ class Supervisor:
     self.first_step_seen = False  # the trainer's first train step is done: start-up is over
     self._next_startup_log = 0.0
     self._failure_dir = os.path.join(cfg.schedule.run_dir, lifecycle.FAILURES_DIR)  # workers' last errors
+    self._created_unix = time.time()  # records older than this are an earlier run's (lifecycle.last_error)
 
   def _cause(self, w) -> str:
     """'; its error: Type: message' for a worker process that recorded the error it ended on, else ''."""
-    error = lifecycle.last_error(self._failure_dir, getattr(w, 'pid', None)) if self._use_processes else None
+    pid = getattr(w, 'pid', None)
+    error = lifecycle.last_error(self._failure_dir, pid, self._created_unix) if self._use_processes else None
     return f'; its error: {error["type"]}: {error["message"]}' if error else ''
 
   def _start(self, role: str, target, args, env: Optional[Dict[str, str]] = None, register: bool = True, **kwargs):

@@ -109,18 +109,23 @@ def run_worker(stop, target, args, kwargs, failure_dir: Optional[str] = None):
         os.makedirs(failure_dir, exist_ok=True)
         storage.write_json(os.path.join(failure_dir, f'{os.getpid()}.json'), {
             'type': type(e).__name__,
-            'message': str(e)[:2000]
+            'message': str(e)[:2000],
+            'unix': time.time()
         })
       except OSError:  # a full disk: the exit code alone reaches the controller
         pass
     raise
 
 
-def last_error(failure_dir: str, pid: Optional[int]) -> Optional[dict]:
-  """{'type', 'message'} of the error worker process `pid` ended on (`run_worker`), or None."""
+def last_error(failure_dir: str, pid: Optional[int], since: float = 0.0) -> Optional[dict]:
+  """{'type', 'message'} of the error worker process `pid` ended on (`run_worker`), or None; a record written
+  before `since` (a `time.time()`: an earlier run's, in a reused run directory, whose pid came round again) is not
+  this worker's."""
   try:
     with open(os.path.join(failure_dir, f'{pid}.json')) as f:
       record = json.load(f)
+    if float(record.get('unix', 0.0)) < since:
+      return None
     return {'type': str(record['type']), 'message': str(record['message'])}
   except (OSError, ValueError, KeyError, TypeError):
     return None
