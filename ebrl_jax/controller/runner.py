@@ -35,7 +35,7 @@ from ebrl_jax.trainer import driver
 from ebrl_jax.trainer import stages as trainer_stages
 
 RunError = errors.RunError
-# A run the driver stopped on a failure (driver.FAILED): the error the runner raises once the summary is written,
+# A run the driver stopped on a failure (driver.DIVERGED, driver.OUT_OF_MEMORY): the error the runner raises once the summary is written,
 # what happened, and what to change before --resume.
 _FAILURES = {
     driver.DIVERGED: (errors.Diverged, 'training diverged', 'lower --learning_rate or set --max_grad_norm'),
@@ -290,9 +290,10 @@ def _run_schedule(cfg: config_lib.Config, start: run_clock.StartClock, cell: cel
     else:  # sync / async: the cell's trainer worker is the rank (with --transport=thread, in this process)
       summary = pipeline.run(cfg, pids, start, cell)
   except jax.errors.JaxRuntimeError as e:
-    if errors.out_of_memory(e) is not None:  # before the driver's loop (building envs, say): no summary of its own
+    refused = errors.out_of_memory(e)
+    if refused is not None:  # before the driver's loop (building envs, say): no summary of its own
       summary = stopped_summary(cfg, driver.OUT_OF_MEMORY, start.unix)
-      summary.extra['failure'] = errors.out_of_memory(e)
+      summary.extra['failure'] = refused
     elif not distributed.joined():  # only a rank's own all-reduce fails here
       raise
     else:

@@ -58,6 +58,11 @@ class Placement:
     return env
 
 
+def _said(error: Optional[dict]) -> str:
+  """'; its error: Type: message' of a worker's recorded error, '' without one."""
+  return f'; its error: {error["type"]}: {error["message"]}' if error else ''
+
+
 class Supervisor:
   """Starts, watches and stops the workers. Their pids are in `pids` (role -> pid, read by telemetry) and, for
   the user, in `<run_dir>/workers.json`; the trainer's summary arrives on its control pipe (`summary`)."""
@@ -119,11 +124,11 @@ class Supervisor:
     self._failure_dir = os.path.join(cfg.schedule.run_dir, lifecycle.FAILURES_DIR)  # workers' last errors
     self._created_unix = time.time()  # records older than this are an earlier run's (lifecycle.last_error)
 
-  def _cause(self, w) -> str:
-    """'; its error: Type: message' for a worker process that recorded the error it ended on, else ''."""
-    pid = getattr(w, 'pid', None)
-    error = lifecycle.last_error(self._failure_dir, pid, self._created_unix) if self._use_processes else None
-    return f'; its error: {error["type"]}: {error["message"]}' if error else ''
+  def _last_error(self, w) -> Optional[dict]:
+    """{'type', 'message'} of the error worker process `w` recorded before it ended, else None."""
+    if not self._use_processes:
+      return None
+    return lifecycle.last_error(self._failure_dir, getattr(w, 'pid', None), self._created_unix)
 
   def _start(self, role: str, target, args, env: Optional[Dict[str, str]] = None, register: bool = True, **kwargs):
     # Threads share one process: only processes get their own environment and cores.
@@ -238,7 +243,7 @@ class Supervisor:
         code = getattr(trainer, 'exitcode', 0)
         if code not in (0, None):
           raise errors.WorkerFailure(f'the trainer worker (pid {trainer.pid}) died with exit code {code}'
-                                     f'{self._cause(trainer)}; the run stopped. '
+                                     f'{_said(self._last_error(trainer))}; the run stopped. '
                                      f'{storage.checkpoint_advice(self._cfg.schedule.run_dir)}')
         return
       for role, w in list(self.workers.items()):
@@ -284,13 +289,14 @@ class Supervisor:
         storage.checkpoint_advice(self._cfg.schedule.run_dir, 'start MPS again (or run without --use_mps)'))
 
   def _on_worker_death(self, role: str, w) -> None:
-    code, cause, pid = getattr(w, 'exitcode', None), self._cause(w), getattr(w, 'pid', None)
+    code, error, pid = getattr(w, 'exitcode', None), self._last_error(w), getattr(w, 'pid', None)
+    cause = _said(error)
     advice = storage.checkpoint_advice(self._cfg.schedule.run_dir)
     if self._cfg.schedule.worker_fault != 'restart':
       raise errors.WorkerFailure(f'{role} (pid {pid}) died with exit code {code}{cause}; stopping '
                                  '(--worker_fault=stop).')
-    if cause.startswith('; its error: ValueError: '):  # it refused its configuration: so would every restart
-      raise errors.WorkerFailure(f'{role} (pid {pid}) refused its configuration: {cause[len("; its error: "):]} '
+    if error is not None and error['type'] == 'ValueError':  # it refused its configuration: so would every restart
+      raise errors.WorkerFailure(f'{role} (pid {pid}) refused its configuration: ValueError: {error["message"]} '
                                  f'(a restart would meet the same); stopping. {advice}')
     self._role_restarts[role] = self._role_restarts.get(role, 0) + 1
     if self._role_restarts[role] > self._cfg.schedule.max_restarts:

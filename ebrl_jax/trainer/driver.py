@@ -102,9 +102,9 @@ class RunSummary:
   task: str
   device: str
   extra: dict  # schedule-specific figures (segments consumed, dropped, duplicates, worker restarts, ...)
-  # Why the run ended: one of FINISHED, 'max_wall_s' (the budget), the signal ('SIGTERM', 'SIGINT'), or one of
-  # FAILED (a loss or return became NaN/inf, an allocation failed: extra['failure'] says which; the controller then
-  # raises errors.Diverged or errors.OutOfMemory).
+  # Why the run ended: one of FINISHED, 'max_wall_s' (the budget), the signal ('SIGTERM', 'SIGINT'), DIVERGED (a
+  # loss or return became NaN/inf) or OUT_OF_MEMORY (an allocation XLA refused); for the last two extra['failure']
+  # says what happened, and the controller raises errors.Diverged or errors.OutOfMemory.
   stopped: str = 'num_timesteps'
   compile_breakdown: Dict[str, float] = dataclasses.field(default_factory=dict)  # the parts of compile_s
   start_unix: Optional[float] = None  # the clock's origin, `time.time()` at process start
@@ -112,7 +112,6 @@ class RunSummary:
 
 FINISHED = ('num_timesteps', 'target_return')
 DIVERGED, OUT_OF_MEMORY = 'non_finite', 'out_of_memory'
-FAILED = (DIVERGED, OUT_OF_MEMORY)
 
 
 def run_training(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
@@ -142,7 +141,7 @@ class _Progress:
   s_per_iteration: Optional[float] = None  # of the latest chunk, start-up included (sizes a chunk to the budget)
   eval_index: int = 0
   target_hit: Optional[Tuple[int, float, float]] = None  # (env steps, wall s, train s) when the target was hit
-  failure: Optional[str] = None  # what stopped the run (FAILED): no checkpoint is saved after it
+  failure: Optional[str] = None  # what stopped a DIVERGED or OUT_OF_MEMORY run: no checkpoint is saved after it
   eval_curve: list = dataclasses.field(default_factory=list)
 
 
@@ -362,9 +361,10 @@ def train(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
   except metrics_lib.NonFiniteMetricError as e:  # the state is garbage now: the summary, and no checkpoint of it
     stopped, progress.failure = DIVERGED, str(e)
   except Exception as e:  # pylint: disable=broad-except  (XLA reports a failed allocation as a runtime error)
-    if errors.out_of_memory(e) is None:
+    refused = errors.out_of_memory(e)
+    if refused is None:
       raise
-    stopped, progress.failure = OUT_OF_MEMORY, errors.out_of_memory(e)
+    stopped, progress.failure = OUT_OF_MEMORY, refused
   finally:
     if off_path is not None:  # a run stopped part-way: the evaluations asked for before the stop still count
       off_path.close(progress, logger, clock.now, quiet=(errors.StopRequested, KeyboardInterrupt))
