@@ -391,7 +391,9 @@ case $PART in
   *) echo "unknown part $PART"; exit 2 ;;
 esac
 if [ "$PART" != pack ]; then  # `pack` started nothing, so it stops nothing (another run's daemon stays)
-  for c in $(find /tmp $ROOT runs -name control -type p 2>/dev/null); do
+  # MPS's control endpoint is a UNIX socket on this driver (580), a named pipe on older ones: a search for pipes
+  # alone found none, so every shared_mps daemon outlived its call (two were left running on one warm machine)
+  for c in $(find /tmp $ROOT runs -name control \( -type p -o -type s \) 2>/dev/null); do
     echo quit | CUDA_MPS_PIPE_DIRECTORY=$(dirname "$c") timeout 5 nvidia-cuda-mps-control >/dev/null 2>&1
   done
   pgrep -a -f nvidia-cuda-mps-control || true; pgrep -a -f nvidia-cuda-mps-server || true
