@@ -117,6 +117,7 @@ FILE_TIERS = {
     'test_run_failures.py':
         'e2e',  # runs that fail (diverged; a worker that refuses its config): one FATAL line, nothing left
     'test_faults.py': 'e2e',  # the fault suite's short version: real runs
+    'test_worker_verdict.py': 'contract',  # a dead worker: restart or stop; two real worker processes, no run
 }
 DIR_TIERS = {
     'generation': 'unit',

@@ -5,7 +5,7 @@ first update) stops with its summary written, `stopped` = 'non_finite' naming th
 garbage state and no traceback (before, `fused` ended with a Python traceback and no summary). A worker process
 that refuses its configuration (a ValueError: here native envs that would not fit the host's memory) is named with
 its words and not restarted, since every restart would meet the same (before: three restarts, then 'died 4 times
-(last exit code 1)')."""
+(last exit code 1)'), and the run's summary so far is written (`stopped` = 'worker_failed')."""
 import json
 import os
 import subprocess
@@ -63,6 +63,10 @@ def test_a_worker_that_refuses_its_configuration_stops_the_run_at_once_in_its_wo
   fatal, out = _fails(run_dir, '--schedule=sync', '--num_groups=2', '--num_envs=1000000000', '--batch_size=1000000000',
                       '--num_minibatches=1')
   assert ' refused its configuration: ValueError: --num_envs: 500,000,000 native MuJoCo ' in fatal, fatal
-  assert fatal.startswith('FATAL: rollout/') and '(a restart would meet the same)' in fatal, fatal
+  assert fatal.startswith('FATAL: a worker failed: rollout/') and '(a restart would meet the same)' in fatal, fatal
+  assert f'{run_dir}/summary.json holds the run so far' in fatal and 'nothing to resume' in fatal, fatal
   assert 'restarting it' not in out, out[-3000:]
+  summary = json.load(open(run_dir / 'summary.json'))  # the trainer's so far (or the controller's, had it none)
+  assert summary['stopped'] == 'worker_failed' and summary['schedule'] == 'sync'
+  assert ' refused its configuration: ValueError: --num_envs: ' in summary['extra']['failure']
   runs_testlib.assert_nothing_left(run_dir)

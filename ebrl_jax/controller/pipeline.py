@@ -21,7 +21,7 @@ import shutil
 import signal
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from absl import logging
 
@@ -184,18 +184,25 @@ def _stop_trainer(cfg: config_lib.Config, workers: supervisor_lib.Supervisor) ->
       timer.cancel()
 
 
-def _start_and_watch(cfg: config_lib.Config, workers: supervisor_lib.Supervisor) -> Optional[str]:
-  """Starts the workers and watches them until the trainer has ended. Returns None, or the signal (SIGTERM,
-  SIGINT) that stopped the run, after the trainer had its chance to send its summary so far."""
+def _start_and_watch(cfg: config_lib.Config,
+                     workers: supervisor_lib.Supervisor) -> Tuple[Optional[str], Optional[errors.WorkerFailure]]:
+  """Starts the workers and watches them until the trainer has ended. Returns (None, None), or what stopped the
+  run after the trainer had its chance to send its summary so far: the signal (SIGTERM, SIGINT), or the failure
+  of a worker beside the trainer (its `stopped` set)."""
   with supervisor_lib.sigterm_as_interrupt():
     try:
       workers.start_all()
       workers.watch()
-      return None
+      return None, None
     except KeyboardInterrupt as interrupt:
-      stopped = errors.stop_reason(interrupt)
+      stopped, failure = errors.stop_reason(interrupt), None
+    except errors.WorkerFailure as e:
+      if e.stopped is None:  # the trainer's own: nobody left to send a summary
+        raise
+      logging.error('%s; stopping the run.', e)
+      stopped, failure = e.stopped, e
     _stop_trainer(cfg, workers)
-  return stopped
+  return stopped, failure
 
 
 def run(cfg: config_lib.Config,
@@ -242,7 +249,7 @@ def run(cfg: config_lib.Config,
     else:
       changer = replan.make_changer(cfg, workers, plan_record, mps_daemon is not None)
     workers.tick = changer.poll if changer is not None else None
-    stopped = _start_and_watch(cfg, workers)
+    stopped, failure = _start_and_watch(cfg, workers)
   finally:
     if workers is not None:
       line = workers.startup_phases()  # a run stopped or failed before its first train step: where it waited
@@ -256,13 +263,17 @@ def run(cfg: config_lib.Config,
       registry.close()
     if mps_daemon is not None:
       mps_daemon.stop()
+  if workers.summary is None and failure is not None:
+    raise failure  # the runner writes the controller's own summary, then raises it
   if workers.summary is None and stopped is not None:
     raise KeyboardInterrupt(stopped)  # the runner writes the controller's own summary
   if workers.summary is None:
     raise errors.WorkerFailure('the trainer ended without sending its summary; see its log above.')
   summary = driver.RunSummary(**workers.summary)
   if stopped is not None and summary.stopped not in driver.FINISHED:
-    summary.stopped = stopped  # the trainer saw a stop request: the controller knows which signal
+    summary.stopped = stopped  # the trainer saw a stop request: the controller knows which signal, or failure
+    if failure is not None:
+      summary.extra['failure'] = str(failure)
   _add_extra(cfg, summary, workers, topology, plan_record, memory_plan, changer)
   summary.extra.update(recovered)
   if topology.cell.multi:

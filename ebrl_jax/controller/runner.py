@@ -35,14 +35,12 @@ from ebrl_jax.trainer import driver
 from ebrl_jax.trainer import stages as trainer_stages
 
 RunError = errors.RunError
-# A run the driver stopped on a failure (driver.DIVERGED, driver.OUT_OF_MEMORY): the error the runner raises once the summary is written,
+# A run stopped on a failure (its summary's `stopped`): the error the runner raises once the summary is written,
 # what happened, and what to change before --resume.
 _FAILURES = {
-    driver.DIVERGED: (errors.Diverged, 'training diverged', 'lower --learning_rate or set --max_grad_norm'),
-    driver.OUT_OF_MEMORY: (errors.OutOfMemory, 'out of memory',
-                           'lower --num_envs or --num_eval_envs, the segments an iteration holds (--batch_size x '
-                           '--num_minibatches, of --unroll_length steps), the policy\'s size or, with pixels, '
-                           '--image_size or --frame_stack (runs sharing a GPU: XLA_PYTHON_CLIENT_MEM_FRACTION)'),
+    errors.DIVERGED: (errors.Diverged, 'training diverged', 'lower --learning_rate or set --max_grad_norm'),
+    errors.OUT_OF_MEMORY: (errors.OutOfMemory, 'out of memory', errors.OUT_OF_MEMORY_FIX),
+    errors.WORKER_FAILED: (errors.WorkerFailure, 'a worker failed', 'mend what its error names'),
 }
 _PSEUDO_FILESYSTEMS = ('/proc', '/sys', '/dev')
 
@@ -237,7 +235,8 @@ def check_before_start(cfg: config_lib.Config) -> Optional[dict]:
 def run(cfg: config_lib.Config, start_unix: Optional[float] = None) -> driver.RunSummary:
   """Runs `cfg` with its schedule, with telemetry alongside; writes the run's config.json (the whole config, the
   one place that sees it) and its summary.json, and returns the summary; a run whose loss or return became
-  NaN/inf, or that ran out of memory, writes its summary too, then raises `errors.Diverged` / `OutOfMemory`.
+  NaN/inf, that ran out of memory or whose worker beside the trainer failed for good writes its summary too, then
+  raises `errors.Diverged` / `OutOfMemory` / `WorkerFailure`.
   Every time of the run counts from `start_unix` (`time.time()` at process start: main.py passes it; None: from
   this call)."""
   start = run_clock.StartClock(start_unix or time.time()).mark('imports')  # interpreter, flags, controller imports
@@ -292,12 +291,17 @@ def _run_schedule(cfg: config_lib.Config, start: run_clock.StartClock, cell: cel
   except jax.errors.JaxRuntimeError as e:
     refused = errors.out_of_memory(e)
     if refused is not None:  # before the driver's loop (building envs, say): no summary of its own
-      summary = stopped_summary(cfg, driver.OUT_OF_MEMORY, start.unix)
+      summary = stopped_summary(cfg, errors.OUT_OF_MEMORY, start.unix)
       summary.extra['failure'] = refused
     elif not distributed.joined():  # only a rank's own all-reduce fails here
       raise
     else:
       raise distributed.failed_rank(cell.spec, e) from e
+  except errors.WorkerFailure as failure:
+    if failure.stopped is None:  # the trainer's own death
+      raise
+    summary = stopped_summary(cfg, failure.stopped, start.unix)  # a worker beside it; the trainer sent nothing
+    summary.extra['failure'] = str(failure)
   except KeyboardInterrupt as interrupt:
     summary = stopped_summary(cfg, errors.stop_reason(interrupt), start.unix)
   finally:

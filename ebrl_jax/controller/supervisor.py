@@ -63,6 +63,33 @@ def _said(error: Optional[dict]) -> str:
   return f'; its error: {error["type"]}: {error["message"]}' if error else ''
 
 
+def death_verdict(role: str, pid: Optional[int], code: Optional[int], error: Optional[dict],
+                  schedule: config_lib.ScheduleConfig, deaths: int) -> Optional[errors.WorkerFailure]:
+  """None when worker `role` (not the trainer; process `pid`, exit code `code`, `error` its recorded error, this
+  its `deaths`-th death) is to be restarted; else the `WorkerFailure` that stops the run, its `stopped` set (the
+  trainer is alive to send its summary so far): with --worker_fault=stop, past --max_restarts, or at once when the
+  error would meet every restart too (the worker refused its configuration, or XLA refused it the memory its
+  configuration needs)."""
+  cause = _said(error)
+  if schedule.worker_fault != 'restart':
+    return errors.WorkerFailure(f'{role} (pid {pid}) died with exit code {code}{cause} (--worker_fault=stop)',
+                                stopped=errors.WORKER_FAILED)
+  if error is not None and error.get('out_of_memory'):
+    return errors.WorkerFailure(f'{role} (pid {pid}): {error["out_of_memory"]} (a restart would meet the same)',
+                                stopped=errors.OUT_OF_MEMORY)
+  if error is not None and error['type'] == 'ValueError':
+    return errors.WorkerFailure(
+        f'{role} (pid {pid}) refused its configuration: ValueError: {error["message"]} '
+        '(a restart would meet the same)',
+        stopped=errors.WORKER_FAILED)
+  if deaths > schedule.max_restarts:
+    return errors.WorkerFailure(
+        f'{role} died {deaths} times (last exit code {code}{cause}), more than '
+        f'--max_restarts={schedule.max_restarts}',
+        stopped=errors.WORKER_FAILED)
+  return None
+
+
 class Supervisor:
   """Starts, watches and stops the workers. Their pids are in `pids` (role -> pid, read by telemetry) and, for
   the user, in `<run_dir>/workers.json`; the trainer's summary arrives on its control pipe (`summary`)."""
@@ -116,6 +143,9 @@ class Supervisor:
     self.workers: Dict[str, Any] = {}
     self.restarts = 0
     self._role_restarts: Dict[str, int] = {}
+    # The worker failure that stops the run, once raised: the trainer is then asked for its summary so far, while
+    # the dead worker (and any that dies beside it) is left alone.
+    self.failure: Optional[errors.WorkerFailure] = None
     self._next_mps_check = 0.0
     self.rollout_quota: Dict[str, int] = {}  # role -> quota set by a live change (else the config's)
     self.started_t: Optional[float] = None  # when start_all ran
@@ -247,7 +277,7 @@ class Supervisor:
                                      f'{storage.checkpoint_advice(self._cfg.schedule.run_dir)}')
         return
       for role, w in list(self.workers.items()):
-        if role != 'trainer' and not w.is_alive() and not self.stop.is_set():
+        if role != 'trainer' and not w.is_alive() and not self.stop.is_set() and self.failure is None:
           self._on_worker_death(role, w)
       if self.tick is not None and not self.stop.is_set():
         self.tick()
@@ -289,21 +319,15 @@ class Supervisor:
         storage.checkpoint_advice(self._cfg.schedule.run_dir, 'start MPS again (or run without --use_mps)'))
 
   def _on_worker_death(self, role: str, w) -> None:
+    """Restarts worker `w` (not the trainer), or raises the `WorkerFailure` (`death_verdict`) that stops the run."""
     code, error, pid = getattr(w, 'exitcode', None), self._last_error(w), getattr(w, 'pid', None)
-    cause = _said(error)
-    advice = storage.checkpoint_advice(self._cfg.schedule.run_dir)
-    if self._cfg.schedule.worker_fault != 'restart':
-      raise errors.WorkerFailure(f'{role} (pid {pid}) died with exit code {code}{cause}; stopping '
-                                 '(--worker_fault=stop).')
-    if error is not None and error['type'] == 'ValueError':  # it refused its configuration: so would every restart
-      raise errors.WorkerFailure(f'{role} (pid {pid}) refused its configuration: ValueError: {error["message"]} '
-                                 f'(a restart would meet the same); stopping. {advice}')
-    self._role_restarts[role] = self._role_restarts.get(role, 0) + 1
-    if self._role_restarts[role] > self._cfg.schedule.max_restarts:
-      raise errors.WorkerFailure(f'{role} died {self._role_restarts[role]} times (last exit code {code}{cause}), '
-                                 f'more than --max_restarts={self._cfg.schedule.max_restarts}; stopping. {advice}')
+    deaths = self._role_restarts.get(role, 0) + 1
+    self.failure = death_verdict(role, pid, code, error, self._cfg.schedule, deaths)
+    if self.failure is not None:
+      raise self.failure
+    self._role_restarts[role] = deaths
     self.restarts += 1
-    logging.warning('%s (pid %s) died with exit code %s%s; restarting it (restart %d).', role, pid, code, cause,
+    logging.warning('%s (pid %s) died with exit code %s%s; restarting it (restart %d).', role, pid, code, _said(error),
                     self.restarts)
     if role == 'generation':  # its groups re-send their outstanding requests to the new one
       self._start(role, generation_worker.generation_main, self._gen_args)

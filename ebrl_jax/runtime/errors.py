@@ -29,7 +29,13 @@ class DiskFull(RunError):
 
 
 class WorkerFailure(RunError):
-  """A worker died and the run could not go on; the message names the worker and its exit code."""
+  """A worker died and the run could not go on; the message names the worker, its exit code and the error it
+  recorded. `stopped` is set when the worker was not the trainer, which can still send its summary so far: the
+  summary's `stopped` (`WORKER_FAILED`, or `OUT_OF_MEMORY` for an allocation XLA refused the worker)."""
+
+  def __init__(self, message: str, stopped: Optional[str] = None):
+    super().__init__(message)
+    self.stopped = stopped
 
 
 class MpsDaemonDied(RunError):
@@ -55,6 +61,16 @@ class ErrorReport(NamedTuple):
 KINDS: Dict[str, Type[RunError]] = {
     cls.__name__: cls for cls in (RunError, DiskFull, WorkerFailure, MpsDaemonDied, Diverged, OutOfMemory)
 }
+
+# A summary's `stopped` for a run a failure ended (beside FINISHED, the budget and the signals; trainer.driver's
+# own failures are named after these): a loss or return became NaN/inf, an allocation XLA refused, a worker beside
+# the trainer that failed for good. extra['failure'] says what happened.
+DIVERGED, OUT_OF_MEMORY, WORKER_FAILED = 'non_finite', 'out_of_memory', 'worker_failed'
+# What to change before --resume after OUT_OF_MEMORY: the flags that size a run's memory.
+OUT_OF_MEMORY_FIX = (
+    'lower --num_envs or --num_eval_envs, the segments an iteration holds (--batch_size x '
+    '--num_minibatches, of --unroll_length steps), the policy\'s size or, with pixels, --image_size or '
+    '--frame_stack (runs sharing a GPU: XLA_PYTHON_CLIENT_MEM_FRACTION)')
 
 
 def out_of_memory(error: BaseException) -> Optional[str]:

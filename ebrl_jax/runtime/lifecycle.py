@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
+from ebrl_jax.runtime import errors
 from ebrl_jax.runtime import storage
 
 # What a worker receives when its controller dies. No worker handles it, so the kernel ends the worker at once.
@@ -107,26 +108,34 @@ def run_worker(stop, target, args, kwargs, failure_dir: Optional[str] = None):
     if failure_dir is not None:
       try:
         os.makedirs(failure_dir, exist_ok=True)
-        storage.write_json(os.path.join(failure_dir, f'{os.getpid()}.json'), {
-            'type': type(e).__name__,
-            'message': str(e)[:2000],
-            'unix': time.time()
-        })
+        storage.write_json(
+            os.path.join(failure_dir, f'{os.getpid()}.json'),
+            {
+                'type': type(e).__name__,
+                'message': str(e)[:2000],
+                'out_of_memory': errors.out_of_memory(e),  # XLA's refusal line, else None
+                'unix': time.time()
+            })
       except OSError:  # a full disk: the exit code alone reaches the controller
         pass
     raise
 
 
 def last_error(failure_dir: str, pid: Optional[int], since: float = 0.0) -> Optional[dict]:
-  """{'type', 'message'} of the error worker process `pid` ended on (`run_worker`), or None; a record written
-  before `since` (a `time.time()`: an earlier run's, in a reused run directory, whose pid came round again) is not
-  this worker's."""
+  """{'type', 'message', 'out_of_memory'} of the error worker process `pid` ended on (`run_worker`; the last is
+  XLA's line when an allocation was refused, else None), or None; a record written before `since` (a
+  `time.time()`: an earlier run's, in a reused run directory, whose pid came round again) is not this worker's."""
   try:
     with open(os.path.join(failure_dir, f'{pid}.json')) as f:
       record = json.load(f)
     if float(record.get('unix', 0.0)) < since:
       return None
-    return {'type': str(record['type']), 'message': str(record['message'])}
+    refused = record.get('out_of_memory')
+    return {
+        'type': str(record['type']),
+        'message': str(record['message']),
+        'out_of_memory': None if refused is None else str(refused)
+    }
   except (OSError, ValueError, KeyError, TypeError):
     return None
 

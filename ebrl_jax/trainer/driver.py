@@ -103,15 +103,16 @@ class RunSummary:
   device: str
   extra: dict  # schedule-specific figures (segments consumed, dropped, duplicates, worker restarts, ...)
   # Why the run ended: one of FINISHED, 'max_wall_s' (the budget), the signal ('SIGTERM', 'SIGINT'), DIVERGED (a
-  # loss or return became NaN/inf) or OUT_OF_MEMORY (an allocation XLA refused); for the last two extra['failure']
-  # says what happened, and the controller raises errors.Diverged or errors.OutOfMemory.
+  # loss or return became NaN/inf), OUT_OF_MEMORY (an allocation XLA refused, here or in a worker) or
+  # errors.WORKER_FAILED (a worker beside the trainer failed for good); for the failures extra['failure'] says what
+  # happened, and the controller raises errors.Diverged, OutOfMemory or WorkerFailure.
   stopped: str = 'num_timesteps'
   compile_breakdown: Dict[str, float] = dataclasses.field(default_factory=dict)  # the parts of compile_s
   start_unix: Optional[float] = None  # the clock's origin, `time.time()` at process start
 
 
 FINISHED = ('num_timesteps', 'target_return')
-DIVERGED, OUT_OF_MEMORY = 'non_finite', 'out_of_memory'
+DIVERGED, OUT_OF_MEMORY = errors.DIVERGED, errors.OUT_OF_MEMORY
 
 
 def run_training(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:

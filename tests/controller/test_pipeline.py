@@ -264,9 +264,12 @@ def test_a_worker_that_keeps_dying_stops_the_run_after_max_restarts(tmp_path, mo
 
   monkeypatch.setattr(rollout_worker, 'rollout_main', crash)
   cfg = _config(tmp_path / 'crashy', schedule='async', transport='thread', num_groups=1, max_restarts=2)
-  with pytest.raises(controller.RunError, match=r'rollout/0 died 3 times .* more than --max_restarts=2; stopping'):
+  with pytest.raises(controller.RunError,
+                     match=r'^a worker failed: rollout/0 died 3 times .* more than --max_restarts=2; the run stopped'):
     controller.run(cfg)
   assert starts == [0, 0, 0]  # the first start and two restarts
+  summary = json.load(open(tmp_path / 'crashy' / 'summary.json'))  # written like a stop's, then raised
+  assert summary['stopped'] == 'worker_failed' and 'more than --max_restarts=2' in summary['extra']['failure']
 
 
 def test_a_stalled_start_up_is_reported_worker_by_worker(tmp_path, monkeypatch, caplog):

@@ -16,7 +16,11 @@ def test_the_error_a_worker_ends_on_is_recorded_by_its_pid_then_raised(tmp_path)
   failures = str(tmp_path / lifecycle.FAILURES_DIR)
   with pytest.raises(ValueError, match='--num_envs=7 is too many'):
     lifecycle.run_worker(None, _refuse, (7,), {}, failures)
-  assert lifecycle.last_error(failures, os.getpid()) == {'type': 'ValueError', 'message': '--num_envs=7 is too many'}
+  assert lifecycle.last_error(failures, os.getpid()) == {
+      'type': 'ValueError',
+      'message': '--num_envs=7 is too many',
+      'out_of_memory': None  # XLA's line when it refused an allocation (tests/controller/test_worker_verdict.py)
+  }
   assert lifecycle.last_error(failures, os.getpid() + 1) is None  # another worker's, or one that was killed
   # An earlier run's record in a reused run directory, its pid come round again, is not this worker's
   assert lifecycle.last_error(failures, os.getpid(), since=time.time() + 1) is None
