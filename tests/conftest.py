@@ -115,7 +115,7 @@ FILE_TIERS = {
     'test_validation.py': 'contract',
     'test_signals.py': 'e2e',
     'test_run_failures.py':
-        'e2e',  # runs that fail (diverged; a worker that refuses its config): one FATAL line, nothing left
+        'e2e',  # runs that fail (diverged; a worker that fails for good; host memory): one FATAL line, nothing left
     'test_faults.py': 'e2e',  # the fault suite's short version: real runs
     'test_worker_verdict.py': 'contract',  # a dead worker: restart or stop; two real worker processes, no run
 }

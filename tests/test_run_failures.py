@@ -2,18 +2,23 @@
 
 A run whose loss becomes NaN/inf (here forced: rewards scaled by 1e30 make the value loss overflow float32 in the
 first update) stops with its summary written, `stopped` = 'non_finite' naming the metric, no checkpoint of the
-garbage state and no traceback (before, `fused` ended with a Python traceback and no summary). A worker process
-that refuses its configuration (a ValueError: here native envs that would not fit the host's memory) is named with
-its words and not restarted, since every restart would meet the same (before: three restarts, then 'died 4 times
-(last exit code 1)'), and the run's summary so far is written (`stopped` = 'worker_failed')."""
+garbage state and no traceback (before, `fused` ended with a Python traceback and no summary). A worker beside the
+trainer that fails for good (here killed under --worker_fault=stop; tests/controller/test_worker_verdict.py has the
+other ways) ends the run like a stop: the trainer's summary so far is written (`stopped` = 'worker_failed'). Native
+envs past the host's memory are refused before any worker starts (before: each rollout worker refused its own
+pool, and pools that each fit could together not)."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import runs_testlib  # pylint: disable=g-bad-import-order
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from experiments import faults  # pylint: disable=wrong-import-position
 
 
 def _fails(run_dir, *flags):
@@ -58,15 +63,55 @@ def test_a_diverged_process_schedule_stops_the_same_way_and_leaves_nothing(tmp_p
   runs_testlib.assert_nothing_left(run_dir)
 
 
-def test_a_worker_that_refuses_its_configuration_stops_the_run_at_once_in_its_words(tmp_path):
-  run_dir = tmp_path / 'sync'
-  fatal, out = _fails(run_dir, '--schedule=sync', '--num_groups=2', '--num_envs=1000000000', '--batch_size=1000000000',
-                      '--num_minibatches=1')
-  assert ' refused its configuration: ValueError: --num_envs: 500,000,000 native MuJoCo ' in fatal, fatal
-  assert fatal.startswith('FATAL: a worker failed: rollout/') and '(a restart would meet the same)' in fatal, fatal
-  assert f'{run_dir}/summary.json holds the run so far' in fatal and 'nothing to resume' in fatal, fatal
-  assert 'restarting it' not in out, out[-3000:]
-  summary = json.load(open(run_dir / 'summary.json'))  # the trainer's so far (or the controller's, had it none)
-  assert summary['stopped'] == 'worker_failed' and summary['schedule'] == 'sync'
-  assert ' refused its configuration: ValueError: --num_envs: ' in summary['extra']['failure']
+def test_a_worker_that_fails_for_good_ends_the_run_like_a_stop_with_the_trainers_summary(tmp_path):
+  run_dir = tmp_path / 'sync'  # a rollout worker killed under --worker_fault=stop once training is under way
+  proc = subprocess.Popen([
+      sys.executable, '-m', 'ebrl_jax.main', '--flagfile=experiments/quickstart.flags', '--compilation_cache_dir=',
+      '--noprogress_bar', '--telemetry_period_s=0', f'--run_dir={run_dir}', '--schedule=sync', '--num_groups=2',
+      '--worker_fault=stop', '--num_timesteps=100000000', '--num_evals=100000'
+  ],
+                          cwd=ROOT,
+                          env=dict(os.environ, JAX_PLATFORMS='cpu'),
+                          stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE,
+                          text=True)
+  try:
+    deadline = time.monotonic() + 240
+    while faults.iterations(str(run_dir)) < 3 and proc.poll() is None and time.monotonic() < deadline:
+      time.sleep(0.2)
+    victim = faults.workers(str(run_dir))['rollout/0']
+    os.kill(victim, signal.SIGKILL)
+    out, err = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 3, (out + err)[-3000:]
+  fatal = [line for line in err.splitlines() if line.startswith('FATAL:')]
+  assert len(fatal) == 1, err[-3000:]
+  assert fatal[0].startswith(f'FATAL: a worker failed: rollout/0 (pid {victim}) died with exit code -9 '
+                             '(--worker_fault=stop); the run stopped. '), fatal
+  assert f'{run_dir}/summary.json holds the run so far' in fatal[0] and 'continue with --resume' in fatal[0], fatal
+  summary = json.load(open(run_dir / 'summary.json'))  # the trainer's: what it trained before the stop
+  assert summary['stopped'] == 'worker_failed' and summary['extra']['failure'].startswith('rollout/0 (pid ')
+  assert summary['iterations'] >= 3 and summary['env_steps'] > 0 and summary['eval_curve']
+  assert summary['extra']['last_checkpoint'] is not None and summary['extra']['worker_restarts'] == 0
   runs_testlib.assert_nothing_left(run_dir)
+
+
+def test_native_envs_past_the_hosts_memory_are_refused_before_any_worker_starts(tmp_path):
+  # Each of the two groups' pools checks only itself: the run's envs are checked together first (exit code 2)
+  done = subprocess.run([
+      sys.executable, '-m', 'ebrl_jax.main', '--flagfile=experiments/quickstart.flags', '--compilation_cache_dir=',
+      '--noprogress_bar', '--telemetry_period_s=0', f'--run_dir={tmp_path / "sync"}', '--schedule=sync',
+      '--num_groups=2', '--num_envs=1000000000', '--batch_size=1000000000', '--num_minibatches=1'
+  ],
+                        cwd=ROOT,
+                        env=dict(os.environ, JAX_PLATFORMS='cpu'),
+                        capture_output=True,
+                        text=True,
+                        timeout=120)
+  assert done.returncode == 2, (done.stdout + done.stderr)[-3000:]
+  assert done.stderr.startswith(
+      'FATAL: --num_envs: 1,000,000,008 native MuJoCo envs of inverted_pendulum (the '
+      "run's: --num_envs=1,000,000,000 plus --num_eval_envs=8) would take about "), done.stderr
+  assert not (tmp_path / 'sync' / 'workers.json').exists()

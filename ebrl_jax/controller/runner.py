@@ -30,6 +30,8 @@ from ebrl_jax.runtime import run_clock
 from ebrl_jax.runtime import startup
 from ebrl_jax.runtime import storage
 from ebrl_jax.runtime import tracing
+from ebrl_jax.sim import cpu_env
+from ebrl_jax.sim import registry
 from ebrl_jax.trainer import checkpoint
 from ebrl_jax.trainer import driver
 from ebrl_jax.trainer import stages as trainer_stages
@@ -116,6 +118,20 @@ def _check_files(cfg: config_lib.Config) -> None:
     except (OSError, ValueError) as e:
       raise ValueError(f'--memory_profile={profile} cannot be read ({e}); give the JSON that '
                        'experiments/bench/stage_profile.py --profile_out writes, or drop the flag.') from None
+
+
+def check_host_memory(cfg: config_lib.Config) -> None:
+  """Native MuJoCo: every env the run keeps on this host (the groups' --num_envs and the evaluation's
+  --num_eval_envs) against the host's available memory, before any worker starts (ValueError naming the flags).
+  Each pool checks itself as it is made, so pools that each fit could together not: the kernel's OOM killer would
+  then end one worker (a restart meets the same) or another process."""
+  sim = cfg.sim
+  if sim.backend != 'mujoco_cpu':
+    return
+  model = cpu_env.load_model(registry.load(sim.task), (sim.solver_iterations, sim.ls_iterations))
+  total = sim.num_envs + sim.num_eval_envs
+  cpu_env.check_host_memory(sim.task, model, total, sim.randomization.enabled,
+                            f' (the run\'s: --num_envs={sim.num_envs:,} plus --num_eval_envs={sim.num_eval_envs:,})')
 
 
 def _check_gpu_sharing(cfg: config_lib.Config) -> None:
@@ -250,6 +266,7 @@ def run(cfg: config_lib.Config, start_unix: Optional[float] = None) -> driver.Ru
     startup.configure_jax(cfg.resources.platform, cfg.schedule.compilation_cache_dir)
     cell = cells_lib.join(cfg, spec)  # before JAX starts its backend; rank k > 0 writes under run_dir/rank<k>/
     cfg = cells_lib.rank_config(cfg, cell)
+    check_host_memory(cfg)  # this rank's envs, on its host
     storage.ensure_private_dir(cfg.schedule.run_dir)
     storage.write_json(os.path.join(cfg.schedule.run_dir, 'config.json'), dataclasses.asdict(cfg), indent=2)
     metrics.quiet_library_logs()

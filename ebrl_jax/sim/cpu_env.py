@@ -74,11 +74,12 @@ def available_host_bytes() -> Optional[int]:
   return None
 
 
-def check_host_memory(task: str, model: mujoco.MjModel, num_envs: int, per_env_model: bool) -> None:
+def check_host_memory(task: str, model: mujoco.MjModel, num_envs: int, per_env_model: bool, counted: str = '') -> None:
   """Refuses (ValueError naming --num_envs) a pool whose envs would not fit the host's available memory, measured
   on the first `_MEMORY_SAMPLE` envs (an MjData each, and a model copy each with `per_env_model`): far too many
   envs otherwise grow the process until the kernel's OOM killer ends it, and maybe others, without a word. An env
-  counts at least its MjData's buffer (`nbuffer`): in a process that freed memory before, the sample may reuse it."""
+  counts at least its MjData's buffer (`nbuffer`): in a process that freed memory before, the sample may reuse it.
+  `counted` says what the `num_envs` are when they are more than one pool's (the message's parenthesis)."""
   available, first = available_host_bytes(), min(num_envs, _MEMORY_SAMPLE)
   if available is None:
     return
@@ -87,18 +88,26 @@ def check_host_memory(task: str, model: mujoco.MjModel, num_envs: int, per_env_m
   per_env = max((_resident_bytes() - before) / first, model.nbuffer)
   del sample
   if per_env * num_envs > available:
-    raise ValueError(f'--num_envs: {num_envs:,} native MuJoCo envs of {task} would take about '
+    raise ValueError(f'--num_envs: {num_envs:,} native MuJoCo envs of {task}{counted} would take about '
                      f'{per_env * num_envs / 2**30:,.1f} GiB of host memory ({per_env / 1024:,.0f} KiB each, measured '
                      f'on {first}), more than the {available / 2**30:.1f} GiB this machine has available; lower '
                      '--num_envs (or --num_eval_envs, for the evaluation envs).')
 
 
-def _step_slice(models, datas, ids, ctrl, nstep, frame, fields) -> None:
-  """Steps envs `ids` (ctrl [len(ids), A]) and gathers their data fields into `frame` rows."""
+# MuJoCo's warnings for a state it found NaN, infinite or huge, after which its step resets the env's data itself.
+_BAD_STATE = (mujoco.mjtWarning.mjWARN_BADQPOS, mujoco.mjtWarning.mjWARN_BADQVEL, mujoco.mjtWarning.mjWARN_BADQACC)
+
+
+def _step_slice(models, datas, ids, ctrl, nstep, frame, fields, unstable) -> None:
+  """Steps envs `ids` (ctrl [len(ids), A]), gathers their data fields into `frame` rows and marks in `unstable`
+  those whose simulation blew up on the way (MuJoCo reset their data: the frame is not the episode's)."""
   for j, i in enumerate(ids):
     d = datas[i]
     d.ctrl[:] = ctrl[j]
+    for w in _BAD_STATE:  # a reset clears them; counted from 0 each step
+      d.warning[w].number = 0
     mujoco.mj_step(models[i], d, nstep)  # releases the GIL
+    unstable[i] = any(d.warning[w].number for w in _BAD_STATE)
     for f in fields:
       frame[f][i] = getattr(d, f)
 
@@ -152,6 +161,7 @@ class CpuEnvPool:
         f: np.zeros((num_envs,) + getattr(self._datas[0], f).shape) for f in self._fields
     }
     self._steps = np.zeros(num_envs, np.int64)
+    self._unstable = np.zeros(num_envs, bool)  # the last physics step blew up (`_step_slice`)
     self._return = np.zeros(num_envs, np.float64)
     self._length = np.zeros(num_envs, np.int64)
     self._finished = np.zeros(num_envs, bool)  # auto_reset=False only
@@ -264,7 +274,7 @@ class CpuEnvPool:
   # ------------------------------------------------------------------------------------------------- step
   def _physics(self, ids: np.ndarray, ctrl: np.ndarray) -> None:
     args = (self._models, self._datas)
-    tail = (self._task.n_frames, self._frame, self._fields)
+    tail = (self._task.n_frames, self._frame, self._fields, self._unstable)
     if self._executor is None or ids.size < 2:
       _step_slice(*args, ids, ctrl, *tail)
       return
@@ -277,16 +287,19 @@ class CpuEnvPool:
       fut.result()  # re-raises a worker's exception
 
   def _env_step(self, ids: np.ndarray, action: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-    """One (action-repeated) env step of envs `ids`; returns reward [n] and failure [n] of the last repeat."""
+    """One (action-repeated) env step of envs `ids`; returns reward [n] and failure [n] of the last repeat. An env
+    whose simulation blew up (MuJoCo reset its data) fails, its rewards from that repeat on 0: MJX's envs end the
+    same way (`mjx_env.NonFiniteEndsEpisodeWrapper`), and a reward measured across MuJoCo's reset is not one."""
     ctrl = tasks.scale_to_ctrl_range(action, self._consts) if self._task.scale_actions else action
-    reward = np.zeros(ids.size)
+    reward, unstable = np.zeros(ids.size), np.zeros(ids.size, bool)
     for _ in range(self.action_repeat):
       before = {f: v[ids] for f, v in self._frame.items()}
       self._physics(ids, ctrl)
       after = {f: v[ids] for f, v in self._frame.items()}
       r, failed = self._task.reward_fn(before, after, ctrl, self._consts)
-      reward += r
-    return reward, failed
+      unstable |= self._unstable[ids]
+      reward += np.where(unstable, 0.0, r)
+    return reward, failed | unstable
 
   def step(self, actions: np.ndarray, env_ids: Optional[Sequence[int]] = None) -> types.StepResult:
     """Steps envs `env_ids` (all by default) with actions [n, A] or a chunk [n, K, A].

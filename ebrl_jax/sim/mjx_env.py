@@ -107,6 +107,25 @@ class FreezeWhenDoneWrapper(brax_base.Wrapper):
     return where_envs(finished, frozen, nstate)
 
 
+def finite_rows(tree) -> jax.Array:
+  """[B] bool: env b's floating leaves of `tree` (each [B, ...]) are all finite."""
+  leaves = [x.reshape(x.shape[0], -1) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+  return jnp.isfinite(jnp.concatenate(leaves, axis=1)).all(axis=1)
+
+
+class NonFiniteEndsEpisodeWrapper(brax_base.Wrapper):
+  """Ends the episode of an env whose simulation blew up (NaN/inf in its observation or reward): done 1 (a failure),
+  reward 0, observation 0, so no NaN reaches the batch and auto-reset starts it afresh; as `cpu_env` ends one whose
+  MuJoCo step reset its data on a bad state. Batched: above the vmap wrapper."""
+
+  def step(self, state: brax_base.State, action: jax.Array) -> brax_base.State:
+    state = self.env.step(state, action)
+    bad = ~(finite_rows(state.obs) & jnp.isfinite(state.reward))
+    obs = jax.tree.map(lambda x: _where_batch(bad, jnp.zeros_like(x), x), state.obs)
+    reward, done = jnp.where(bad, 0, state.reward), jnp.where(bad, 1, state.done)
+    return state.replace(obs=obs, reward=reward.astype(state.reward.dtype), done=done.astype(state.done.dtype))
+
+
 class StateSliceWrapper(brax_base.Wrapper):
   """Keeps the first `size` values of every observation (--pixel_state=proprio: the robot's own state beside the
   camera frames, so the policy must see the objects). Sits right above the batching wrapper, so the episode and
@@ -357,7 +376,7 @@ def _make_mjx_env(task: str, episode_length: int, action_repeat: int, auto_reset
       env = brax_training.VmapWrapper(_shared_brax_mjx_env(task_def.brax_name, solver))
     else:  # its own: PerEnvModel swaps the inner env's model while it traces
       env = RandomizedVmapWrapper(_load_brax_mjx_env(task_def.brax_name, solver), randomization)
-  env = brax_training.EpisodeWrapper(env, episode_length, action_repeat)
+  env = brax_training.EpisodeWrapper(NonFiniteEndsEpisodeWrapper(env), episode_length, action_repeat)
   if auto_reset:
     return WhereAutoResetWrapper(env) if impl == 'warp' else brax_training.AutoResetWrapper(env)
   return FreezeWhenDoneWrapper(env)

@@ -179,3 +179,21 @@ def test_a_pool_past_the_hosts_available_memory_is_refused_naming_num_envs(monke
   monkeypatch.setattr(cpu_env, 'available_host_bytes', lambda: None)  # unknown (no /proc): no check
   with _pool(num_envs=4) as pool:
     assert pool.reset().shape[0] == 4
+
+
+def test_an_env_whose_simulation_blows_up_ends_its_episode_as_a_failure_and_resets():
+  # NaN velocities in env 0: MuJoCo's step warns and resets that env's data itself, so the frame after it is not
+  # the episode's and a reward across it would be made up; the pool ends the episode as a failure, reward 0, and
+  # draws a fresh initial state, as MJX's envs do (test_mjx_stages). The other envs step as before.
+  with _pool(num_envs=3, seed=4) as pool, _pool(num_envs=3, seed=4) as twin:
+    pool.reset(), twin.reset()
+    pool._datas[0].qvel[:] = np.nan  # pylint: disable=protected-access
+    res, clean = pool.step(np.zeros((3, 1))), twin.step(np.zeros((3, 1)))
+    np.testing.assert_array_equal(res.done, [1, 0, 0])
+    np.testing.assert_array_equal(res.truncation, [0, 0, 0])
+    assert res.reward[0] == 0 and res.episode_return[0] == 0 and res.episode_length[0] == 1
+    assert np.isfinite(res.obs).all()
+    for field in ('obs', 'reward', 'done'):
+      np.testing.assert_array_equal(getattr(res, field)[1:], getattr(clean, field)[1:])
+    res = pool.step(np.zeros((3, 1)))  # env 0 on its new episode, its warnings counted afresh
+    assert res.done[0] == 0 and res.reward[0] == 1 and res.episode_length[0] == 1

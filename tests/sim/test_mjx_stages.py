@@ -2,6 +2,8 @@
 
 Every test uses the same env and batch shape, so each stage compiles once for the module.
 """
+import dataclasses
+
 import jax
 from jax import numpy as jnp
 import numpy as np
@@ -89,3 +91,22 @@ def test_chunk_stops_each_env_at_its_first_done():
   np.testing.assert_array_equal(res.episode_length, np.full(NUM_ENVS, 5))
   np.testing.assert_array_equal(np.asarray(res.obs), first_obs)  # at the reset state, not run on
   np.testing.assert_array_equal(state.episode_length, np.zeros(NUM_ENVS))
+
+
+def test_an_env_whose_simulation_blows_up_ends_its_episode_as_a_failure_and_resets():
+  # NaN velocities in env 0 (MJX carries them on from step to step; native MuJoCo's step resets such data, and its
+  # pool ends the episode the same way, test_cpu_env): its episode ends as a failure, reward 0, and it starts
+  # afresh from its first initial state; no NaN reaches the step's result, and the other envs step as before.
+  state = _initial()
+  ps = state.brax_state.pipeline_state
+  blown = dataclasses.replace(
+      state, brax_state=state.brax_state.replace(pipeline_state=ps.replace(qvel=ps.qvel.at[0].set(jnp.nan))))
+  zeros = jnp.zeros((NUM_ENVS, 1))
+  _, res = _step(ENV, blown, zeros)
+  _, clean = _step(ENV, state, zeros)
+  np.testing.assert_array_equal(res.done, [1, 0, 0, 0])
+  np.testing.assert_array_equal(res.truncation, np.zeros(NUM_ENVS))  # a failure, not the time limit
+  assert float(res.reward[0]) == 0 and float(res.episode_return[0]) == 0 and int(res.episode_length[0]) == 1
+  np.testing.assert_array_equal(np.asarray(res.obs)[0], np.asarray(state.brax_state.obs)[0])  # auto-reset
+  for field in ('obs', 'reward', 'done'):
+    np.testing.assert_array_equal(np.asarray(getattr(res, field))[1:], np.asarray(getattr(clean, field))[1:])
