@@ -288,6 +288,18 @@ def test_schedule_labels_and_only_flags_are_checked():
     bench_run.parse_schedules(['async'], ['async'])
 
 
+def test_runs_go_label_by_label_or_round_by_round():
+  from experiments.bench import run as bench_run
+  labels = [('fused', 'fused', ()), ('q', 'async', ('--use_mps',))]
+  by_label = [(j.label, j.seed) for j in bench_run.job_order(labels, ['0', '1'], 'labels')]
+  assert by_label == [('fused', '0'), ('fused', '1'), ('q', '0'), ('q', '1')]
+  rounds = bench_run.job_order(labels, ['0', '1'], 'rounds')
+  assert [(j.label, j.seed) for j in rounds] == [('fused', '0'), ('q', '0'), ('fused', '1'), ('q', '1')]
+  assert rounds[1] == bench_run.Job('q', 'async', '0', ('--use_mps',))
+  with pytest.raises(ValueError, match='must be labels or rounds'):
+    bench_run.job_order(labels, ['0'], 'random')
+
+
 def test_label_time_limits_and_environments_are_checked_and_default_to_timeout_s():
   from experiments.bench import run as bench_run
   labels = bench_run.parse_schedules(['fused', 'auto'], [])

@@ -79,6 +79,11 @@ _CACHE = flags.DEFINE_enum(
     'folder, so every label\'s first seed starts cold and no label warms another\'s (the order of labels does not '
     'decide start-up); shared, the runs\' own --compilation_cache_dir (warm from earlier runs on the machine); off, '
     'none. A --compilation_cache_dir in --extra or --only wins.')
+_ORDER = flags.DEFINE_enum(
+    'order', 'labels', ['labels', 'rounds'],
+    'The order of the runs: labels, every seed of a label before the next label; rounds, every label once per seed '
+    '(seed 0 of each label, then seed 1 of each...), so a machine whose speed drifts over the invocation (a shared '
+    'CPU host) slows every label alike within a round instead of the labels run last.')
 _QUICK = flags.DEFINE_bool('quick', False, 'Tiny CPU workload (native MuJoCo pendulum) that exercises the harness.')
 
 SCHEDULES = ('fused', 'sync', 'async', 'overlap', 'auto', 'brax')
@@ -97,6 +102,15 @@ class Job(NamedTuple):
   schedule: str
   seed: str
   flags: Tuple[str, ...]  # the label's own flags (--only), after the shared --extra ones
+
+
+def job_order(labels, seeds: List[str], order: str) -> List[Job]:
+  """The runs of `labels` ([(label, schedule, flags)]) x `seeds`, in the order `--order` names."""
+  if order == 'labels':
+    return [Job(label, sched, seed, f) for label, sched, f in labels for seed in seeds]
+  if order == 'rounds':
+    return [Job(label, sched, seed, f) for seed in seeds for label, sched, f in labels]
+  raise ValueError(f'--order={order!r} must be labels or rounds.')
 
 
 def parse_schedules(entries: List[str], only: List[str]) -> List[Tuple[str, str, Tuple[str, ...]]]:
@@ -649,6 +663,7 @@ def main(argv):
       'extra_flags': extra,
       'quick': _QUICK.value,
       'seeds': _SEEDS.value,
+      'order': _ORDER.value,
       'labels': {
           label: {
               'schedule': sched,
@@ -681,7 +696,7 @@ def main(argv):
       env['CUDA_VISIBLE_DEVICES'] = slots[0][1]
     print('== stage profile', flush=True)
     result['stage_profile'] = _stage_profile(flagfile, extra, os.path.join(run_root, 'stage_profile.json'), env)
-  jobs = [Job(label, sched, seed, f) for label, sched, f in labels for seed in _SEEDS.value]
+  jobs = job_order(labels, _SEEDS.value, _ORDER.value)
   done: Dict[Job, dict] = {}
   todo: 'queue.Queue[Job]' = queue.Queue()
   for job in jobs:
