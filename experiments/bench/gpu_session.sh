@@ -57,7 +57,9 @@
 # matrix  issue 14's matrix one call at a time: workload MATRIX_W (w1 | w1warp | w2 | w3 | w5 | w6), seed MATRIX_SEED,
 #         MATRIX_U (--num_updates_per_batch: unset = the flagfile's, 1 / 16 for the other balance points), fused /
 #         sync / async / auto (MPS, 2 groups), each stopped by --max_wall_s=MATRIX_RUN_S (125 s; four fit a call).
-#         `auto` calibrates on a fresh machine's first use. Merge the calls of one workload:
+#         `auto` calibrates on a fresh machine's first use (into $ROOT/profiles, kept for later calls on the same warm
+#         machine and brought back as matrix_profiles.json.tgz). MATRIX_SCHEDULES picks labels (e.g. auto alone first,
+#         its calibration inside MATRIX_AUTO_S, auto's own --max_wall_s), MATRIX_TAG names the call. Merge the calls:
 #         python -m experiments.bench.run --merge=matrix_w6_s0.json,matrix_w6_s1.json,... --out=...
 # solver  experiments/solver_caps.py on the GPU (MJX-JAX push_cube steps/s at the default solver options and with
 #         the iteration / linesearch caps, native fidelity; SOLVER_IMPLS=jax,warp adds MJX-Warp), then W6 fused with the defaults vs --ls_iterations=8,
@@ -313,10 +315,16 @@ case $PART in
       w3) ff=w3_heterogeneous; x= ;;  w5) ff=w5_pixels_warp; x= ;;  w6) ff=w6_token; x= ;;
       *) echo "MATRIX_W=$w: one of w1 w1warp w2 w3 w5 w6"; exit 2 ;;
     esac
-    bench matrix_${w}${u:+_u$u}_s$seed 0-15 --bench_flagfile=experiments/$ff.flags --gpus=0 --seeds=$seed $x \
-      --schedules=fused,sync,async,auto --extra=--num_groups=2 ${u:+--extra=--num_updates_per_batch=$u} \
-      --extra=--max_wall_s=$run_s --only=sync:--use_mps --only=async:--use_mps --only=auto:--use_mps \
-      --timeout_s=$((run_s + 15)) ;;
+    scheds=${MATRIX_SCHEDULES:-fused,sync,async,auto}; auto_s=${MATRIX_AUTO_S:-$run_s}
+    mkdir -p $ROOT/profiles  # the auto label's profile store: calibrated once on this machine, read by later calls
+    per=()  # the per-label flags of the labels this call runs (the harness refuses flags for absent labels)
+    for l in sync async; do [[ ,$scheds, == *,$l,* ]] && per+=(--only=$l:--use_mps); done
+    [[ ,$scheds, == *,auto,* ]] && per+=(--only=auto:--use_mps --only=auto:--profile_dir=$ROOT/profiles \
+      --only=auto:--max_wall_s=$auto_s --label_timeout_s=auto:$((auto_s + 20)))
+    bench matrix_${w}${u:+_u$u}_s$seed${MATRIX_TAG:+_$MATRIX_TAG} 0-15 --bench_flagfile=experiments/$ff.flags \
+      --gpus=0 --seeds=$seed $x --schedules=$scheds --extra=--num_groups=2 ${u:+--extra=--num_updates_per_batch=$u} \
+      --extra=--max_wall_s=$run_s "${per[@]}" --timeout_s=$((run_s + 15))
+    tar czf $ROOT/matrix_profiles.json.tgz -C $ROOT profiles 2>/dev/null; cp $ROOT/matrix_profiles.json.tgz $OUT_DIR/ ;;
   solver)  # the solver caps on the GPU: MJX step rates per cap, then W6 fused with the defaults vs --ls_iterations=8
     timeout -s TERM 200 taskset -c 0-15 python3 -m experiments.solver_caps --impls=${SOLVER_IMPLS:-jax} --out=$ROOT/solver_caps_h200.json \
       > $ROOT/solver_caps.log 2>&1
