@@ -59,7 +59,8 @@
 #         sync / async / auto (MPS, 2 groups), each stopped by --max_wall_s=MATRIX_RUN_S (125 s; four fit a call).
 #         `auto` calibrates on a fresh machine's first use (into $ROOT/profiles, kept for later calls on the same warm
 #         machine and brought back as matrix_profiles.json.tgz). MATRIX_SCHEDULES picks labels (e.g. auto alone first,
-#         its calibration inside MATRIX_AUTO_S, auto's own --max_wall_s), MATRIX_TAG names the call. Merge the calls:
+#         its calibration inside MATRIX_AUTO_S, auto's own --max_wall_s), MATRIX_AUTO_EXTRA harness flags for it (e.g.
+#         --only=auto:--calibration_quotas=100 where a call cannot hold three quotas), MATRIX_TAG names the call. Merge:
 #         python -m experiments.bench.run --merge=matrix_w6_s0.json,matrix_w6_s1.json,... --out=...
 # solver  experiments/solver_caps.py on the GPU (MJX-JAX push_cube steps/s at the default solver options and with
 #         the iteration / linesearch caps, native fidelity; SOLVER_IMPLS=jax,warp adds MJX-Warp), then W6 fused with the defaults vs --ls_iterations=8,
@@ -320,7 +321,7 @@ case $PART in
     per=()  # the per-label flags of the labels this call runs (the harness refuses flags for absent labels)
     for l in sync async; do [[ ,$scheds, == *,$l,* ]] && per+=(--only=$l:--use_mps); done
     [[ ,$scheds, == *,auto,* ]] && per+=(--only=auto:--use_mps --only=auto:--profile_dir=$ROOT/profiles \
-      --only=auto:--max_wall_s=$auto_s --label_timeout_s=auto:$((auto_s + 20)))
+      --only=auto:--max_wall_s=$auto_s --label_timeout_s=auto:$((auto_s + 20)) ${MATRIX_AUTO_EXTRA:-})
     bench matrix_${w}${u:+_u$u}_s$seed${MATRIX_TAG:+_$MATRIX_TAG} 0-15 --bench_flagfile=experiments/$ff.flags \
       --gpus=0 --seeds=$seed $x --schedules=$scheds --extra=--num_groups=2 ${u:+--extra=--num_updates_per_batch=$u} \
       --extra=--max_wall_s=$run_s "${per[@]}" --timeout_s=$((run_s + 15))
