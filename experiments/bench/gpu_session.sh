@@ -58,7 +58,7 @@
 #         MATRIX_U (--num_updates_per_batch: unset = the flagfile's, 1 / 16 for the other balance points), fused /
 #         sync / async / auto (MPS, 2 groups), each stopped by --max_wall_s=MATRIX_RUN_S (125 s; four fit a call).
 #         `auto` calibrates on a fresh machine's first use (into $ROOT/profiles, kept for later calls on the same warm
-#         machine and brought back as matrix_profiles.json.tgz). MATRIX_SCHEDULES picks labels (e.g. auto alone first,
+#         machine and brought back as OUT_DIR/matrix_profiles.tgz). MATRIX_SCHEDULES picks labels (e.g. auto alone first,
 #         its calibration inside MATRIX_AUTO_S, auto's own --max_wall_s), MATRIX_AUTO_EXTRA harness flags for it (e.g.
 #         --only=auto:--calibration_quotas=100 where a call cannot hold three quotas), MATRIX_TAG names the call. Merge:
 #         python -m experiments.bench.run --merge=matrix_w6_s0.json,matrix_w6_s1.json,... --out=...
@@ -325,7 +325,7 @@ case $PART in
     bench matrix_${w}${u:+_u$u}_s$seed${MATRIX_TAG:+_$MATRIX_TAG} 0-15 --bench_flagfile=experiments/$ff.flags \
       --gpus=0 --seeds=$seed $x --schedules=$scheds --extra=--num_groups=2 ${u:+--extra=--num_updates_per_batch=$u} \
       --extra=--max_wall_s=$run_s "${per[@]}" --timeout_s=$((run_s + 15))
-    tar czf $ROOT/matrix_profiles.json.tgz -C $ROOT profiles 2>/dev/null; cp $ROOT/matrix_profiles.json.tgz $OUT_DIR/ ;;
+    tar czf $OUT_DIR/matrix_profiles.tgz -C $ROOT profiles ;;
   solver)  # the solver caps on the GPU: MJX step rates per cap, then W6 fused with the defaults vs --ls_iterations=8
     timeout -s TERM 200 taskset -c 0-15 python3 -m experiments.solver_caps --impls=${SOLVER_IMPLS:-jax} --out=$ROOT/solver_caps_h200.json \
       > $ROOT/solver_caps.log 2>&1
