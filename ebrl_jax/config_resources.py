@@ -74,6 +74,10 @@ class ResourceConfig:
   profile_dir: str = ''
   # SM quotas (percent) the calibration times each stage at, one process per quota (100 only without MPS).
   calibration_quotas: Tuple[int, ...] = (25, 50, 100)
+  # Seconds from process start the calibration may take (0: a third of --max_wall_s when that is set, else no
+  # budget but each process's own 900 s): a process still running then is stopped, the quotas left skipped; with
+  # none calibrated, --schedule=auto runs fused and --plan stops with an error. What was calibrated is kept.
+  calibration_budget_s: float = 0.0
   # With --plan: re-plan the ROLLOUT quota during the run from measured stage times (the trainer's quota and the
   # number of groups stay fixed); a change swaps each rollout worker for a warm standby at the new quota.
   replan: bool = False
@@ -109,6 +113,7 @@ class ResourceConfig:
     _check_choice('platform', self.platform, ('', 'cpu', 'gpu', 'cuda'))
     _check_positive('telemetry_period_s', self.telemetry_period_s, allow_zero=True)
     quotas = self.quotas  # parses and checks
+    _check_positive('calibration_budget_s', self.calibration_budget_s, allow_zero=True)
     if not self.calibration_quotas or any(not 1 <= q <= 100 for q in self.calibration_quotas):
       raise ValueError(f'--calibration_quotas={",".join(map(str, self.calibration_quotas))} must be non-empty, '
                        'each in [1, 100] percent.')

@@ -148,6 +148,9 @@ _HELP = {
                     'skips Python tracing; --notrace_cache traces at every start.'),
     'resume':
         'Continue the run in --run_dir from its newest intact checkpoint.',
+    'calibration_budget_s': ('--plan/--schedule=auto: seconds from process start the stage calibration may take '
+                             '(0: a third of --max_wall_s when set, else 900 s a process); quotas past it are '
+                             'skipped, and with none calibrated auto runs fused and --plan stops.'),
     'max_wall_s':
         'Wall-clock budget in seconds from process start (0: none); the run stops cleanly after it.',
     'deterministic': ('sync/async: a repeatable run: each group acts with exactly the version its iteration is '

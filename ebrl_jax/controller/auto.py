@@ -5,7 +5,7 @@ and runs it. The choice, every schedule's prediction and the reason go to the lo
 from __future__ import annotations
 
 import functools
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 from ebrl_jax import config as config_lib
 from ebrl_jax.controller import fused
@@ -17,23 +17,25 @@ from ebrl_jax.runtime import run_clock
 from ebrl_jax.trainer import driver
 
 
-def resolve(cfg: config_lib.Config) -> Tuple[config_lib.Config, dict]:
+def resolve(cfg: config_lib.Config, start_unix: Optional[float] = None) -> Tuple[config_lib.Config, dict]:
   """The config with the chosen schedule, and the record of the choice. Calibration (if needed) runs under an MPS
-  daemon of its own with --use_mps, stopped before the chosen schedule starts its own."""
+  daemon of its own with --use_mps, stopped before the chosen schedule starts its own, within the calibration
+  budget counted from `start_unix` (the run's process start; None: no budget)."""
   topology = topology_lib.make_topology(cfg)
   handoff = autoplan.handoff_s(topology.segment_spec.nbytes * topology.num_groups, topology.describe()['param_bytes'])
   daemon = mps.MpsDaemon(cfg.schedule.run_dir) if cfg.resources.use_mps else None
   try:
     if daemon is not None and not daemon.start():
       daemon = None
-    return autoplan.plan_auto(cfg, daemon is not None, functools.partial(pipeline.calibration_env, daemon), handoff)
+    return autoplan.plan_auto(cfg, daemon is not None, functools.partial(pipeline.calibration_env, daemon), handoff,
+                              autoplan.calibration_deadline(cfg, start_unix))
   finally:
     if daemon is not None:
       daemon.stop()
 
 
 def run(cfg: config_lib.Config, pids: Dict[str, int], start: run_clock.StartClock) -> driver.RunSummary:
-  chosen, record = resolve(cfg)
+  chosen, record = resolve(cfg, start.unix)
   start = start.mark('auto_choice')  # profiles read (or calibrated) and the schedule chosen
   if chosen.schedule.name == 'fused':
     summary = fused.run(chosen, start)

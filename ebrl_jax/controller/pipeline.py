@@ -136,12 +136,14 @@ def _recovered(parts) -> Dict[str, int]:
   return {'recovered_slots': sum(c.slots for c in counts), 'recovered_locks': sum(c.locks for c in counts)}
 
 
-def _plan(cfg: config_lib.Config, topology, memory_plan, mps_daemon):
-  """`--plan`: groups and quotas from stage profiles (calibrated first if there are none); returns the planned
-  (cfg, topology, plan record, memory plan), or the run's own without --plan."""
+def _plan(cfg: config_lib.Config, topology, memory_plan, mps_daemon, start_unix: float):
+  """`--plan`: groups and quotas from stage profiles (calibrated first if there are none, within the calibration
+  budget from `start_unix`); returns the planned (cfg, topology, plan record, memory plan), or the run's own
+  without --plan."""
   if not cfg.resources.plan:
     return cfg, topology, None, memory_plan
-  cfg, plan_record = autoplan.plan_run(cfg, mps_daemon is not None, functools.partial(calibration_env, mps_daemon))
+  cfg, plan_record = autoplan.plan_run(cfg, mps_daemon is not None, functools.partial(calibration_env, mps_daemon),
+                                       autoplan.calibration_deadline(cfg, start_unix))
   topology = topology_lib.make_topology(cfg, topology.cell)  # the chosen groups: budgets again, before any worker
   memory_plan = memory.plan_for_run(cfg, topology.env_spec, list(topology.planned_roles))
   memory_plan.log()
@@ -230,7 +232,7 @@ def run(cfg: config_lib.Config,
   try:
     if mps_daemon is not None and not mps_daemon.start():
       mps_daemon = None
-    cfg, topology, plan_record, memory_plan = _plan(cfg, topology, memory_plan, mps_daemon)
+    cfg, topology, plan_record, memory_plan = _plan(cfg, topology, memory_plan, mps_daemon, start.unix)
     logging.info('topology: %s', topology.describe())
     logging.info('%s', topology.iteration_graph.lines())
     placement = supervisor_lib.Placement(cfg, topology, mps_daemon, memory_plan)

@@ -100,14 +100,24 @@ def group_choices(cfg: config_lib.Config, sim_cores: Optional[int] = None) -> Tu
   return tuple(out)
 
 
+class CalibrationTimeout(RuntimeError):
+  """A calibration process did not finish in the time it was given (its quota is `quota`)."""
+
+  def __init__(self, quota: int, timeout_s: float):
+    super().__init__(f'stage calibration at SM quota {quota} % did not finish in {timeout_s:.0f} s.')
+    self.quota, self.timeout_s = quota, timeout_s
+
+
 def _calibrate(cfg: config_lib.Config,
                sizes: List[int],
                quotas: Sequence[int],
                worker_env,
                run_dir: str,
-               repeats: int = 3) -> List[dict]:
+               repeats: int = 3,
+               timeout_s: float = _CALIBRATION_TIMEOUT_S) -> List[dict]:
   """One spawned process per quota, in turn; returns their calibration JSONs, each with 'process_s' (the process's
-  wall seconds, start-up included). A failed or hung process is an error naming the quota and its output."""
+  wall seconds, start-up included). A process that has not finished after `timeout_s` is killed
+  (`CalibrationTimeout`); a failed one is an error naming the quota and its output."""
   ctx = multiprocessing.get_context('spawn')
   out = []
   for q in quotas:
@@ -120,11 +130,11 @@ def _calibrate(cfg: config_lib.Config,
                        daemon=True)
     t0 = time.monotonic()
     proc.start()
-    proc.join(_CALIBRATION_TIMEOUT_S)
+    proc.join(max(0.0, timeout_s))
     if proc.is_alive():
       proc.kill()
       proc.join(5)
-      raise RuntimeError(f'stage calibration at SM quota {q} % did not finish in {_CALIBRATION_TIMEOUT_S:.0f} s.')
+      raise CalibrationTimeout(q, timeout_s)
     if proc.exitcode != 0 or not os.path.exists(path):
       raise RuntimeError(f'stage calibration at SM quota {q} % failed (exit code {proc.exitcode}); see its log '
                          'above. Run without --plan, or fix --sm_quotas by hand.')
@@ -136,6 +146,22 @@ def _calibrate(cfg: config_lib.Config,
     logging.info('calibration at quota %d %%: %.1f s (sizes %s; phases in s: %s)', q, profile['process_s'], sizes,
                  phases)
   return out
+
+
+def calibration_deadline(cfg: config_lib.Config, start_unix: Optional[float]) -> Optional[float]:
+  """When (time.time() seconds) the calibration of a run that started at `start_unix` must have ended:
+  --calibration_budget_s after the start, or (budget 0) a third of --max_wall_s when that is set; None: no budget
+  but each process's own _CALIBRATION_TIMEOUT_S."""
+  budget = cfg.resources.calibration_budget_s or cfg.schedule.max_wall_s / 3
+  if start_unix is None or budget <= 0:
+    return None
+  return start_unix + budget
+
+
+def _budget_flags(cfg: config_lib.Config) -> str:
+  if cfg.resources.calibration_budget_s:
+    return f'--calibration_budget_s={cfg.resources.calibration_budget_s:g}'
+  return f'--max_wall_s={cfg.schedule.max_wall_s:g} (a third of it; --calibration_budget_s sets another)'
 
 
 def calibrated_quotas(store) -> Set[float]:
@@ -165,41 +191,68 @@ def plan_space(cfg: config_lib.Config,
                            sim_on_gpu=cfg.sim.backend != 'mujoco_cpu')
 
 
-def _profiles(cfg: config_lib.Config, mps_active: bool, worker_env, cannot_win: Optional[Callable] = None):
+def _profiles(cfg: config_lib.Config,
+              mps_active: bool,
+              worker_env,
+              cannot_win: Optional[Callable] = None,
+              deadline: Optional[float] = None):
   """(profile store, its path, the calibration's record): this machine and workload's stage profiles, calibrated
-  first at the quotas they lack, 100 % first. `cannot_win(store)` (--schedule=auto) is asked once the store holds
-  the 100 % profile: a reason (str) skips the lower quotas. The record, as the plan's record keeps it:
-  calibrated_s (None: nothing calibrated), calibration_quotas (those calibrated), calibration_process_s and
-  calibration_phase_s per quota, and calibration_skipped (what was skipped and why, or None)."""
+  first at the quotas they lack, 100 % first, one process per quota, the store saved after each. `cannot_win(store)`
+  (--schedule=auto) is asked once the store holds the 100 % profile: a reason (str) skips the lower quotas.
+  `deadline` (`calibration_deadline`): a process still running then is killed and the quotas left are skipped, as
+  are those whose turn comes too late for a process as long as the last one. The record, as the plan's record
+  keeps it: calibrated_s (None: nothing calibrated), calibration_quotas (those calibrated), calibration_process_s
+  and calibration_phase_s per quota, and calibration_skipped (what was skipped and why, or None)."""
   machine, workload = machine_key(), workload_key(cfg)
   path = store_path(cfg, machine, workload)
   store = profiles.ProfileStore.load(path, machine, workload)
   sizes = sorted({cfg.sim.num_envs // g for g in group_choices(cfg)})
   quotas = sorted(set(cfg.resources.calibration_quotas) if mps_active else {100}, reverse=True)
   missing = [q for q in quotas if q not in calibrated_quotas(store)]
-  runs, skipped = [], None
+  runs, skipped = [], []
 
   def calibrate_at(todo):
     logging.info(
         '--plan: no stage profiles at quotas %s for this machine and workload in %s; calibrating them, '
         'group sizes %s.', todo, path, sizes)
-    for profile in _calibrate(cfg, sizes, todo, worker_env, cfg.schedule.run_dir):
+    for i, q in enumerate(todo):
+      timeout = _CALIBRATION_TIMEOUT_S
+      if deadline is not None:
+        left = deadline - time.time()
+        last = runs[-1]['process_s'] if runs else 0.0
+        if left <= 0 or last > left:
+          why = (f'the calibration budget, {_budget_flags(cfg)}, had run out before the calibration at {q} % could '
+                 'start' if left <= 0 else f'the calibration budget, {_budget_flags(cfg)}, had {left:.0f} s left, '
+                 f'less than the {last:.0f} s the last quota took')
+          return skip(todo[i:], why)
+        timeout = min(timeout, left)
+      try:
+        profile = _calibrate(cfg, sizes, [q], worker_env, cfg.schedule.run_dir, timeout_s=timeout)[0]
+      except CalibrationTimeout as e:
+        if timeout >= _CALIBRATION_TIMEOUT_S:
+          raise
+        return skip(todo[i:], f'the calibration at {q} % was stopped at the calibration budget, '
+                    f'{_budget_flags(cfg)}, after {e.timeout_s:.0f} s')
       calibrate.add_to_store(store, profile)
       runs.append(profile)
+      store.save(path)  # each quota kept at once: a later budget stop or failure loses none
+
+  def skip(todo, reason):
+    skipped.append({'quotas': list(todo), 'reason': reason})
+    logging.warning('calibration at quotas %s skipped: %s', list(todo), reason)
+    return True
 
   lower = [q for q in missing if q != 100]
   if cannot_win is not None and 100 in quotas and lower:
-    if 100 in missing:
-      calibrate_at([100])
-    reason = cannot_win(store)
+    stopped = calibrate_at([100]) if 100 in missing else None
+    reason = None if stopped or 100 not in calibrated_quotas(store) else cannot_win(store)
     if reason:
-      skipped = {'quotas': lower, 'reason': reason}
-      logging.info('--schedule=auto: calibration at quotas %s skipped: %s', lower, reason)
-    missing = [] if reason else lower
+      skip(lower, reason)
+    missing = [] if reason or stopped else lower
+    if stopped:
+      skip(lower, 'the 100 % calibration did not finish')
   if missing:
     calibrate_at(missing)
-  if runs:
-    store.save(path)
   return store, path, {
       'calibrated_s': sum(p['process_s'] for p in runs) if runs else None,
       'calibration_quotas': [p['quota'] for p in runs],
@@ -209,7 +262,12 @@ def _profiles(cfg: config_lib.Config, mps_active: bool, worker_env, cannot_win: 
       'calibration_phase_s': {
           str(p['quota']): p.get('phase_s', {}) for p in runs
       },
-      'calibration_skipped': skipped
+      'calibration_skipped': ({
+          'quotas': [q for s in skipped for q in s['quotas']],
+          'reason': '; '.join(s['reason'] for s in skipped)
+      } if skipped else None),
+      'calibration_budget_s': None if deadline is None else cfg.resources.calibration_budget_s or
+                              cfg.schedule.max_wall_s / 3,
   }
 
 
@@ -276,12 +334,22 @@ def choose_generation(cfg: config_lib.Config, store, mps_active: bool, schedule:
   return chosen, record
 
 
-def plan_run(cfg: config_lib.Config, mps_active: bool, worker_env) -> Tuple[config_lib.Config, dict]:
+def plan_run(cfg: config_lib.Config,
+             mps_active: bool,
+             worker_env,
+             deadline: Optional[float] = None) -> Tuple[config_lib.Config, dict]:
   """The config the run goes on with, and the record of the decision (for the log and the summary).
 
-  `worker_env(quota)` gives the environment of a calibration process at that quota (MPS pipe, memory share).
+  `worker_env(quota)` gives the environment of a calibration process at that quota (MPS pipe, memory share);
+  `deadline` the calibration's (`calibration_deadline`). With no quota calibrated by then there is nothing to plan
+  from: an error naming the budget.
   """
-  store, path, calibration = _profiles(cfg, mps_active, worker_env)
+  store, path, calibration = _profiles(cfg, mps_active, worker_env, deadline=deadline)
+  if not calibrated_quotas(store):
+    raise RuntimeError(f'--plan: no stage profile was calibrated within the calibration budget '
+                       f'({calibration["calibration_skipped"]["reason"]}); raise --calibration_budget_s (or '
+                       '--max_wall_s), or run once without a budget to fill the profile store '
+                       f'{path}.')
   schedule = 'async' if cfg.schedule.name == 'async' else 'sync'  # overlap plans as sync (its semantics)
   cfg, generation = choose_generation(cfg, store, mps_active, schedule)
   space = plan_space(cfg, mps_active)
@@ -311,11 +379,25 @@ def handoff_s(segment_bytes_per_iteration: int, param_bytes: int) -> float:
   return (segment_bytes_per_iteration + 2 * param_bytes) / HOST_COPY_BYTES_PER_S
 
 
-def plan_auto(cfg: config_lib.Config, mps_active: bool, worker_env, handoff: float) -> Tuple[config_lib.Config, dict]:
+def plan_auto(cfg: config_lib.Config,
+              mps_active: bool,
+              worker_env,
+              handoff: float,
+              deadline: Optional[float] = None) -> Tuple[config_lib.Config, dict]:
   """`--schedule=auto`: the config with the chosen schedule (fused, or sync/async with the planned groups and
-  quotas) and the record of the choice (`schedule_choice`'s predictions and reason, plus the plan's figures)."""
+  quotas) and the record of the choice (`schedule_choice`'s predictions and reason, plus the plan's figures).
+  `deadline`: the calibration's (`calibration_deadline`); with no quota calibrated by then, fused (the sequential
+  baseline needs no profile), the reason recorded."""
   store, path, calibration = _profiles(cfg, mps_active, worker_env,
-                                       functools.partial(_cannot_win, cfg, mps_active, handoff))
+                                       functools.partial(_cannot_win, cfg, mps_active, handoff), deadline)
+  if not calibrated_quotas(store):
+    reason = (f'fused: no stage profile to choose from ({calibration["calibration_skipped"]["reason"]}); '
+              'the profiles calibrated so far are kept for the next run')
+    logging.warning('--schedule=auto chose %s', reason)
+    chosen_cfg, dropped = as_fused(cfg)
+    record = {'profile_store': path, **calibration, 'mps': mps_active, 'dropped': dropped}
+    record.update(schedule='fused', predicted={}, choice_reason=reason, handoff_s=handoff)
+    return chosen_cfg, record
   cfg, generation = choose_generation(cfg, store, mps_active, 'async')
   space = plan_space(cfg, mps_active)
   choice = schedule_choice.choose(store, space, handoff, _pinned(cfg, space, mps_active))

@@ -137,7 +137,7 @@ def _fake_calibration(monkeypatch, calls, sim_s, train_s):
   """Replaces the calibration processes: each quota's JSON from t_sim(E, q) = sim_s * E (per env step of E envs)
   and t_train = train_s, both at every quota (nothing slows below 100 %), generation 1 ns; records the quotas."""
 
-  def fake(cfg, sizes, quotas, worker_env, run_dir, repeats=3):
+  def fake(cfg, sizes, quotas, worker_env, run_dir, repeats=3, timeout_s=autoplan._CALIBRATION_TIMEOUT_S):
     calls.append(list(quotas))
     entry = lambda e, t: {'samples_s': [t], 'env_steps': e}  # one env step per env: t is per env step of E
     return [{
@@ -187,7 +187,7 @@ def test_auto_calibrates_100_first_and_skips_the_quotas_that_cannot_win(tmp_path
   assert calls == [[100]] and again['calibrated_s'] is None and again['calibration_skipped']['quotas'] == [50, 25]
   # --plan needs every quota: it calibrates only the two the store lacks.
   _, planned = autoplan.plan_run(cfg, mps_active=True, worker_env=None)
-  assert calls == [[100], [50, 25]] and planned['calibration_quotas'] == [50, 25]
+  assert calls == [[100], [50], [25]] and planned['calibration_quotas'] == [50, 25]
   assert planned['calibration_skipped'] is None
 
 
@@ -198,7 +198,7 @@ def test_auto_calibrates_every_quota_where_a_process_schedule_may_win(tmp_path, 
   _fake_calibration(monkeypatch, calls, sim_s=20e-6, train_s=25e-3)
   cfg, auto_cfg = _sync_and_auto(tmp_path, plan=False)
   _, record = autoplan.plan_auto(auto_cfg, mps_active=True, worker_env=None, handoff=0.0)
-  assert calls == [[100], [50, 25]] and record['calibration_quotas'] == [100, 50, 25]
+  assert calls == [[100], [50], [25]] and record['calibration_quotas'] == [100, 50, 25]
   assert record['calibration_skipped'] is None and record['calibrated_s'] == 6.0
   # Without MPS there is one quota, 100 %, and nothing to skip.
   calls.clear()
@@ -221,3 +221,103 @@ def test_auto_choosing_fused_drops_the_process_schedules_own_flags(tmp_path, mon
   chosen, record = autoplan.plan_auto(auto_cfg, mps_active=True, worker_env=None, handoff=0.0)
   assert chosen.schedule.name == 'fused' and record['dropped'] == ['--plan'] and not chosen.resources.plan
   assert chosen.resources.use_mps and chosen.resources.profile_dir == cfg.resources.profile_dir
+
+
+class _Clock:
+  """autoplan's `time` for the budget tests: time() and monotonic() read `now`, which a fake calibration moves."""
+
+  def __init__(self, now=1000.0):
+    self.now = now
+
+  def time(self):
+    return self.now
+
+  def monotonic(self):
+    return self.now
+
+
+def _timed_calibration(monkeypatch, calls, process_s, fail_at=None):
+  """`_fake_calibration`'s profiles (a workload where every quota may matter), each taking `process_s` on a fake
+  clock; a quota `fail_at` maps to is stopped at its timeout ('timeout') or fails ('fail'). Records
+  (quotas, timeout_s) per call; returns the clock."""
+  clock = _Clock()
+  monkeypatch.setattr(autoplan, 'time', clock)
+  inner = []
+  _fake_calibration(monkeypatch, inner, sim_s=20e-6, train_s=25e-3)
+  profile_of = autoplan._calibrate
+
+  def fake(cfg, sizes, quotas, worker_env, run_dir, repeats=3, timeout_s=autoplan._CALIBRATION_TIMEOUT_S):
+    calls.append((list(quotas), timeout_s))
+    how = (fail_at or {}).get(quotas[0])
+    if how == 'timeout':
+      clock.now += timeout_s
+      raise autoplan.CalibrationTimeout(quotas[0], timeout_s)
+    if how == 'fail':
+      raise RuntimeError(f'stage calibration at SM quota {quotas[0]} % failed')
+    clock.now += process_s
+    return [dict(p, process_s=process_s) for p in profile_of(cfg, sizes, quotas, worker_env, run_dir)]
+
+  monkeypatch.setattr(autoplan, '_calibrate', fake)
+  return clock
+
+
+def _stored_quotas(cfg):
+  path = autoplan.store_path(cfg, autoplan.machine_key(), autoplan.workload_key(cfg))
+  return autoplan.calibrated_quotas(profiles.ProfileStore.load(path, autoplan.machine_key(), autoplan.workload_key(cfg)))
+
+
+def test_calibration_deadline_is_the_budget_flag_else_a_third_of_max_wall_s(tmp_path):
+  cfg = _cfg(tmp_path)
+  with_wall = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, max_wall_s=300.0))
+  assert autoplan.calibration_deadline(cfg, 50.0) is None  # neither set: each process's own timeout only
+  assert autoplan.calibration_deadline(with_wall, 50.0) == pytest.approx(150.0)
+  budget = dataclasses.replace(with_wall, resources=dataclasses.replace(with_wall.resources, calibration_budget_s=20))
+  assert autoplan.calibration_deadline(budget, 50.0) == pytest.approx(70.0)
+  assert autoplan.calibration_deadline(budget, None) is None
+  with pytest.raises(ValueError, match='calibration_budget_s'):
+    config_lib.ResourceConfig(calibration_budget_s=-1)
+
+
+def test_auto_skips_the_quotas_the_calibration_budget_has_no_room_for(tmp_path, monkeypatch):
+  # Each quota's process takes 2 s; the budget ends 5 s after the start: 100 % (ends at 2 s, 3 s left >= 2 s) and
+  # 50 % (ends at 4 s, 1 s left < the 2 s it took) run, 25 % is skipped. Each process may run until the deadline.
+  calls = []
+  clock = _timed_calibration(monkeypatch, calls, process_s=2.0)
+  _, auto_cfg = _sync_and_auto(tmp_path, plan=False)
+  chosen, record = autoplan.plan_auto(auto_cfg, mps_active=True, worker_env=None, handoff=0.0,
+                                      deadline=clock.now + 5.0)
+  assert calls == [([100], 5.0), ([50], 3.0)]
+  assert record['calibration_quotas'] == [100, 50] and record['calibration_skipped']['quotas'] == [25]
+  assert 'calibration budget' in record['calibration_skipped']['reason']
+  assert _stored_quotas(auto_cfg) == {100, 50}
+  assert chosen.schedule.name in ('fused', 'sync', 'async') and record['choice_reason']
+  # The next run calibrates only what the store lacks.
+  autoplan.plan_auto(auto_cfg, mps_active=True, worker_env=None, handoff=0.0, deadline=clock.now + 5.0)
+  assert calls[2:] == [([25], 5.0)] and _stored_quotas(auto_cfg) == {100, 50, 25}
+
+
+def test_a_calibration_stopped_by_the_budget_leaves_auto_fused_and_plan_a_clear_error(tmp_path, monkeypatch):
+  calls = []
+  clock = _timed_calibration(monkeypatch, calls, process_s=2.0, fail_at={100: 'timeout'})
+  cfg, auto_cfg = _sync_and_auto(tmp_path, plan=True)
+  budget = lambda c: dataclasses.replace(c, resources=dataclasses.replace(c.resources, calibration_budget_s=60))
+  chosen, record = autoplan.plan_auto(budget(auto_cfg), mps_active=True, worker_env=None, handoff=0.0,
+                                      deadline=clock.now + 60.0)
+  assert calls == [([100], 60.0)]  # killed at the deadline, not after its own 900 s
+  assert chosen.schedule.name == 'fused' and not chosen.resources.plan and record['schedule'] == 'fused'
+  assert record['calibration_quotas'] == [] and record['calibration_skipped']['quotas'] == [100, 50, 25]
+  assert '--calibration_budget_s=60' in record['choice_reason'] and record['calibration_budget_s'] == 60
+  with pytest.raises(RuntimeError, match='no stage profile was calibrated within the calibration budget'):
+    autoplan.plan_run(budget(cfg), mps_active=True, worker_env=None, deadline=clock.now + 60.0)
+  # Without a budget a process that hangs past its own timeout is an error, as before.
+  with pytest.raises(autoplan.CalibrationTimeout, match='did not finish in 900 s'):
+    autoplan.plan_auto(auto_cfg, mps_active=True, worker_env=None, handoff=0.0)
+
+
+def test_each_calibrated_quota_is_saved_before_the_next_runs(tmp_path, monkeypatch):
+  calls = []
+  _timed_calibration(monkeypatch, calls, process_s=2.0, fail_at={50: 'fail'})
+  cfg, _ = _sync_and_auto(tmp_path, plan=True)
+  with pytest.raises(RuntimeError, match='quota 50 % failed'):
+    autoplan.plan_run(cfg, mps_active=True, worker_env=None)
+  assert _stored_quotas(cfg) == {100}
