@@ -222,8 +222,8 @@ def _profiles(cfg: config_lib.Config,
         last = runs[-1]['process_s'] if runs else 0.0
         if left <= 0 or last > left:
           why = (f'the calibration budget, {_budget_flags(cfg)}, had run out before the calibration at {q} % could '
-                 'start' if left <= 0 else f'the calibration budget, {_budget_flags(cfg)}, had {left:.0f} s left, '
-                 f'less than the {last:.0f} s the last quota took')
+                 'start' if left <= 0 else f'the calibration budget, {_budget_flags(cfg)}, had {left:.1f} s left, '
+                 f'less than the {last:.1f} s the last quota took')
           return skip(todo[i:], why)
         timeout = min(timeout, left)
       try:
