@@ -12,6 +12,7 @@ from ebrl_jax.controller import fused
 from ebrl_jax.controller import pipeline
 from ebrl_jax.controller import topology as topology_lib
 from ebrl_jax.resources import autoplan
+from ebrl_jax.resources import calibration_procs
 from ebrl_jax.resources import mps
 from ebrl_jax.runtime import run_clock
 from ebrl_jax.trainer import driver
@@ -28,7 +29,7 @@ def resolve(cfg: config_lib.Config, start_unix: Optional[float] = None) -> Tuple
     if daemon is not None and not daemon.start():
       daemon = None
     return autoplan.plan_auto(cfg, daemon is not None, functools.partial(pipeline.calibration_env, daemon), handoff,
-                              autoplan.calibration_deadline(cfg, start_unix))
+                              calibration_procs.deadline(cfg, start_unix))
   finally:
     if daemon is not None:
       daemon.stop()

@@ -35,6 +35,7 @@ from ebrl_jax.controller import supervisor as supervisor_lib
 from ebrl_jax.controller import topology as topology_lib
 from ebrl_jax.generation import worker as generation_worker
 from ebrl_jax.resources import autoplan
+from ebrl_jax.resources import calibration_procs
 from ebrl_jax.resources import memory
 from ebrl_jax.resources import mps
 from ebrl_jax.runtime import errors
@@ -143,7 +144,7 @@ def _plan(cfg: config_lib.Config, topology, memory_plan, mps_daemon, start_unix:
   if not cfg.resources.plan:
     return cfg, topology, None, memory_plan
   cfg, plan_record = autoplan.plan_run(cfg, mps_daemon is not None, functools.partial(calibration_env, mps_daemon),
-                                       autoplan.calibration_deadline(cfg, start_unix))
+                                       calibration_procs.deadline(cfg, start_unix))
   topology = topology_lib.make_topology(cfg, topology.cell)  # the chosen groups: budgets again, before any worker
   memory_plan = memory.plan_for_run(cfg, topology.env_spec, list(topology.planned_roles))
   memory_plan.log()

@@ -23,11 +23,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import json
-import multiprocessing
 import os
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from absl import logging
 
@@ -35,6 +33,7 @@ from ebrl_jax import config as config_lib
 from ebrl_jax import config_generation
 from ebrl_jax import sim
 from ebrl_jax.resources import calibrate
+from ebrl_jax.resources import calibration_procs
 from ebrl_jax.resources import cpus
 from ebrl_jax.resources import generation_choice
 from ebrl_jax.resources import planner
@@ -45,7 +44,6 @@ from ebrl_jax.transport import cuda_ipc
 
 _GROUP_CHOICES = (1, 2, 4, 8)
 _QUOTA_GRID = tuple(range(10, 101, 10))
-_CALIBRATION_TIMEOUT_S = 900.0
 _STAGES = ('sim', 'generation', 'train')
 
 
@@ -100,70 +98,6 @@ def group_choices(cfg: config_lib.Config, sim_cores: Optional[int] = None) -> Tu
   return tuple(out)
 
 
-class CalibrationTimeout(RuntimeError):
-  """A calibration process did not finish in the time it was given (its quota is `quota`)."""
-
-  def __init__(self, quota: int, timeout_s: float):
-    super().__init__(f'stage calibration at SM quota {quota} % did not finish in {timeout_s:.0f} s.')
-    self.quota, self.timeout_s = quota, timeout_s
-
-
-def _calibrate(cfg: config_lib.Config,
-               sizes: List[int],
-               quotas: Sequence[int],
-               worker_env,
-               run_dir: str,
-               repeats: int = 3,
-               timeout_s: float = _CALIBRATION_TIMEOUT_S) -> List[dict]:
-  """One spawned process per quota, in turn; returns their calibration JSONs, each with 'process_s' (the process's
-  wall seconds, start-up included). A process that has not finished after `timeout_s` is killed
-  (`CalibrationTimeout`); a failed one is an error naming the quota and its output."""
-  ctx = multiprocessing.get_context('spawn')
-  out = []
-  for q in quotas:
-    path = os.path.join(run_dir, f'calibration_q{q}.json')
-    env = worker_env(q)
-    proc = ctx.Process(target=calibrate.calibrate_main,
-                       args=(cfg, sizes, repeats, path),
-                       kwargs={'env': env},
-                       name=f'calibrate/q{q}',
-                       daemon=True)
-    t0 = time.monotonic()
-    proc.start()
-    proc.join(max(0.0, timeout_s))
-    if proc.is_alive():
-      proc.kill()
-      proc.join(5)
-      raise CalibrationTimeout(q, timeout_s)
-    if proc.exitcode != 0 or not os.path.exists(path):
-      raise RuntimeError(f'stage calibration at SM quota {q} % failed (exit code {proc.exitcode}); see its log '
-                         'above. Run without --plan, or fix --sm_quotas by hand.')
-    with open(path) as f:
-      profile = json.load(f)
-    profile['process_s'] = time.monotonic() - t0
-    out.append(profile)
-    phases = ', '.join(f'{name} {s:.1f}' for name, s in profile.get('phase_s', {}).items())
-    logging.info('calibration at quota %d %%: %.1f s (sizes %s; phases in s: %s)', q, profile['process_s'], sizes,
-                 phases)
-  return out
-
-
-def calibration_deadline(cfg: config_lib.Config, start_unix: Optional[float]) -> Optional[float]:
-  """When (time.time() seconds) the calibration of a run that started at `start_unix` must have ended:
-  --calibration_budget_s after the start, or (budget 0) a third of --max_wall_s when that is set; None: no budget
-  but each process's own _CALIBRATION_TIMEOUT_S."""
-  budget = cfg.resources.calibration_budget_s or cfg.schedule.max_wall_s / 3
-  if start_unix is None or budget <= 0:
-    return None
-  return start_unix + budget
-
-
-def _budget_flags(cfg: config_lib.Config) -> str:
-  if cfg.resources.calibration_budget_s:
-    return f'--calibration_budget_s={cfg.resources.calibration_budget_s:g}'
-  return f'--max_wall_s={cfg.schedule.max_wall_s:g} (a third of it; --calibration_budget_s sets another)'
-
-
 def calibrated_quotas(store) -> Set[float]:
   """The SM quotas every calibrated stage ('sim', 'generation', 'train') has samples at."""
   sets = [{q for _, q, _ in store[name].samples} if name in store else set() for name in _STAGES]
@@ -199,7 +133,7 @@ def _profiles(cfg: config_lib.Config,
   """(profile store, its path, the calibration's record): this machine and workload's stage profiles, calibrated
   first at the quotas they lack, 100 % first, one process per quota, the store saved after each. `cannot_win(store)`
   (--schedule=auto) is asked once the store holds the 100 % profile: a reason (str) skips the lower quotas.
-  `deadline` (`calibration_deadline`): a process still running then is killed and the quotas left are skipped, as
+  `deadline` (`calibration_procs.deadline`): a process still running then is killed and the quotas left are skipped, as
   are those whose turn comes too late for a process as long as the last one. The record, as the plan's record
   keeps it: calibrated_s (None: nothing calibrated), calibration_quotas (those calibrated), calibration_process_s
   and calibration_phase_s per quota, and calibration_skipped (what was skipped and why, or None)."""
@@ -216,23 +150,30 @@ def _profiles(cfg: config_lib.Config,
         '--plan: no stage profiles at quotas %s for this machine and workload in %s; calibrating them, '
         'group sizes %s.', todo, path, sizes)
     for i, q in enumerate(todo):
-      timeout = _CALIBRATION_TIMEOUT_S
+      timeout = calibration_procs.TIMEOUT_S
       if deadline is not None:
         left = deadline - time.time()
         last = runs[-1]['process_s'] if runs else 0.0
         if left <= 0 or last > left:
-          why = (f'the calibration budget, {_budget_flags(cfg)}, had run out before the calibration at {q} % could '
-                 'start' if left <= 0 else f'the calibration budget, {_budget_flags(cfg)}, had {left:.1f} s left, '
-                 f'less than the {last:.1f} s the last quota took')
+          why = (
+              f'the calibration budget, {calibration_procs.budget_flags(cfg)}, had run out before the calibration at {q} % could '
+              'start' if left <= 0 else
+              f'the calibration budget, {calibration_procs.budget_flags(cfg)}, had {left:.1f} s left, '
+              f'less than the {last:.1f} s the last quota took')
           return skip(todo[i:], why)
         timeout = min(timeout, left)
       try:
-        profile = _calibrate(cfg, sizes, [q], worker_env, cfg.schedule.run_dir, timeout_s=timeout)[0]
-      except CalibrationTimeout as e:
-        if timeout >= _CALIBRATION_TIMEOUT_S:
+        profile = calibration_procs.calibrate_quotas(cfg,
+                                                     sizes, [q],
+                                                     worker_env,
+                                                     cfg.schedule.run_dir,
+                                                     timeout_s=timeout)[0]
+      except calibration_procs.CalibrationTimeout as e:
+        if timeout >= calibration_procs.TIMEOUT_S:
           raise
-        return skip(todo[i:], f'the calibration at {q} % was stopped at the calibration budget, '
-                    f'{_budget_flags(cfg)}, after {e.timeout_s:.0f} s')
+        return skip(
+            todo[i:], f'the calibration at {q} % was stopped at the calibration budget, '
+            f'{calibration_procs.budget_flags(cfg)}, after {e.timeout_s:.0f} s')
       calibrate.add_to_store(store, profile)
       runs.append(profile)
       store.save(path)  # each quota kept at once: a later budget stop or failure loses none
@@ -254,7 +195,8 @@ def _profiles(cfg: config_lib.Config,
   if missing:
     calibrate_at(missing)
   return store, path, {
-      'calibrated_s': sum(p['process_s'] for p in runs) if runs else None,
+      'calibrated_s':
+          sum(p['process_s'] for p in runs) if runs else None,
       'calibration_quotas': [p['quota'] for p in runs],
       'calibration_process_s': {
           str(p['quota']): p['process_s'] for p in runs
@@ -266,8 +208,8 @@ def _profiles(cfg: config_lib.Config,
           'quotas': [q for s in skipped for q in s['quotas']],
           'reason': '; '.join(s['reason'] for s in skipped)
       } if skipped else None),
-      'calibration_budget_s': None if deadline is None else cfg.resources.calibration_budget_s or
-                              cfg.schedule.max_wall_s / 3,
+      'calibration_budget_s':
+          None if deadline is None else cfg.resources.calibration_budget_s or cfg.schedule.max_wall_s / 3,
   }
 
 
@@ -341,7 +283,7 @@ def plan_run(cfg: config_lib.Config,
   """The config the run goes on with, and the record of the decision (for the log and the summary).
 
   `worker_env(quota)` gives the environment of a calibration process at that quota (MPS pipe, memory share);
-  `deadline` the calibration's (`calibration_deadline`). With no quota calibrated by then there is nothing to plan
+  `deadline` the calibration's (`calibration_procs.deadline`). With no quota calibrated by then there is nothing to plan
   from: an error naming the budget.
   """
   store, path, calibration = _profiles(cfg, mps_active, worker_env, deadline=deadline)
@@ -386,7 +328,7 @@ def plan_auto(cfg: config_lib.Config,
               deadline: Optional[float] = None) -> Tuple[config_lib.Config, dict]:
   """`--schedule=auto`: the config with the chosen schedule (fused, or sync/async with the planned groups and
   quotas) and the record of the choice (`schedule_choice`'s predictions and reason, plus the plan's figures).
-  `deadline`: the calibration's (`calibration_deadline`); with no quota calibrated by then, fused (the sequential
+  `deadline`: the calibration's (`calibration_procs.deadline`); with no quota calibrated by then, fused (the sequential
   baseline needs no profile), the reason recorded."""
   store, path, calibration = _profiles(cfg, mps_active, worker_env,
                                        functools.partial(_cannot_win, cfg, mps_active, handoff), deadline)

@@ -7,6 +7,7 @@ import pytest
 from ebrl_jax import config as config_lib
 from ebrl_jax import controller
 from ebrl_jax.resources import autoplan
+from ebrl_jax.resources import calibration_procs
 from ebrl_jax.resources import profiles
 
 
@@ -137,7 +138,7 @@ def _fake_calibration(monkeypatch, calls, sim_s, train_s):
   """Replaces the calibration processes: each quota's JSON from t_sim(E, q) = sim_s * E (per env step of E envs)
   and t_train = train_s, both at every quota (nothing slows below 100 %), generation 1 ns; records the quotas."""
 
-  def fake(cfg, sizes, quotas, worker_env, run_dir, repeats=3, timeout_s=autoplan._CALIBRATION_TIMEOUT_S):
+  def fake(cfg, sizes, quotas, worker_env, run_dir, repeats=3, timeout_s=calibration_procs.TIMEOUT_S):
     calls.append(list(quotas))
     entry = lambda e, t: {'samples_s': [t], 'env_steps': e}  # one env step per env: t is per env step of E
     return [{
@@ -158,7 +159,7 @@ def _fake_calibration(monkeypatch, calls, sim_s, train_s):
         }
     } for q in quotas]
 
-  monkeypatch.setattr(autoplan, '_calibrate', fake)
+  monkeypatch.setattr(calibration_procs, 'calibrate_quotas', fake)
 
 
 def _sync_and_auto(tmp_path, plan: bool):
@@ -242,38 +243,40 @@ def _timed_calibration(monkeypatch, calls, process_s, fail_at=None):
   (quotas, timeout_s) per call; returns the clock."""
   clock = _Clock()
   monkeypatch.setattr(autoplan, 'time', clock)
+  monkeypatch.setattr(calibration_procs, 'time', clock)
   inner = []
   _fake_calibration(monkeypatch, inner, sim_s=20e-6, train_s=25e-3)
-  profile_of = autoplan._calibrate
+  profile_of = calibration_procs.calibrate_quotas
 
-  def fake(cfg, sizes, quotas, worker_env, run_dir, repeats=3, timeout_s=autoplan._CALIBRATION_TIMEOUT_S):
+  def fake(cfg, sizes, quotas, worker_env, run_dir, repeats=3, timeout_s=calibration_procs.TIMEOUT_S):
     calls.append((list(quotas), timeout_s))
     how = (fail_at or {}).get(quotas[0])
     if how == 'timeout':
       clock.now += timeout_s
-      raise autoplan.CalibrationTimeout(quotas[0], timeout_s)
+      raise calibration_procs.CalibrationTimeout(quotas[0], timeout_s)
     if how == 'fail':
       raise RuntimeError(f'stage calibration at SM quota {quotas[0]} % failed')
     clock.now += process_s
     return [dict(p, process_s=process_s) for p in profile_of(cfg, sizes, quotas, worker_env, run_dir)]
 
-  monkeypatch.setattr(autoplan, '_calibrate', fake)
+  monkeypatch.setattr(calibration_procs, 'calibrate_quotas', fake)
   return clock
 
 
 def _stored_quotas(cfg):
   path = autoplan.store_path(cfg, autoplan.machine_key(), autoplan.workload_key(cfg))
-  return autoplan.calibrated_quotas(profiles.ProfileStore.load(path, autoplan.machine_key(), autoplan.workload_key(cfg)))
+  return autoplan.calibrated_quotas(profiles.ProfileStore.load(path, autoplan.machine_key(),
+                                                               autoplan.workload_key(cfg)))
 
 
 def test_calibration_deadline_is_the_budget_flag_else_a_third_of_max_wall_s(tmp_path):
   cfg = _cfg(tmp_path)
   with_wall = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, max_wall_s=300.0))
-  assert autoplan.calibration_deadline(cfg, 50.0) is None  # neither set: each process's own timeout only
-  assert autoplan.calibration_deadline(with_wall, 50.0) == pytest.approx(150.0)
+  assert calibration_procs.deadline(cfg, 50.0) is None  # neither set: each process's own timeout only
+  assert calibration_procs.deadline(with_wall, 50.0) == pytest.approx(150.0)
   budget = dataclasses.replace(with_wall, resources=dataclasses.replace(with_wall.resources, calibration_budget_s=20))
-  assert autoplan.calibration_deadline(budget, 50.0) == pytest.approx(70.0)
-  assert autoplan.calibration_deadline(budget, None) is None
+  assert calibration_procs.deadline(budget, 50.0) == pytest.approx(70.0)
+  assert calibration_procs.deadline(budget, None) is None
   with pytest.raises(ValueError, match='calibration_budget_s'):
     config_lib.ResourceConfig(calibration_budget_s=-1)
 
@@ -284,8 +287,7 @@ def test_auto_skips_the_quotas_the_calibration_budget_has_no_room_for(tmp_path, 
   calls = []
   clock = _timed_calibration(monkeypatch, calls, process_s=2.0)
   _, auto_cfg = _sync_and_auto(tmp_path, plan=False)
-  chosen, record = autoplan.plan_auto(auto_cfg, mps_active=True, worker_env=None, handoff=0.0,
-                                      deadline=clock.now + 5.0)
+  chosen, record = autoplan.plan_auto(auto_cfg, mps_active=True, worker_env=None, handoff=0.0, deadline=clock.now + 5.0)
   assert calls == [([100], 5.0), ([50], 3.0)]
   assert record['calibration_quotas'] == [100, 50] and record['calibration_skipped']['quotas'] == [25]
   assert 'calibration budget' in record['calibration_skipped']['reason']
@@ -301,7 +303,10 @@ def test_a_calibration_stopped_by_the_budget_leaves_auto_fused_and_plan_a_clear_
   clock = _timed_calibration(monkeypatch, calls, process_s=2.0, fail_at={100: 'timeout'})
   cfg, auto_cfg = _sync_and_auto(tmp_path, plan=True)
   budget = lambda c: dataclasses.replace(c, resources=dataclasses.replace(c.resources, calibration_budget_s=60))
-  chosen, record = autoplan.plan_auto(budget(auto_cfg), mps_active=True, worker_env=None, handoff=0.0,
+  chosen, record = autoplan.plan_auto(budget(auto_cfg),
+                                      mps_active=True,
+                                      worker_env=None,
+                                      handoff=0.0,
                                       deadline=clock.now + 60.0)
   assert calls == [([100], 60.0)]  # killed at the deadline, not after its own 900 s
   assert chosen.schedule.name == 'fused' and not chosen.resources.plan and record['schedule'] == 'fused'
@@ -310,7 +315,7 @@ def test_a_calibration_stopped_by_the_budget_leaves_auto_fused_and_plan_a_clear_
   with pytest.raises(RuntimeError, match='no stage profile was calibrated within the calibration budget'):
     autoplan.plan_run(budget(cfg), mps_active=True, worker_env=None, deadline=clock.now + 60.0)
   # Without a budget a process that hangs past its own timeout is an error, as before.
-  with pytest.raises(autoplan.CalibrationTimeout, match='did not finish in 900 s'):
+  with pytest.raises(calibration_procs.CalibrationTimeout, match='did not finish in 900 s'):
     autoplan.plan_auto(auto_cfg, mps_active=True, worker_env=None, handoff=0.0)
 
 

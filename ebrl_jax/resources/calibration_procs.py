@@ -1,0 +1,81 @@
+"""The stage calibration's processes (`--plan`, `--schedule=auto`): one spawned process per SM quota, each timing
+every stage alone (`calibrate.calibrate_main`), and the budget they run under (`--calibration_budget_s`).
+`autoplan` decides which quotas to calibrate and keeps their profiles."""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import time
+from typing import List, Optional, Sequence
+
+from absl import logging
+
+from ebrl_jax import config as config_lib
+from ebrl_jax.resources import calibrate
+
+TIMEOUT_S = 900.0  # a calibration process's own limit, budget or not
+
+
+class CalibrationTimeout(RuntimeError):
+  """A calibration process did not finish in the time it was given (its quota is `quota`)."""
+
+  def __init__(self, quota: int, timeout_s: float):
+    super().__init__(f'stage calibration at SM quota {quota} % did not finish in {timeout_s:.0f} s.')
+    self.quota, self.timeout_s = quota, timeout_s
+
+
+def calibrate_quotas(cfg: config_lib.Config,
+                     sizes: List[int],
+                     quotas: Sequence[int],
+                     worker_env,
+                     run_dir: str,
+                     repeats: int = 3,
+                     timeout_s: float = TIMEOUT_S) -> List[dict]:
+  """One spawned process per quota, in turn; returns their calibration JSONs, each with 'process_s' (the process's
+  wall seconds, start-up included). A process that has not finished after `timeout_s` is killed
+  (`CalibrationTimeout`); a failed one is an error naming the quota and its output."""
+  ctx = multiprocessing.get_context('spawn')
+  out = []
+  for q in quotas:
+    path = os.path.join(run_dir, f'calibration_q{q}.json')
+    env = worker_env(q)
+    proc = ctx.Process(target=calibrate.calibrate_main,
+                       args=(cfg, sizes, repeats, path),
+                       kwargs={'env': env},
+                       name=f'calibrate/q{q}',
+                       daemon=True)
+    t0 = time.monotonic()
+    proc.start()
+    proc.join(max(0.0, timeout_s))
+    if proc.is_alive():
+      proc.kill()
+      proc.join(5)
+      raise CalibrationTimeout(q, timeout_s)
+    if proc.exitcode != 0 or not os.path.exists(path):
+      raise RuntimeError(f'stage calibration at SM quota {q} % failed (exit code {proc.exitcode}); see its log '
+                         'above. Run without --plan, or fix --sm_quotas by hand.')
+    with open(path) as f:
+      profile = json.load(f)
+    profile['process_s'] = time.monotonic() - t0
+    out.append(profile)
+    phases = ', '.join(f'{name} {s:.1f}' for name, s in profile.get('phase_s', {}).items())
+    logging.info('calibration at quota %d %%: %.1f s (sizes %s; phases in s: %s)', q, profile['process_s'], sizes,
+                 phases)
+  return out
+
+
+def deadline(cfg: config_lib.Config, start_unix: Optional[float]) -> Optional[float]:
+  """When (time.time() seconds) the calibration of a run that started at `start_unix` must have ended:
+  --calibration_budget_s after the start, or (budget 0) a third of --max_wall_s when that is set; None: no budget
+  but each process's own TIMEOUT_S."""
+  budget = cfg.resources.calibration_budget_s or cfg.schedule.max_wall_s / 3
+  if start_unix is None or budget <= 0:
+    return None
+  return start_unix + budget
+
+
+def budget_flags(cfg: config_lib.Config) -> str:
+  if cfg.resources.calibration_budget_s:
+    return f'--calibration_budget_s={cfg.resources.calibration_budget_s:g}'
+  return f'--max_wall_s={cfg.schedule.max_wall_s:g} (a third of it; --calibration_budget_s sets another)'
