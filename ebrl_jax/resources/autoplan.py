@@ -153,13 +153,8 @@ def _profiles(cfg: config_lib.Config,
       timeout = calibration_procs.TIMEOUT_S
       if deadline is not None:
         left = deadline - time.time()
-        last = runs[-1]['process_s'] if runs else 0.0
-        if left <= 0 or last > left:
-          why = (
-              f'the calibration budget, {calibration_procs.budget_flags(cfg)}, had run out before the calibration at {q} % could '
-              'start' if left <= 0 else
-              f'the calibration budget, {calibration_procs.budget_flags(cfg)}, had {left:.1f} s left, '
-              f'less than the {last:.1f} s the last quota took')
+        why = calibration_procs.no_room(cfg, q, left, runs[-1]['process_s'] if runs else 0.0)
+        if why:
           return skip(todo[i:], why)
         timeout = min(timeout, left)
       try:
@@ -186,17 +181,14 @@ def _profiles(cfg: config_lib.Config,
   lower = [q for q in missing if q != 100]
   if cannot_win is not None and 100 in quotas and lower:
     stopped = calibrate_at([100]) if 100 in missing else None
-    reason = None if stopped or 100 not in calibrated_quotas(store) else cannot_win(store)
+    reason = 'the 100 % calibration did not finish' if stopped else cannot_win(store)
     if reason:
       skip(lower, reason)
-    missing = [] if reason or stopped else lower
-    if stopped:
-      skip(lower, 'the 100 % calibration did not finish')
+    missing = [] if reason else lower
   if missing:
     calibrate_at(missing)
   return store, path, {
-      'calibrated_s':
-          sum(p['process_s'] for p in runs) if runs else None,
+      'calibrated_s': sum(p['process_s'] for p in runs) if runs else None,
       'calibration_quotas': [p['quota'] for p in runs],
       'calibration_process_s': {
           str(p['quota']): p['process_s'] for p in runs
@@ -208,8 +200,7 @@ def _profiles(cfg: config_lib.Config,
           'quotas': [q for s in skipped for q in s['quotas']],
           'reason': '; '.join(s['reason'] for s in skipped)
       } if skipped else None),
-      'calibration_budget_s':
-          None if deadline is None else cfg.resources.calibration_budget_s or cfg.schedule.max_wall_s / 3,
+      'calibration_budget_s': None if deadline is None else calibration_procs.budget_s(cfg),
   }
 
 
@@ -332,17 +323,15 @@ def plan_auto(cfg: config_lib.Config,
   baseline needs no profile), the reason recorded."""
   store, path, calibration = _profiles(cfg, mps_active, worker_env,
                                        functools.partial(_cannot_win, cfg, mps_active, handoff), deadline)
-  if not calibrated_quotas(store):
-    reason = (f'fused: no stage profile to choose from ({calibration["calibration_skipped"]["reason"]}); '
-              'the profiles calibrated so far are kept for the next run')
-    logging.warning('--schedule=auto chose %s', reason)
-    chosen_cfg, dropped = as_fused(cfg)
-    record = {'profile_store': path, **calibration, 'mps': mps_active, 'dropped': dropped}
-    record.update(schedule='fused', predicted={}, choice_reason=reason, handoff_s=handoff)
-    return chosen_cfg, record
-  cfg, generation = choose_generation(cfg, store, mps_active, 'async')
-  space = plan_space(cfg, mps_active)
-  choice = schedule_choice.choose(store, space, handoff, _pinned(cfg, space, mps_active))
+  if calibrated_quotas(store):
+    cfg, generation = choose_generation(cfg, store, mps_active, 'async')
+    space = plan_space(cfg, mps_active)
+    choice = schedule_choice.choose(store, space, handoff, _pinned(cfg, space, mps_active))
+  else:  # nothing to predict from: the sequential baseline needs no profile
+    generation = None
+    choice = schedule_choice.Choice(
+        'fused', None, {}, f'fused: no stage profile to choose from ({calibration["calibration_skipped"]["reason"]}); '
+        'the profiles calibrated so far are kept for the next run')
   logging.info('--schedule=auto chose %s', choice.reason)
   if choice.plan is None:
     chosen_cfg, dropped = as_fused(cfg)

@@ -65,17 +65,34 @@ def calibrate_quotas(cfg: config_lib.Config,
   return out
 
 
+def budget_s(cfg: config_lib.Config) -> float:
+  """The calibration's budget in seconds from process start: --calibration_budget_s, or (0) a third of
+  --max_wall_s; 0: none."""
+  return cfg.resources.calibration_budget_s or cfg.schedule.max_wall_s / 3
+
+
 def deadline(cfg: config_lib.Config, start_unix: Optional[float]) -> Optional[float]:
-  """When (time.time() seconds) the calibration of a run that started at `start_unix` must have ended:
-  --calibration_budget_s after the start, or (budget 0) a third of --max_wall_s when that is set; None: no budget
-  but each process's own TIMEOUT_S."""
-  budget = cfg.resources.calibration_budget_s or cfg.schedule.max_wall_s / 3
+  """When (time.time() seconds) the calibration of a run that started at `start_unix` must have ended (`budget_s`
+  after it); None: no budget but each process's own TIMEOUT_S."""
+  budget = budget_s(cfg)
   if start_unix is None or budget <= 0:
     return None
   return start_unix + budget
 
 
 def budget_flags(cfg: config_lib.Config) -> str:
+  """The flags that set the budget, as a message names them."""
   if cfg.resources.calibration_budget_s:
     return f'--calibration_budget_s={cfg.resources.calibration_budget_s:g}'
   return f'--max_wall_s={cfg.schedule.max_wall_s:g} (a third of it; --calibration_budget_s sets another)'
+
+
+def no_room(cfg: config_lib.Config, quota: int, left_s: float, last_s: float) -> Optional[str]:
+  """Why the calibration at `quota` is not started with `left_s` of the budget left, the last quota having taken
+  `last_s` (0: none ran yet), or None: it may start."""
+  if left_s <= 0:
+    return f'the calibration budget, {budget_flags(cfg)}, had run out before the calibration at {quota} % could start'
+  if last_s > left_s:
+    return (f'the calibration budget, {budget_flags(cfg)}, had {left_s:.1f} s left, less than the {last_s:.1f} s '
+            'the last quota took')
+  return None
