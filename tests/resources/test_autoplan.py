@@ -225,7 +225,7 @@ def test_auto_choosing_fused_drops_the_process_schedules_own_flags(tmp_path, mon
 
 
 class _Clock:
-  """autoplan's `time` for the budget tests: time() and monotonic() read `now`, which a fake calibration moves."""
+  """autoplan's `time` for the budget tests (the fake calibration never reads a clock of its own): time() and monotonic() read `now`, which a fake calibration moves."""
 
   def __init__(self, now=1000.0):
     self.now = now
@@ -243,7 +243,6 @@ def _timed_calibration(monkeypatch, calls, process_s, fail_at=None):
   (quotas, timeout_s) per call; returns the clock."""
   clock = _Clock()
   monkeypatch.setattr(autoplan, 'time', clock)
-  monkeypatch.setattr(calibration_procs, 'time', clock)
   inner = []
   _fake_calibration(monkeypatch, inner, sim_s=20e-6, train_s=25e-3)
   profile_of = calibration_procs.calibrate_quotas
