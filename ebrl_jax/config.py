@@ -215,6 +215,8 @@ class ScheduleConfig:
   # Wall-clock budget in seconds from process start (0: none): the run stops at the next iteration boundary after
   # it, saves a checkpoint and writes its summary (`stopped: 'max_wall_s'`).
   max_wall_s: float = 0.0
+  # Seconds of training, start-up excluded (what the rate counts; 0: none): a stop as at --max_wall_s's (auto's trial).
+  max_train_s: float = 0.0
   # Evaluate the policy's mode (True) or sample actions as in training (False, Brax's default).
   deterministic_eval: bool = True
   # sync / async / overlap: who evaluates the published versions. 'process': an evaluator process beside the
@@ -254,6 +256,7 @@ class ScheduleConfig:
     _check_positive('checkpoint_every', self.checkpoint_every, allow_zero=True)
     _check_positive('first_checkpoint_iteration', self.first_checkpoint_iteration, allow_zero=True)
     _check_positive('max_wall_s', self.max_wall_s, allow_zero=True)
+    _check_positive('max_train_s', self.max_train_s, allow_zero=True)
     if not self.run_dir:
       raise ValueError('--run_dir must not be empty.')
     _check_positive('num_groups', self.num_groups)

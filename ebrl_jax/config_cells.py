@@ -48,6 +48,9 @@ def check_run_cells(cfg, num_cells: int) -> None:
   if name not in ('fused', 'sync', 'async'):
     raise ValueError(f'{what} run --schedule=fused, sync or async (a cell is one trainer rank with its own envs and, '
                      f'for sync/async, its own rollout workers); got --schedule={name}.')
+  if cfg.schedule.max_train_s:
+    raise ValueError(f'{what} cannot stop at --max_train_s yet (each rank counts its own training seconds; the '
+                     '--max_wall_s budget is voted on): drop it.')
   if name == 'fused':
     return
   if cfg.schedule.relaid:

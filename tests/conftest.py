@@ -185,6 +185,8 @@ TEST_TIERS = {
         'contract',
     ('test_schedule_choice.py', 'test_auto_runs_the_schedule_its_profiles_choose'):
         'e2e',
+    ('test_schedule_choice.py', 'test_auto_tries_the_predicted_process_schedule_and_keeps_the_verdict'):
+        'e2e',
     ('test_relayout.py', 'test_blocks_and_segment_spec_follow_the_lcm_of_the_layouts'):
         'contract',
     ('test_replan_groups.py', 'test_replan_groups_errors_name_the_flag'):
@@ -318,6 +320,7 @@ SLOW = frozenset({
     ('test_evaluator.py', 'test_a_killed_evaluator_is_restarted_and_the_curve_has_every_version'),
     ('test_deterministic.py', 'test_deterministic_async_repeats_its_curve_and_parameters_under_different_timing'),
     ('test_schedule_choice.py', 'test_auto_runs_the_schedule_its_profiles_choose'),
+    ('test_schedule_choice.py', 'test_auto_tries_the_predicted_process_schedule_and_keeps_the_verdict'),
     ('test_relayout.py', 'test_groups_change_twice_without_losing_or_duplicating_a_segment'),
     ('test_replan_groups.py', 'test_replanner_changes_the_groups_without_losing_or_duplicating_a_segment'),
     ('test_pipeline.py', 'test_killed_worker_is_restarted_without_losing_or_duplicating_segments'),
@@ -499,6 +502,9 @@ def fake_pynvml(monkeypatch):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     monkeypatch.setitem(sys.modules, 'pynvml', module)
+    for name, loaded in list(sys.modules.items()):  # the project's modules import pynvml at their top
+      if name.startswith('ebrl_jax.') and getattr(loaded, 'pynvml', None) is not None:
+        monkeypatch.setattr(loaded, 'pynvml', module)
     monkeypatch.setenv('EBRL_FAKE_GPU_MIB', str(gpu_mib))
     return module
 

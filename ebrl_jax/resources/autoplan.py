@@ -28,10 +28,12 @@ import time
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from absl import logging
+import pynvml
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import config_generation
 from ebrl_jax import sim
+from ebrl_jax.resources import auto_trial
 from ebrl_jax.resources import calibrate
 from ebrl_jax.resources import calibration_procs
 from ebrl_jax.resources import cpus
@@ -51,7 +53,6 @@ def machine_key() -> str:
   """This machine as the profile store knows it: the visible GPU's name and driver (NVML), and the CPU count."""
   name, driver = 'none', 'none'
   try:
-    import pynvml  # pylint: disable=g-import-not-at-top
     pynvml.nvmlInit()
     handle = telemetry.nvml_handle(pynvml, telemetry.visible_gpu())
     name = pynvml.nvmlDeviceGetName(handle)
@@ -342,7 +343,28 @@ def plan_auto(cfg: config_lib.Config,
   record.update(schedule=choice.schedule, predicted=choice.predicted, choice_reason=choice.reason, handoff_s=handoff)
   if generation is not None:
     record['generation'] = generation
-  return chosen_cfg, record
+  if choice.plan is None or not cfg.resources.auto_trial_s:
+    return chosen_cfg, record
+  layout, trials = auto_trial.key(chosen_cfg), auto_trial.path_for(path)
+  kept = auto_trial.load(trials).get(layout)
+  if kept is None:  # controller/auto.py runs the trial
+    record['trial'] = {'layout': layout, 'path': trials, 'pending': True}
+    return chosen_cfg, record
+  keep, why = auto_trial.verdict(kept, schedule_choice.MARGIN)
+  record['trial'] = {**kept, 'path': trials, 'pending': False, 'kept': keep, 'verdict': why}
+  logging.info('--schedule=auto: a trial kept in %s: %s', trials, why)
+  return (chosen_cfg, record) if keep else after_trial_fused(cfg, record, why)
+
+
+def after_trial_fused(cfg: config_lib.Config, record: dict, why: str) -> Tuple[config_lib.Config, dict]:
+  """`--schedule=auto` goes on as fused after a trial of its process schedule (auto_trial.verdict): `cfg` (auto's
+  own) as fused, and the record with the plan's figures moved under record['trial']['plan']."""
+  chosen_cfg, dropped = as_fused(cfg)
+  plan_keys = ('num_groups', 'envs_per_group', 'quotas', 'shared', 'predicted_env_steps_per_s', 'predicted_iteration_s',
+               'predicted_rollout_s', 'predicted_train_s', 'reason')
+  plan = {k: record.pop(k) for k in plan_keys if k in record}
+  trial = dict(record.pop('trial', {}), plan=plan, kept=False, verdict=why)
+  return chosen_cfg, dict(record, schedule='fused', choice_reason=why, dropped=dropped, trial=trial)
 
 
 def as_fused(cfg: config_lib.Config) -> Tuple[config_lib.Config, List[str]]:

@@ -45,6 +45,7 @@ from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 from absl import logging
 import jax
 import jax.numpy as jnp
+import pynvml
 
 from ebrl_jax import types
 from ebrl_jax.generation import policies
@@ -363,7 +364,6 @@ def device_total_bytes(device: str) -> Optional[int]:
   """NVML's total memory of GPU `device` (index or UUID, as `telemetry.visible_gpu` names it); None without NVML
   or a GPU."""
   try:
-    import pynvml  # pylint: disable=g-import-not-at-top
     pynvml.nvmlInit()
     try:
       return int(pynvml.nvmlDeviceGetMemoryInfo(telemetry.nvml_handle(pynvml, device)).total)

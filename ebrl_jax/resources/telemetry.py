@@ -14,6 +14,7 @@ import time
 from typing import Callable, Dict, List, Optional
 
 from absl import logging
+import pynvml
 
 from ebrl_jax.runtime import storage
 
@@ -49,7 +50,6 @@ class _Gpm:
   """NVML GPM SM activity/occupancy between consecutive samples, plus per-process GPU memory, of one GPU."""
 
   def __init__(self, device: str):
-    import pynvml  # pylint: disable=g-import-not-at-top
     pynvml.nvmlInit()
     self._n = pynvml
     self._handle = nvml_handle(pynvml, device)

@@ -102,7 +102,7 @@ class RunSummary:
   task: str
   device: str
   extra: dict  # schedule-specific figures (segments consumed, dropped, duplicates, worker restarts, ...)
-  # Why the run ended: one of FINISHED, 'max_wall_s' (the budget), the signal ('SIGTERM', 'SIGINT'), DIVERGED (a
+  # Why the run ended: one of FINISHED, 'max_wall_s' or 'max_train_s' (the budgets), the signal ('SIGTERM', 'SIGINT'), DIVERGED (a
   # loss or return became NaN/inf), OUT_OF_MEMORY (an allocation XLA refused, here or in a worker) or
   # errors.WORKER_FAILED (a worker beside the trainer failed for good); for the failures extra['failure'] says what
   # happened, and the controller raises errors.Diverged, OutOfMemory or WorkerFailure.
@@ -176,7 +176,7 @@ def _save(cfg, checkpointer, train_state, progress: _Progress, spec) -> None:
 
 def _chunk_size(cfg: TrainerConfig, progress: _Progress, per_eval: int, total: int, clock: run_clock.RunClock) -> int:
   """Iterations until the next evaluation, cut at --first_checkpoint_iteration, at half of what the rest of
-  --max_wall_s holds (so chunks shrink towards it, the last one a single iteration), and while signals are held
+  --max_wall_s (and of --max_train_s) holds (so chunks shrink towards it, the last one a single iteration), and while signals are held
   (`errors.deferred_stops`) after `errors.STOP_LATENCY_S`."""
   n = min(per_eval - progress.iterations % per_eval, total - progress.iterations)
   if errors.stops_deferred():  # one iteration first, to learn how many fit STOP_LATENCY_S
@@ -187,6 +187,10 @@ def _chunk_size(cfg: TrainerConfig, progress: _Progress, per_eval: int, total: i
   budget = cfg.schedule.max_wall_s
   if budget and progress.s_per_iteration:  # half the rest at the latest rate: a rate that drops mid-chunk then
     n = min(n, max(1, math.ceil((budget - clock.now()) / (2 * progress.s_per_iteration))))  # overshoots by less
+  train_budget = cfg.schedule.max_train_s
+  if train_budget:  # the same for the training seconds; one iteration first, to learn the rate
+    rest = train_budget - progress.train_wall
+    n = min(n, max(1, math.ceil(rest / (2 * progress.s_per_iteration))) if progress.s_per_iteration else 1)
   return n
 
 
@@ -277,12 +281,15 @@ def _loop(cfg, source, train_state, root_key, progress: _Progress, logger, clock
   first, eval_return = True, None
   while True:
     budget = cfg.schedule.max_wall_s if cfg.ranks is None else 0  # a cell's ranks vote on it (trainer.ranks)
-    held = errors.pending_stop()  # a signal held while a chunk ran (errors.deferred_stops), else the budget
-    if held or (budget and clock.now() >= budget):
-      why = 'A stop signal came during the last chunk' if held else f'--max_wall_s={budget:g} reached'
+    held = errors.pending_stop()  # a signal held while a chunk ran (errors.deferred_stops), else the budgets
+    train_budget = cfg.schedule.max_train_s if cfg.ranks is None else 0  # cells refuse it (config_cells)
+    over = 'max_wall_s' if budget and clock.now() >= budget else ''
+    over = over or ('max_train_s' if train_budget and progress.train_wall >= train_budget else '')
+    if held or over:
+      why = 'A stop signal came during the last chunk' if held else f'--{over}={getattr(cfg.schedule, over):g} reached'
       logging.info('%s: stopping at iteration %d.', why, progress.iterations)
       _save(cfg, checkpointer, train_state, progress, spec)
-      return held or 'max_wall_s'
+      return held or over
     if first or progress.iterations % per_eval == 0 or progress.iterations >= total:
       if off_path is None or (first and off_path.in_line_first):
         eval_return = _evaluate(cfg, source, train_state, root_key, progress, logger, clock)

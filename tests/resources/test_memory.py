@@ -215,7 +215,7 @@ def test_device_total_from_nvml(fake_nvml, monkeypatch):
   assert memory.device_total_bytes('GPU-fake') == 16 * GIB
   assert memory.device_total_bytes('1') is None  # no such GPU
   assert sys.modules['pynvml'].calls.count('init') == sys.modules['pynvml'].calls.count('shutdown') == 3
-  monkeypatch.setitem(sys.modules, 'pynvml', None)  # not installed
+  monkeypatch.setattr(memory, 'pynvml', None)  # an NVML that cannot be used
   assert memory.device_total_bytes('0') is None
 
 

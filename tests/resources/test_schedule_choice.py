@@ -56,14 +56,14 @@ def test_cpu_simulation_is_no_gpu_work_in_a_shared_prediction():
   assert cpu.iteration_s == pytest.approx(1.0)  # max(1.0, 1.0, 0 + 1.0)
 
 
-def _auto(tmp_path, name):
+def _auto(tmp_path, name, trial_s=0.0):
   cfg = _cfg(tmp_path)
   return dataclasses.replace(cfg,
                              schedule=dataclasses.replace(cfg.schedule,
                                                           name='auto',
                                                           run_dir=str(tmp_path / name),
                                                           num_timesteps=6_400),
-                             resources=dataclasses.replace(cfg.resources, plan=False))
+                             resources=dataclasses.replace(cfg.resources, plan=False, auto_trial_s=trial_s))
 
 
 @pytest.mark.parametrize(
@@ -84,6 +84,29 @@ def test_auto_runs_the_schedule_its_profiles_choose(tmp_path, stages, expected):
   assert set(record['predicted']) == {'fused', 'sync', 'async'} and record['handoff_s'] > 0
   assert summary.env_steps >= 6_400 and summary.eval_curve
   assert 'auto_choice' in summary.compile_breakdown
+
+
+def test_auto_tries_the_predicted_process_schedule_and_keeps_the_verdict(tmp_path):
+  # The first store above (async predicted far ahead of fused: 25.6 ms of rollout beside a 25 ms train step) and
+  # --auto_trial_s=3: the trial runs async for real, and the run goes on with what the trial measured against
+  # fused's prediction (on this machine async's processes cannot reach the 25 k env-steps/s those numbers predict for
+  # fused, so it is most likely fused; the test holds the rule, whichever it gives). A second run of the same
+  # machine and workload reads the verdict and runs no trial.
+  cfg = _auto(tmp_path, 'first', trial_s=3.0)
+  _fill(cfg, sim_s=(20e-6, 1.0), gen_s=(1e-9, 1.0), train_s=(25e-3, 1.0))
+  summary = controller.run(cfg)
+  record, trial = summary.extra['auto'], summary.extra['auto']['trial']
+  assert trial['iterations'] >= 3 and trial['measured_env_steps_per_s'] > 0 and trial['stopped'] in (
+      'max_train_s', 'num_timesteps')
+  won = trial['measured_env_steps_per_s'] > record['predicted']['fused'] * (1 + schedule_choice.MARGIN)
+  assert summary.schedule == record['schedule'] == ('async' if won else 'fused') and trial['kept'] == won
+  assert summary.env_steps >= 6_400 and 'auto_trial' in summary.compile_breakdown
+  assert (tmp_path / 'first' / 'auto_trial' / 'summary.json').exists()
+  again = controller.run(dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule,
+                                                                               run_dir=str(tmp_path / 'second'))))
+  assert again.schedule == summary.schedule and not again.extra['auto']['trial']['pending']
+  assert again.extra['auto']['trial']['measured_env_steps_per_s'] == trial['measured_env_steps_per_s']
+  assert not (tmp_path / 'second' / 'auto_trial').exists() and 'auto_trial' not in again.compile_breakdown
 
 
 def test_auto_refuses_live_quota_changes(tmp_path):

@@ -1,5 +1,5 @@
 """The driver's clock and cadence with a stand-in batch source: --max_wall_s stops at an iteration boundary (the
-chunk cut to what fits the budget), --first_checkpoint_iteration saves early, a stop request part-way through a
+chunk cut to what fits the budget), --max_train_s after that many seconds of training, --first_checkpoint_iteration saves early, a stop request part-way through a
 chunk keeps the iterations that finished, a signal held while a chunk runs stops the run at the next boundary,
 and every time counts from the run's start clock."""
 import json
@@ -67,6 +67,20 @@ def test_max_wall_s_stops_at_the_iteration_boundary_that_reaches_it(tmp_path):
   assert summary.iterations == sum(source.calls) and summary.env_steps == 20 * summary.iterations
   assert 1.3 <= summary.wall_s < 1.3 + ITERATION_S + 0.3
   assert [e['env_steps'] for e in summary.eval_curve] == [0, 80]  # the partial curve; no evaluation at the stop
+
+
+def test_max_train_s_counts_training_seconds_only(tmp_path):
+  # --max_train_s=1.0 at 0.2 s an iteration, the same 4 per evaluation: the first chunk is one iteration (to time
+  # it), then chunks of half of what the rest holds, so the run stops at the first boundary past 1.0 s of training,
+  # whatever start-up took (the 5 s the start clock says came before the driver are not counted).
+  source = _Source()
+  start = run_clock.StartClock(time.time() - 5.0)
+  summary = driver.run_training(_trainer(tmp_path, start=start, max_train_s=1.0), lambda *args: source)
+  assert summary.stopped == 'max_train_s' and source.calls[0] == 1, source.calls
+  assert 1.0 <= summary.train_wall_s < 1.0 + 2 * ITERATION_S and summary.iterations == sum(source.calls)
+  assert summary.wall_s >= 5.0 + summary.train_wall_s
+  with pytest.raises(ValueError, match='max_train_s'):
+    config_lib.ScheduleConfig(max_train_s=-1)
 
 
 class _FixedClock:

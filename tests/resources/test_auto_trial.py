@@ -1,0 +1,141 @@
+"""--schedule=auto's trial (resources/auto_trial.py): the verdict against fused's prediction, the trials file beside
+the profile store, the trial's config, a kept trial deciding the next run without one, and the controller running
+a trial (a stand-in for the pipeline) and going on with what it measured."""
+import dataclasses
+import json
+import time
+
+import pytest
+
+from ebrl_jax.controller import auto
+from ebrl_jax.resources import auto_trial
+from ebrl_jax.resources import autoplan
+from ebrl_jax.resources import schedule_choice
+from ebrl_jax.runtime import run_clock
+from ebrl_jax.trainer import driver
+from test_autoplan import _fake_calibration, _sync_and_auto  # pylint: disable=g-bad-import-order
+
+
+def _trial(measured, fused=1000.0, iterations=12, stopped='max_train_s'):
+  return {
+      'layout': 'async;groups=2;quotas=-;mps=False;colocate=True;slices=1',
+      'measured_env_steps_per_s': measured,
+      'predicted_env_steps_per_s': 1500.0,
+      'fused_predicted_env_steps_per_s': fused,
+      'iterations': iterations,
+      'measured_s': 20.4,
+      'stopped': stopped
+  }
+
+
+def test_a_process_schedule_is_kept_only_past_fused_prediction_and_the_margin():
+  keep, why = auto_trial.verdict(_trial(1060.0), 0.05)
+  assert keep and why.startswith('async kept:') and '+6.0%' in why and '1,060' in why
+  keep, why = auto_trial.verdict(_trial(1040.0), 0.05)  # +4 %: within the margin
+  assert not keep and why.startswith('fused:') and 'within the 5% margin' in why and 'predicted 1,500' in why
+  keep, why = auto_trial.verdict(_trial(900.0), 0.0)
+  assert not keep and '-10.0%' in why
+  keep, why = auto_trial.verdict(_trial(None, iterations=2, stopped='max_wall_s'), 0.05)  # nothing measured
+  assert keep and 'kept on its prediction' in why and 'max_wall_s' in why
+
+
+def test_the_trials_file_keeps_each_layout_and_a_damaged_one_is_read_as_empty(tmp_path):
+  store = str(tmp_path / 'profiles' / 'abc123.json')
+  path = auto_trial.path_for(store)
+  assert path == str(tmp_path / 'profiles' / 'abc123.trials.json') and auto_trial.load(path) == {}
+  auto_trial.save(path, 'a', {'x': 1})
+  auto_trial.save(path, 'b', {'x': 2})
+  auto_trial.save(path, 'a', {'x': 3})
+  assert auto_trial.load(path) == {'a': {'x': 3}, 'b': {'x': 2}}
+  with open(path, 'w') as f:
+    f.write('{"format": "ebrl_jax.resources.auto_trial/1", "trials": ')  # cut short
+  assert auto_trial.load(path) == {}
+  with open(path, 'w') as f:
+    json.dump({'format': 'something else', 'trials': {'a': {}}}, f)
+  assert auto_trial.load(path) == {}
+
+
+def test_the_trial_is_the_chosen_config_stopped_by_its_training_seconds(tmp_path):
+  cfg, _ = _sync_and_auto(tmp_path, plan=False)
+  cfg = dataclasses.replace(cfg,
+                            schedule=dataclasses.replace(cfg.schedule, target_return=100.0, resume=True,
+                                                         checkpoint_every=2, trace_dir=str(tmp_path / 'trace')))
+  t = auto_trial.trial_config(cfg, 15.0, 40.0)
+  s = t.schedule
+  assert s.run_dir == cfg.schedule.run_dir + '/auto_trial' and (s.max_train_s, s.max_wall_s) == (15.0, 40.0)
+  assert (s.target_return, s.resume, s.checkpoint_every, s.trace_dir) == (None, False, 0, '')
+  assert (s.name, s.num_groups, s.num_evals, s.num_timesteps) == ('sync', 2, 2, 12_800)  # the run's own
+  assert t.sim == cfg.sim and t.policy == cfg.policy and t.algo == cfg.algo and t.resources == cfg.resources
+  with pytest.raises(ValueError, match='--auto_trial_s=0'):
+    auto_trial.trial_config(cfg, 0.0, 0.0)
+  assert auto_trial.wall_limit(None, 100.0) == (0.0, None)
+  assert auto_trial.wall_limit(time.time() + 30, time.time() - 10)[0] == pytest.approx(40.0, abs=0.1)
+  assert 'no room for a trial' in auto_trial.wall_limit(time.time() + 0.5, time.time())[1]
+
+
+def _async_auto(tmp_path, monkeypatch):
+  """The test config as --schedule=auto (no MPS) over a store where async wins by far (test_autoplan's numbers:
+  25.6 ms of rollout beside a 25 ms train step)."""
+  _fake_calibration(monkeypatch, [], sim_s=20e-6, train_s=25e-3)
+  _, auto_cfg = _sync_and_auto(tmp_path, plan=False)
+  return dataclasses.replace(auto_cfg, resources=dataclasses.replace(auto_cfg.resources, use_mps=False))
+
+
+def test_a_kept_trial_decides_the_next_run_without_one(tmp_path, monkeypatch):
+  auto_cfg = _async_auto(tmp_path, monkeypatch)
+  chosen, record = autoplan.plan_auto(auto_cfg, mps_active=False, worker_env=None, handoff=0.0)
+  assert chosen.schedule.name == 'async' and record['trial']['pending']
+  layout, path = record['trial']['layout'], record['trial']['path']
+  assert layout == auto_trial.key(chosen) and layout.startswith(f'async;groups={chosen.schedule.num_groups};')
+  fused = record['predicted']['fused']
+  auto_trial.save(path, layout, dict(_trial(0.9 * fused, fused), layout=layout))  # measured below fused
+  chosen, record = autoplan.plan_auto(auto_cfg, mps_active=False, worker_env=None, handoff=0.0)
+  assert chosen.schedule.name == 'fused' and record['schedule'] == 'fused' and not record['trial']['pending']
+  assert record['choice_reason'] == record['trial']['verdict'] and 'within the 5% margin' in record['choice_reason']
+  assert record['trial']['plan']['num_groups'] >= 1 and 'num_groups' not in record  # the plan that was tried
+  auto_trial.save(path, layout, dict(_trial(1.2 * fused, fused), layout=layout))
+  chosen, record = autoplan.plan_auto(auto_cfg, mps_active=False, worker_env=None, handoff=0.0)
+  assert chosen.schedule.name == 'async' and record['trial']['kept'] and record['num_groups'] >= 1
+  # --auto_trial_s=0: no trial asked for, none read
+  off = dataclasses.replace(auto_cfg, resources=dataclasses.replace(auto_cfg.resources, auto_trial_s=0.0))
+  assert 'trial' not in autoplan.plan_auto(off, mps_active=False, worker_env=None, handoff=0.0)[1]
+
+
+def _summary(rate, iterations, stopped):
+  return driver.RunSummary(env_steps=iterations * 1280, iterations=iterations, wall_s=30.0, compile_s=8.0,
+                           train_wall_s=20.0, env_steps_per_s=rate, final_eval_return=None, best_eval_return=None,
+                           target_return=None, env_steps_to_target=None, wall_s_to_target=None,
+                           train_s_to_target=None, eval_curve=[], num_params=1, schedule='async',
+                           backend='mujoco_cpu', task='inverted_pendulum', device='cpu', extra={}, stopped=stopped)
+
+
+@pytest.mark.parametrize('ratio, stopped, want', [(0.9, 'max_train_s', 'fused'), (1.2, 'max_train_s', 'async'),
+                                                  (1.2, 'SIGTERM', 'stopped')])
+def test_the_controller_runs_the_trial_and_goes_on_with_what_it_measured(tmp_path, monkeypatch, ratio, stopped,
+                                                                        want):
+  auto_cfg = _async_auto(tmp_path, monkeypatch)
+  chosen, record = autoplan.plan_auto(auto_cfg, mps_active=False, worker_env=None, handoff=0.0)
+  fused = record['predicted']['fused']
+  runs = []
+
+  def fake_run(cfg, pids, start):
+    runs.append(cfg)
+    return _summary(ratio * fused, 12, stopped)
+
+  monkeypatch.setattr(auto.pipeline, 'run', fake_run)
+  start = run_clock.StartClock(time.time())
+  after, record, ended = auto.trial(auto_cfg, chosen, record, start)
+  (trial_cfg,) = runs
+  assert trial_cfg.schedule.max_train_s == auto_cfg.resources.auto_trial_s == 20.0
+  assert trial_cfg.schedule.run_dir.endswith('auto_trial') and trial_cfg.schedule.name == 'async'
+  with open(f'{trial_cfg.schedule.run_dir}/summary.json') as f:
+    assert json.load(f)['env_steps_per_s'] == pytest.approx(ratio * fused)  # the trial's own summary, kept
+  kept = auto_trial.load(record['trial']['path'])
+  if want == 'stopped':  # a signal ended the trial: the run ends with it, nothing measured is kept
+    assert ended.stopped == 'SIGTERM' and after is chosen and kept == {} and 'SIGTERM' in record['trial']['verdict']
+    return
+  assert ended is None and after.schedule.name == want == record['schedule']
+  assert kept[record['trial']['layout']]['measured_env_steps_per_s'] == pytest.approx(ratio * fused)
+  assert record['trial']['kept'] == (want == 'async') and record['trial']['iterations'] == 12
+  margin = schedule_choice.MARGIN
+  assert (ratio - 1 > margin) == (want == 'async')
