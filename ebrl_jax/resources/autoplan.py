@@ -42,6 +42,7 @@ from ebrl_jax.resources import planner
 from ebrl_jax.resources import profiles
 from ebrl_jax.resources import schedule_choice
 from ebrl_jax.resources import telemetry
+from ebrl_jax.runtime import errors
 from ebrl_jax.transport import cuda_ipc
 
 _GROUP_CHOICES = (1, 2, 4, 8)
@@ -170,6 +171,8 @@ def _profiles(cfg: config_lib.Config,
         return skip(
             todo[i:], f'the calibration at {q} % was stopped at the calibration budget, '
             f'{calibration_procs.budget_flags(cfg)}, after {e.timeout_s:.0f} s')
+      except calibration_procs.CalibrationFailed as e:  # what was calibrated is kept; the next run tries again
+        return skip(todo[i:], str(e))
       calibrate.add_to_store(store, profile)
       runs.append(profile)
       store.save(path)  # each quota kept at once: a later budget stop or failure loses none
@@ -280,10 +283,10 @@ def plan_run(cfg: config_lib.Config,
   """
   store, path, calibration = _profiles(cfg, mps_active, worker_env, deadline=deadline)
   if not calibrated_quotas(store):
-    raise RuntimeError(f'--plan: no stage profile was calibrated within the calibration budget '
-                       f'({calibration["calibration_skipped"]["reason"]}); raise --calibration_budget_s (or '
-                       '--max_wall_s), or run once without a budget to fill the profile store '
-                       f'{path}.')
+    raise errors.RunError(f'--plan: no stage profile could be calibrated '
+                          f'({calibration["calibration_skipped"]["reason"]}); where the budget stopped it, raise '
+                          '--calibration_budget_s (or --max_wall_s) or run once without a budget to fill the '
+                          f'profile store {path}; where a process failed, mend what its log names.')
   schedule = 'async' if cfg.schedule.name == 'async' else 'sync'  # overlap plans as sync (its semantics)
   cfg, generation = choose_generation(cfg, store, mps_active, schedule)
   space = plan_space(cfg, mps_active)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import signal
 import time
 from typing import List, Optional, Sequence
 
@@ -13,16 +14,27 @@ from absl import logging
 
 from ebrl_jax import config as config_lib
 from ebrl_jax.resources import calibrate
+from ebrl_jax.runtime import errors
 
 TIMEOUT_S = 900.0  # a calibration process's own limit, budget or not
 
 
-class CalibrationTimeout(RuntimeError):
+class CalibrationTimeout(errors.RunError):
   """A calibration process did not finish in the time it was given (its quota is `quota`)."""
 
   def __init__(self, quota: int, timeout_s: float):
     super().__init__(f'stage calibration at SM quota {quota} % did not finish in {timeout_s:.0f} s.')
     self.quota, self.timeout_s = quota, timeout_s
+
+
+class CalibrationFailed(errors.RunError):
+  """A calibration process ended without its profile: its exit code, or the signal that killed it."""
+
+  def __init__(self, quota: int, exitcode: Optional[int]):
+    how = (f'killed by {signal.Signals(-exitcode).name}' if exitcode is not None and exitcode < 0 and
+           -exitcode in signal.valid_signals() else f'exit code {exitcode}')
+    super().__init__(f'stage calibration at SM quota {quota} % failed ({how}); see its log above')
+    self.quota, self.exitcode = quota, exitcode
 
 
 def calibrate_quotas(cfg: config_lib.Config,
@@ -34,7 +46,7 @@ def calibrate_quotas(cfg: config_lib.Config,
                      timeout_s: float = TIMEOUT_S) -> List[dict]:
   """One spawned process per quota, in turn; returns their calibration JSONs, each with 'process_s' (the process's
   wall seconds, start-up included). A process that has not finished after `timeout_s` is killed
-  (`CalibrationTimeout`); a failed one is an error naming the quota and its output."""
+  (`CalibrationTimeout`); a failed one is a `CalibrationFailed` naming the quota and how it ended."""
   ctx = multiprocessing.get_context('spawn')
   out = []
   for q in quotas:
@@ -53,8 +65,7 @@ def calibrate_quotas(cfg: config_lib.Config,
       proc.join(5)
       raise CalibrationTimeout(q, timeout_s)
     if proc.exitcode != 0 or not os.path.exists(path):
-      raise RuntimeError(f'stage calibration at SM quota {q} % failed (exit code {proc.exitcode}); see its log '
-                         'above. Run without --plan, or fix --sm_quotas by hand.')
+      raise CalibrationFailed(q, proc.exitcode)
     with open(path) as f:
       profile = json.load(f)
     profile['process_s'] = time.monotonic() - t0

@@ -58,8 +58,11 @@ def test_the_trials_file_keeps_each_layout_and_a_damaged_one_is_read_as_empty(tm
 def test_the_trial_is_the_chosen_config_stopped_by_its_training_seconds(tmp_path):
   cfg, _ = _sync_and_auto(tmp_path, plan=False)
   cfg = dataclasses.replace(cfg,
-                            schedule=dataclasses.replace(cfg.schedule, target_return=100.0, resume=True,
-                                                         checkpoint_every=2, trace_dir=str(tmp_path / 'trace')))
+                            schedule=dataclasses.replace(cfg.schedule,
+                                                         target_return=100.0,
+                                                         resume=True,
+                                                         checkpoint_every=2,
+                                                         trace_dir=str(tmp_path / 'trace')))
   t = auto_trial.trial_config(cfg, 15.0, 40.0)
   s = t.schedule
   assert s.run_dir == cfg.schedule.run_dir + '/auto_trial' and (s.max_train_s, s.max_wall_s) == (15.0, 40.0)
@@ -102,17 +105,31 @@ def test_a_kept_trial_decides_the_next_run_without_one(tmp_path, monkeypatch):
 
 
 def _summary(rate, iterations, stopped):
-  return driver.RunSummary(env_steps=iterations * 1280, iterations=iterations, wall_s=30.0, compile_s=8.0,
-                           train_wall_s=20.0, env_steps_per_s=rate, final_eval_return=None, best_eval_return=None,
-                           target_return=None, env_steps_to_target=None, wall_s_to_target=None,
-                           train_s_to_target=None, eval_curve=[], num_params=1, schedule='async',
-                           backend='mujoco_cpu', task='inverted_pendulum', device='cpu', extra={}, stopped=stopped)
+  return driver.RunSummary(env_steps=iterations * 1280,
+                           iterations=iterations,
+                           wall_s=30.0,
+                           compile_s=8.0,
+                           train_wall_s=20.0,
+                           env_steps_per_s=rate,
+                           final_eval_return=None,
+                           best_eval_return=None,
+                           target_return=None,
+                           env_steps_to_target=None,
+                           wall_s_to_target=None,
+                           train_s_to_target=None,
+                           eval_curve=[],
+                           num_params=1,
+                           schedule='async',
+                           backend='mujoco_cpu',
+                           task='inverted_pendulum',
+                           device='cpu',
+                           extra={},
+                           stopped=stopped)
 
 
 @pytest.mark.parametrize('ratio, stopped, want', [(0.9, 'max_train_s', 'fused'), (1.2, 'max_train_s', 'async'),
                                                   (1.2, 'SIGTERM', 'stopped')])
-def test_the_controller_runs_the_trial_and_goes_on_with_what_it_measured(tmp_path, monkeypatch, ratio, stopped,
-                                                                        want):
+def test_the_controller_runs_the_trial_and_goes_on_with_what_it_measured(tmp_path, monkeypatch, ratio, stopped, want):
   auto_cfg = _async_auto(tmp_path, monkeypatch)
   chosen, record = autoplan.plan_auto(auto_cfg, mps_active=False, worker_env=None, handoff=0.0)
   fused = record['predicted']['fused']

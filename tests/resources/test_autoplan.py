@@ -9,6 +9,7 @@ from ebrl_jax import controller
 from ebrl_jax.resources import autoplan
 from ebrl_jax.resources import calibration_procs
 from ebrl_jax.resources import profiles
+from ebrl_jax.runtime import errors
 
 
 def _cfg(tmp_path, schedule='async', sm_quotas='', **resources):
@@ -253,8 +254,8 @@ def _timed_calibration(monkeypatch, calls, process_s, fail_at=None):
     if how == 'timeout':
       clock.now += timeout_s
       raise calibration_procs.CalibrationTimeout(quotas[0], timeout_s)
-    if how == 'fail':
-      raise RuntimeError(f'stage calibration at SM quota {quotas[0]} % failed')
+    if how in ('fail', 'kill'):
+      raise calibration_procs.CalibrationFailed(quotas[0], 1 if how == 'fail' else -9)
     clock.now += process_s
     return [dict(p, process_s=process_s) for p in profile_of(cfg, sizes, quotas, worker_env, run_dir)]
 
@@ -311,17 +312,40 @@ def test_a_calibration_stopped_by_the_budget_leaves_auto_fused_and_plan_a_clear_
   assert chosen.schedule.name == 'fused' and not chosen.resources.plan and record['schedule'] == 'fused'
   assert record['calibration_quotas'] == [] and record['calibration_skipped']['quotas'] == [100, 50, 25]
   assert '--calibration_budget_s=60' in record['choice_reason'] and record['calibration_budget_s'] == 60
-  with pytest.raises(RuntimeError, match='no stage profile was calibrated within the calibration budget'):
+  with pytest.raises(errors.RunError, match='no stage profile could be calibrated .*calibration budget'):
     autoplan.plan_run(budget(cfg), mps_active=True, worker_env=None, deadline=clock.now + 60.0)
   # Without a budget a process that hangs past its own timeout is an error, as before.
   with pytest.raises(calibration_procs.CalibrationTimeout, match='did not finish in 900 s'):
     autoplan.plan_auto(auto_cfg, mps_active=True, worker_env=None, handoff=0.0)
 
 
-def test_each_calibrated_quota_is_saved_before_the_next_runs(tmp_path, monkeypatch):
+def test_each_calibrated_quota_is_saved_and_a_failed_process_skips_the_rest(tmp_path, monkeypatch):
+  # The 50 % process fails: 100 % is kept, 50 and 25 % are skipped with the failure as the reason, and --plan goes
+  # on from what it has; the next run calibrates the two again.
   calls = []
   _timed_calibration(monkeypatch, calls, process_s=2.0, fail_at={50: 'fail'})
   cfg, _ = _sync_and_auto(tmp_path, plan=True)
-  with pytest.raises(RuntimeError, match='quota 50 % failed'):
+  _, record = autoplan.plan_run(cfg, mps_active=True, worker_env=None)
+  assert _stored_quotas(cfg) == {100} and record['calibration_quotas'] == [100]
+  assert record['calibration_skipped'] == {
+      'quotas': [50, 25],
+      'reason': 'stage calibration at SM quota 50 % failed (exit code 1); see its log above'
+  }
+  calls.clear()
+  _timed_calibration(monkeypatch, calls, process_s=2.0)
+  autoplan.plan_run(cfg, mps_active=True, worker_env=None)
+  assert [q for q, _ in calls] == [[50], [25]] and _stored_quotas(cfg) == {100, 50, 25}
+
+
+def test_a_killed_first_calibration_leaves_auto_fused_and_plan_one_fatal_error(tmp_path, monkeypatch):
+  # The 100 % process is killed (SIGKILL, e.g. the kernel's OOM killer): auto runs fused saying so; --plan, with
+  # nothing to plan from, stops with a RunError (main prints it as one FATAL line) naming the signal.
+  _timed_calibration(monkeypatch, [], process_s=2.0, fail_at={100: 'kill'})
+  cfg, auto_cfg = _sync_and_auto(tmp_path, plan=False)
+  chosen, record = autoplan.plan_auto(auto_cfg, mps_active=True, worker_env=None, handoff=0.0)
+  assert chosen.schedule.name == 'fused' and 'killed by SIGKILL' in record['choice_reason']
+  with pytest.raises(errors.RunError,
+                     match=r'no stage profile could be calibrated \(stage calibration at SM quota '
+                     r'100 % failed \(killed by SIGKILL\)'):
     autoplan.plan_run(cfg, mps_active=True, worker_env=None)
-  assert _stored_quotas(cfg) == {100}
+  assert str(calibration_procs.CalibrationFailed(25, 3)).startswith('stage calibration at SM quota 25 % failed (exit')
