@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import multiprocessing
 import os
 import shutil
+import time
 from typing import Dict, Optional, Tuple
 
 from absl import logging
@@ -23,7 +26,9 @@ from ebrl_jax.resources import autoplan
 from ebrl_jax.resources import calibration_procs
 from ebrl_jax.resources import mps
 from ebrl_jax.resources import schedule_choice
+from ebrl_jax.runtime import errors
 from ebrl_jax.runtime import run_clock
+from ebrl_jax.runtime import startup
 from ebrl_jax.runtime import storage
 from ebrl_jax.trainer import driver
 
@@ -45,31 +50,78 @@ def resolve(cfg: config_lib.Config, start_unix: Optional[float] = None) -> Tuple
       daemon.stop()
 
 
+def _trial_run(run, trial_cfg: config_lib.Config, start: run_clock.StartClock) -> driver.RunSummary:
+  """One trial (`run(cfg, start)`: a schedule's run), in a fresh directory, its summary kept there."""
+  shutil.rmtree(trial_cfg.schedule.run_dir, ignore_errors=True)  # an earlier run's trial in this --run_dir
+  os.makedirs(trial_cfg.schedule.run_dir, exist_ok=True)
+  summary = run(trial_cfg, start)
+  storage.write_json(os.path.join(trial_cfg.schedule.run_dir, 'summary.json'), dataclasses.asdict(summary), indent=2)
+  return summary
+
+
+def _fused_trial_main(cfg: config_lib.Config, start: run_clock.StartClock, out_path: str) -> None:
+  """Process entry point of fused's trial: a process of its own, so that its JAX client (and on a GPU the memory
+  it preallocates) is gone before the run starts, whichever schedule it runs."""
+  startup.configure_jax(cfg.resources.platform, cfg.schedule.compilation_cache_dir)
+  storage.write_json(out_path, dataclasses.asdict(fused.run(cfg, start)), indent=2)
+
+
+def _fused_trial(trial_cfg: config_lib.Config, start: run_clock.StartClock,
+                 deadline: Optional[float]) -> driver.RunSummary:
+  """Fused's trial in a spawned process, killed at the calibration deadline (else after TIMEOUT_S); a process that
+  ends without its summary is a RunError naming the trial."""
+  path = os.path.join(trial_cfg.schedule.run_dir, 'summary.json')
+  proc = multiprocessing.get_context('spawn').Process(target=_fused_trial_main,
+                                                      args=(trial_cfg, start, path),
+                                                      name='auto_trial/fused',
+                                                      daemon=True)
+  timeout = calibration_procs.TIMEOUT_S if deadline is None else max(1.0, deadline - time.time() + 30.0)
+  try:
+    proc.start()
+    proc.join(timeout)
+  finally:
+    if proc.is_alive():
+      proc.terminate()
+      proc.join(10)
+      if proc.is_alive():
+        proc.kill()
+        proc.join(5)
+  if proc.exitcode != 0 or not os.path.exists(path):
+    raise errors.RunError(f'--schedule=auto: fused\'s trial ended without its summary (exit code {proc.exitcode}, '
+                          f'after at most {timeout:.0f} s); see its log above, or pass --auto_trial_s=0.')
+  with open(path) as f:
+    return driver.RunSummary(**json.load(f))
+
+
 def trial(cfg: config_lib.Config, chosen: config_lib.Config, record: dict,
           start: run_clock.StartClock) -> Tuple[config_lib.Config, dict, Optional[driver.RunSummary]]:
-  """Runs the pending trial of the chosen process schedule (resources/auto_trial.py) and decides: (the config
-  the run goes on with, the record, None), or (chosen, record, the trial's summary) where a signal or a failure
-  stopped the trial: the run ends with it. Without room in the calibration budget the prediction's choice stays."""
-  pending = record['trial']
-  max_wall_s, no_room = auto_trial.wall_limit(calibration_procs.deadline(cfg, start.unix), start.unix)
+  """Runs the pending trials (resources/auto_trial.py): the chosen process schedule, then `cfg` as fused, each for
+  --auto_trial_s of training, and decides: (the config the run goes on with, the record, None), or (chosen,
+  record, the trial's summary) where a signal or a failure stopped a trial: the run ends with it. Without room in
+  the calibration budget the prediction's choice stays (and for fused's trial alone, fused's prediction is the
+  measure)."""
+  pending, trial_s = record['trial'], cfg.resources.auto_trial_s
+  deadline = calibration_procs.deadline(cfg, start.unix)
+  max_wall_s, no_room = auto_trial.wall_limit(deadline, start.unix)
   if no_room:
     why = f'{chosen.schedule.name} kept on its prediction: {no_room}'
     record['trial'] = dict(pending, pending=False, kept=True, verdict=why)
-    logging.warning('--schedule=auto: %s', record['trial']['verdict'])
+    logging.warning('--schedule=auto: %s', why)
     return chosen, record, None
-  logging.info('--schedule=auto: a trial of %s, %g s of training after its start-up, before the run commits to it.',
-               pending['layout'], cfg.resources.auto_trial_s)
-  trial_cfg = auto_trial.trial_config(chosen, cfg.resources.auto_trial_s, max_wall_s)
-  shutil.rmtree(trial_cfg.schedule.run_dir, ignore_errors=True)  # an earlier run's trial in this --run_dir
-  summary = pipeline.run(trial_cfg, {}, start)
-  os.makedirs(trial_cfg.schedule.run_dir, exist_ok=True)
-  storage.write_json(os.path.join(trial_cfg.schedule.run_dir, 'summary.json'), dataclasses.asdict(summary), indent=2)
-  result = auto_trial.entry(summary, pending['layout'], record['predicted_env_steps_per_s'],
-                            record['predicted']['fused'], cfg.resources.auto_trial_s)
-  if summary.stopped not in auto_trial.MEASURED_STOPS:
-    record['trial'] = dict(pending, **result, pending=False, verdict=f'the trial stopped: {summary.stopped}')
-    return chosen, record, summary
-  keep, why = auto_trial.verdict(result, schedule_choice.MARGIN)
+  logging.info('--schedule=auto: a trial of %s, then of fused, %g s of training each after its start-up.',
+               pending['layout'], trial_s)
+  runs = [_trial_run(lambda c, s: pipeline.run(c, {}, s), auto_trial.trial_config(chosen, trial_s, max_wall_s), start)]
+  max_wall_s, no_room = auto_trial.wall_limit(deadline, start.unix)
+  if runs[0].stopped in auto_trial.MEASURED_STOPS and auto_trial.measured(runs[0]) is not None and not no_room:
+    fused_cfg = auto_trial.trial_config(autoplan.as_fused(cfg)[0], trial_s, max_wall_s, 'auto_trial_fused')
+    runs.append(_trial_run(lambda c, s: _fused_trial(c, s, deadline), fused_cfg, start))
+  result = auto_trial.entry(runs[0], pending['layout'], record['predicted_env_steps_per_s'],
+                            record['predicted']['fused'], trial_s, runs[1] if len(runs) > 1 else None)
+  ended = next((r for r in runs if r.stopped not in auto_trial.MEASURED_STOPS), None)
+  if ended is not None:
+    record['trial'] = dict(pending, **result, pending=False, verdict=f'a trial stopped: {ended.stopped}')
+    return chosen, record, ended
+  keep, why = auto_trial.verdict(result)
   if result['measured_env_steps_per_s'] is not None:
     auto_trial.save(pending['path'], pending['layout'], result)
   logging.info('--schedule=auto: %s', why)

@@ -353,7 +353,7 @@ def plan_auto(cfg: config_lib.Config,
   if kept is None:  # controller/auto.py runs the trial
     record['trial'] = {'layout': layout, 'path': trials, 'pending': True}
     return chosen_cfg, record
-  keep, why = auto_trial.verdict(kept, schedule_choice.MARGIN)
+  keep, why = auto_trial.verdict(kept)
   record['trial'] = {**kept, 'path': trials, 'pending': False, 'kept': keep, 'verdict': why}
   logging.info('--schedule=auto: a trial kept in %s: %s', trials, why)
   return (chosen_cfg, record) if keep else after_trial_fused(cfg, record, why)
