@@ -78,10 +78,10 @@ class ResourceConfig:
   # budget but each process's own 900 s): a process still running then is stopped, the quotas left skipped; with
   # none calibrated, --schedule=auto runs fused and --plan stops with an error. What was calibrated is kept.
   calibration_budget_s: float = 0.0
-  # --schedule=auto: a process schedule the profiles chose first runs this many seconds of (predicted) iterations
-  # after its start-up, inside the calibration budget, and is kept only if it measures faster than fused's
-  # prediction by the choice's margin, else the run goes on as fused (resources/auto_trial.py). The verdict is kept
-  # beside the profile store, so the next run of the same layout decides without a trial. 0: no trial.
+  # --schedule=auto: a process schedule the profiles chose first runs this many seconds of training after its
+  # start-up, then fused as long, inside the calibration budget; it is kept only if it measured faster than fused
+  # by 2 %, else the run goes on as fused (resources/auto_trial.py). The verdict is kept beside the profile store,
+  # so the next run of the same layout decides without a trial. 0: no trial.
   auto_trial_s: float = 20.0
   # With --plan: re-plan the ROLLOUT quota during the run from measured stage times (the trainer's quota and the
   # number of groups stay fixed); a change swaps each rollout worker for a warm standby at the new quota.

@@ -151,10 +151,10 @@ _HELP = {
     'calibration_budget_s': ('--plan/--schedule=auto: seconds from process start the stage calibration may take '
                              '(0: a third of --max_wall_s when set, else 900 s a process); quotas past it are '
                              'skipped, and with none calibrated auto runs fused and --plan stops.'),
-    'auto_trial_s': ('--schedule=auto: seconds of iterations (after its start-up) a chosen sync/async layout runs '
-                     'as a trial before the run commits to it; kept only if it measures faster than fused\'s '
-                     'prediction by 5 %, else the run goes on as fused; the verdict is kept beside the profile '
-                     'store (0: no trial).'),
+    'auto_trial_s': ('--schedule=auto: seconds of training (after its start-up) a chosen sync/async layout runs '
+                     'as a trial, and fused after it, before the run commits to one; the layout is kept only if it '
+                     'measured more than 2 % faster, else the run goes on as fused; the verdict is kept beside the '
+                     'profile store (0: no trial).'),
     'max_train_s': ('Seconds of training, start-up excluded (the span the end-to-end rate counts; 0: none); the '
                     'run stops cleanly after it, as at --max_wall_s.'),
     'max_wall_s':
