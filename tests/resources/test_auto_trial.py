@@ -112,17 +112,32 @@ def test_a_kept_trial_decides_the_next_run_without_one(tmp_path, monkeypatch):
 
 
 def _summary(rate, iterations, stopped, schedule='async'):
-  return driver.RunSummary(env_steps=iterations * 1280, iterations=iterations, wall_s=30.0, compile_s=8.0,
-                           train_wall_s=20.0, env_steps_per_s=rate, final_eval_return=None, best_eval_return=None,
-                           target_return=None, env_steps_to_target=None, wall_s_to_target=None,
-                           train_s_to_target=None, eval_curve=[], num_params=1, schedule=schedule,
-                           backend='mujoco_cpu', task='inverted_pendulum', device='cpu', extra={}, stopped=stopped)
+  return driver.RunSummary(env_steps=iterations * 1280,
+                           iterations=iterations,
+                           wall_s=30.0,
+                           compile_s=8.0,
+                           train_wall_s=20.0,
+                           env_steps_per_s=rate,
+                           final_eval_return=None,
+                           best_eval_return=None,
+                           target_return=None,
+                           env_steps_to_target=None,
+                           wall_s_to_target=None,
+                           train_s_to_target=None,
+                           eval_curve=[],
+                           num_params=1,
+                           schedule=schedule,
+                           backend='mujoco_cpu',
+                           task='inverted_pendulum',
+                           device='cpu',
+                           extra={},
+                           stopped=stopped)
 
 
 @pytest.mark.parametrize('ratio, stopped, want', [(0.9, 'max_train_s', 'fused'), (1.2, 'max_train_s', 'async'),
                                                   (1.2, 'SIGTERM', 'stopped')])
 def test_the_controller_runs_both_trials_and_goes_on_with_what_they_measured(tmp_path, monkeypatch, ratio, stopped,
-                                                                            want):
+                                                                             want):
   # The process schedule's trial measures `ratio` x fused's trial, which measures half of fused's prediction (a
   # prediction the process schedule beats either way: only fused's measured rate decides).
   auto_cfg = _async_auto(tmp_path, monkeypatch)

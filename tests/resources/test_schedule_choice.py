@@ -96,16 +96,16 @@ def test_auto_tries_the_predicted_process_schedule_and_keeps_the_verdict(tmp_pat
   _fill(cfg, sim_s=(20e-6, 1.0), gen_s=(1e-9, 1.0), train_s=(25e-3, 1.0))
   summary = controller.run(cfg)
   record, trial = summary.extra['auto'], summary.extra['auto']['trial']
-  assert trial['iterations'] >= 3 and trial['measured_env_steps_per_s'] > 0 and trial['stopped'] in (
-      'max_train_s', 'num_timesteps')
+  assert trial['iterations'] >= 3 and trial['measured_env_steps_per_s'] > 0 and trial['stopped'] in ('max_train_s',
+                                                                                                     'num_timesteps')
   assert trial['fused_iterations'] >= 2 and trial['fused_measured_env_steps_per_s'] > 0
   won = trial['measured_env_steps_per_s'] > trial['fused_measured_env_steps_per_s'] * (1 + auto_trial.MEASURED_MARGIN)
   assert summary.schedule == record['schedule'] == ('async' if won else 'fused') and trial['kept'] == won
   assert summary.env_steps >= 6_400 and 'auto_trial' in summary.compile_breakdown
   for name in ('auto_trial', 'auto_trial_fused'):
     assert (tmp_path / 'first' / name / 'summary.json').exists()
-  again = controller.run(dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule,
-                                                                               run_dir=str(tmp_path / 'second'))))
+  again = controller.run(
+      dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, run_dir=str(tmp_path / 'second'))))
   assert again.schedule == summary.schedule and not again.extra['auto']['trial']['pending']
   assert again.extra['auto']['trial']['measured_env_steps_per_s'] == trial['measured_env_steps_per_s']
   assert not (tmp_path / 'second' / 'auto_trial').exists() and 'auto_trial' not in again.compile_breakdown
