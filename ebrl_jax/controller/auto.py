@@ -1,15 +1,14 @@
 """`--schedule=auto`: chooses fused, sync or async (with their groups and quotas) from this machine's stage
 profiles (`resources.schedule_choice`; calibrated first, as for `--plan`, where the profile store lacks a stage)
-and runs it; a chosen sync/async layout first runs as a trial (`--auto_trial_s`, resources/auto_trial.py) and is
-kept only if it measures faster than fused's prediction, else the run goes on as fused. The choice, every
-schedule's prediction, the trial and the reason go to the log and to `summary.extra['auto']`; `summary.schedule`
-names the schedule that ran."""
+and runs it; a chosen sync/async layout first runs as a trial, and fused after it (`--auto_trial_s`,
+resources/auto_trial.py), and is kept only if it measured faster than fused, else the run goes on as fused. The
+choice, every schedule's prediction, the trials and the reason go to the log and to `summary.extra['auto']`;
+`summary.schedule` names the schedule that ran."""
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
-import multiprocessing
 import os
 import shutil
 import time
@@ -50,12 +49,18 @@ def resolve(cfg: config_lib.Config, start_unix: Optional[float] = None) -> Tuple
       daemon.stop()
 
 
-def _trial_run(run, trial_cfg: config_lib.Config, start: run_clock.StartClock) -> driver.RunSummary:
-  """One trial (`run(cfg, start)`: a schedule's run), in a fresh directory, its summary kept there."""
-  shutil.rmtree(trial_cfg.schedule.run_dir, ignore_errors=True)  # an earlier run's trial in this --run_dir
+def _trial_dir(trial_cfg: config_lib.Config) -> str:
+  """A trial's directory, emptied of an earlier run's trial in this --run_dir."""
+  shutil.rmtree(trial_cfg.schedule.run_dir, ignore_errors=True)
   os.makedirs(trial_cfg.schedule.run_dir, exist_ok=True)
-  summary = run(trial_cfg, start)
-  storage.write_json(os.path.join(trial_cfg.schedule.run_dir, 'summary.json'), dataclasses.asdict(summary), indent=2)
+  return os.path.join(trial_cfg.schedule.run_dir, 'summary.json')
+
+
+def _process_trial(trial_cfg: config_lib.Config, start: run_clock.StartClock) -> driver.RunSummary:
+  """The chosen process schedule's trial, run by this controller as the run would be; its summary kept."""
+  path = _trial_dir(trial_cfg)
+  summary = pipeline.run(trial_cfg, {}, start)
+  storage.write_json(path, dataclasses.asdict(summary), indent=2)
   return summary
 
 
@@ -68,27 +73,15 @@ def _fused_trial_main(cfg: config_lib.Config, start: run_clock.StartClock, out_p
 
 def _fused_trial(trial_cfg: config_lib.Config, start: run_clock.StartClock,
                  deadline: Optional[float]) -> driver.RunSummary:
-  """Fused's trial in a spawned process, killed at the calibration deadline (else after TIMEOUT_S); a process that
-  ends without its summary is a RunError naming the trial."""
-  path = os.path.join(trial_cfg.schedule.run_dir, 'summary.json')
-  proc = multiprocessing.get_context('spawn').Process(target=_fused_trial_main,
-                                                      args=(trial_cfg, start, path),
-                                                      name='auto_trial/fused',
-                                                      daemon=True)
+  """Fused's trial in a spawned process (its summary kept by it), killed 30 s after the calibration deadline (else
+  after TIMEOUT_S); a process that ends without its summary is a RunError naming the trial."""
+  path = _trial_dir(trial_cfg)
   timeout = calibration_procs.TIMEOUT_S if deadline is None else max(1.0, deadline - time.time() + 30.0)
-  try:
-    proc.start()
-    proc.join(timeout)
-  finally:
-    if proc.is_alive():
-      proc.terminate()
-      proc.join(10)
-      if proc.is_alive():
-        proc.kill()
-        proc.join(5)
-  if proc.exitcode != 0 or not os.path.exists(path):
-    raise errors.RunError(f'--schedule=auto: fused\'s trial ended without its summary (exit code {proc.exitcode}, '
-                          f'after at most {timeout:.0f} s); see its log above, or pass --auto_trial_s=0.')
+  exitcode = calibration_procs.run_process(_fused_trial_main, (trial_cfg, start, path), 'auto_trial/fused', timeout)
+  if exitcode != 0 or not os.path.exists(path):
+    how = f'still running after {timeout:.0f} s' if exitcode is None else calibration_procs.exit_text(exitcode)
+    raise errors.RunError(f'--schedule=auto: fused\'s trial ended without its summary ({how}); see its log above, '
+                          'or pass --auto_trial_s=0.')
   with open(path) as f:
     return driver.RunSummary(**json.load(f))
 
@@ -110,14 +103,15 @@ def trial(cfg: config_lib.Config, chosen: config_lib.Config, record: dict,
     return chosen, record, None
   logging.info('--schedule=auto: a trial of %s, then of fused, %g s of training each after its start-up.',
                pending['layout'], trial_s)
-  runs = [_trial_run(lambda c, s: pipeline.run(c, {}, s), auto_trial.trial_config(chosen, trial_s, max_wall_s), start)]
+  process = _process_trial(auto_trial.trial_config(chosen, trial_s, max_wall_s), start)
+  fused_run = None
   max_wall_s, no_room = auto_trial.wall_limit(deadline, start.unix)
-  if runs[0].stopped in auto_trial.MEASURED_STOPS and auto_trial.measured(runs[0]) is not None and not no_room:
+  if process.stopped in auto_trial.MEASURED_STOPS and auto_trial.measured(process) is not None and not no_room:
     fused_cfg = auto_trial.trial_config(autoplan.as_fused(cfg)[0], trial_s, max_wall_s, 'auto_trial_fused')
-    runs.append(_trial_run(lambda c, s: _fused_trial(c, s, deadline), fused_cfg, start))
-  result = auto_trial.entry(runs[0], pending['layout'], record['predicted_env_steps_per_s'],
-                            record['predicted']['fused'], trial_s, runs[1] if len(runs) > 1 else None)
-  ended = next((r for r in runs if r.stopped not in auto_trial.MEASURED_STOPS), None)
+    fused_run = _fused_trial(fused_cfg, start, deadline)
+  result = auto_trial.entry(process, pending['layout'], record['predicted_env_steps_per_s'],
+                            record['predicted']['fused'], trial_s, fused_run)
+  ended = next((r for r in (process, fused_run) if r is not None and r.stopped not in auto_trial.MEASURED_STOPS), None)
   if ended is not None:
     record['trial'] = dict(pending, **result, pending=False, verdict=f'a trial stopped: {ended.stopped}')
     return chosen, record, ended

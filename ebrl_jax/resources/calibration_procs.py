@@ -31,10 +31,36 @@ class CalibrationFailed(errors.RunError):
   """A calibration process ended without its profile: its exit code, or the signal that killed it."""
 
   def __init__(self, quota: int, exitcode: Optional[int]):
-    how = (f'killed by {signal.Signals(-exitcode).name}' if exitcode is not None and exitcode < 0 and
-           -exitcode in signal.valid_signals() else f'exit code {exitcode}')
-    super().__init__(f'stage calibration at SM quota {quota} % failed ({how}); see its log above')
+    super().__init__(f'stage calibration at SM quota {quota} % failed ({exit_text(exitcode)}); see its log above')
     self.quota, self.exitcode = quota, exitcode
+
+
+def exit_text(exitcode: Optional[int]) -> str:
+  """How a process ended, as a message says it: 'killed by SIGKILL', or 'exit code 1'."""
+  if exitcode is not None and exitcode < 0 and -exitcode in signal.valid_signals():
+    return f'killed by {signal.Signals(-exitcode).name}'
+  return f'exit code {exitcode}'
+
+
+def run_process(target, args: tuple, name: str, timeout_s: float, kwargs: Optional[dict] = None) -> Optional[int]:
+  """Runs `target(*args, **kwargs)` in a spawned daemon process and waits at most `timeout_s`; returns its exit
+  code, or None where it was still running then. A process still running at the timeout, or when the wait is
+  interrupted (Ctrl-C, SIGTERM), is killed before this returns or raises."""
+  proc = multiprocessing.get_context('spawn').Process(target=target,
+                                                      args=args,
+                                                      kwargs=kwargs or {},
+                                                      name=name,
+                                                      daemon=True)
+  timed_out = False
+  try:
+    proc.start()
+    proc.join(max(0.0, timeout_s))
+    timed_out = proc.is_alive()
+  finally:
+    if proc.is_alive():
+      proc.kill()
+      proc.join(5)
+  return None if timed_out else proc.exitcode
 
 
 def calibrate_quotas(cfg: config_lib.Config,
@@ -47,25 +73,16 @@ def calibrate_quotas(cfg: config_lib.Config,
   """One spawned process per quota, in turn; returns their calibration JSONs, each with 'process_s' (the process's
   wall seconds, start-up included). A process that has not finished after `timeout_s` is killed
   (`CalibrationTimeout`); a failed one is a `CalibrationFailed` naming the quota and how it ended."""
-  ctx = multiprocessing.get_context('spawn')
   out = []
   for q in quotas:
     path = os.path.join(run_dir, f'calibration_q{q}.json')
-    env = worker_env(q)
-    proc = ctx.Process(target=calibrate.calibrate_main,
-                       args=(cfg, sizes, repeats, path),
-                       kwargs={'env': env},
-                       name=f'calibrate/q{q}',
-                       daemon=True)
     t0 = time.monotonic()
-    proc.start()
-    proc.join(max(0.0, timeout_s))
-    if proc.is_alive():
-      proc.kill()
-      proc.join(5)
+    exitcode = run_process(calibrate.calibrate_main, (cfg, sizes, repeats, path), f'calibrate/q{q}', timeout_s,
+                           {'env': worker_env(q)})
+    if exitcode is None:
       raise CalibrationTimeout(q, timeout_s)
-    if proc.exitcode != 0 or not os.path.exists(path):
-      raise CalibrationFailed(q, proc.exitcode)
+    if exitcode != 0 or not os.path.exists(path):
+      raise CalibrationFailed(q, exitcode)
     with open(path) as f:
       profile = json.load(f)
     profile['process_s'] = time.monotonic() - t0
