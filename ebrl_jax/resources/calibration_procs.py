@@ -15,6 +15,7 @@ from absl import logging
 from ebrl_jax import config as config_lib
 from ebrl_jax.resources import calibrate
 from ebrl_jax.runtime import errors
+from ebrl_jax.runtime import lifecycle
 
 TIMEOUT_S = 900.0  # a calibration process's own limit, budget or not
 
@@ -42,13 +43,18 @@ def exit_text(exitcode: Optional[int]) -> str:
   return f'exit code {exitcode}'
 
 
+def _child_main(creator: int, target, args: tuple, kwargs: dict) -> None:
+  lifecycle.end_with_creator(creator)  # a controller killed outright (SIGKILL) takes this process with it
+  target(*args, **kwargs)
+
+
 def run_process(target, args: tuple, name: str, timeout_s: float, kwargs: Optional[dict] = None) -> Optional[int]:
   """Runs `target(*args, **kwargs)` in a spawned daemon process and waits at most `timeout_s`; returns its exit
   code, or None where it was still running then. A process still running at the timeout, or when the wait is
-  interrupted (Ctrl-C, SIGTERM), is killed before this returns or raises."""
-  proc = multiprocessing.get_context('spawn').Process(target=target,
-                                                      args=args,
-                                                      kwargs=kwargs or {},
+  interrupted (Ctrl-C, SIGTERM), is killed before this returns or raises; one whose caller dies is ended by the
+  parent-death signal (`lifecycle.end_with_creator`). Call it from the main thread (the signal's "parent")."""
+  proc = multiprocessing.get_context('spawn').Process(target=_child_main,
+                                                      args=(os.getpid(), target, args, kwargs or {}),
                                                       name=name,
                                                       daemon=True)
   timed_out = False
