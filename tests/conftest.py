@@ -187,6 +187,10 @@ TEST_TIERS = {
         'e2e',
     ('test_schedule_choice.py', 'test_auto_tries_the_predicted_process_schedule_and_keeps_the_verdict'):
         'e2e',
+    ('test_auto_trial.py', 'test_a_spawned_trial_or_calibration_process_ends_with_its_killed_caller'):
+        'e2e',
+    ('test_auto_trial.py', 'test_run_process_gives_the_exit_code_or_none_at_its_timeout'):
+        'e2e',
     ('test_relayout.py', 'test_blocks_and_segment_spec_follow_the_lcm_of_the_layouts'):
         'contract',
     ('test_replan_groups.py', 'test_replan_groups_errors_name_the_flag'):

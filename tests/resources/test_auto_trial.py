@@ -1,8 +1,12 @@
 """--schedule=auto's trial (resources/auto_trial.py): the verdict against fused's prediction, the trials file beside
 the profile store, the trial's config, a kept trial deciding the next run without one, and the controller running
-a trial (a stand-in for the pipeline) and going on with what it measured."""
+a trial (a stand-in for the pipeline) and going on with what it measured; the spawned trial and calibration
+processes give their exit code and end with a killed caller."""
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -10,7 +14,9 @@ import pytest
 from ebrl_jax.controller import auto
 from ebrl_jax.resources import auto_trial
 from ebrl_jax.resources import autoplan
+from ebrl_jax.resources import calibration_procs
 from ebrl_jax.resources import schedule_choice
+from ebrl_jax.runtime import lifecycle
 from ebrl_jax.runtime import run_clock
 from ebrl_jax.trainer import driver
 from test_autoplan import _fake_calibration, _sync_and_auto  # pylint: disable=g-bad-import-order
@@ -174,3 +180,45 @@ def test_the_controller_runs_both_trials_and_goes_on_with_what_they_measured(tmp
   assert entry['measured_env_steps_per_s'] == pytest.approx(ratio * fused)
   assert entry['fused_measured_env_steps_per_s'] == pytest.approx(fused) and entry['fused_iterations'] == 40
   assert record['trial']['kept'] == (want == 'async') and record['trial']['iterations'] == 12
+
+
+def _children(pid):
+  with open(f'/proc/{pid}/task/{pid}/children') as f:
+    return [int(c) for c in f.read().split()]
+
+
+def test_a_spawned_trial_or_calibration_process_ends_with_its_killed_caller(tmp_path):
+  # A caller (standing in for the controller) runs a 60 s sleep through run_process and is SIGKILLed: the sleeper
+  # must not outlive it (it did before the parent-death signal: a fused trial ran on to its end, a calibration
+  # could to its 900 s).
+  caller = subprocess.Popen([
+      sys.executable, '-c', 'import time\nfrom ebrl_jax.resources import calibration_procs\n'
+      'print(calibration_procs.run_process(time.sleep, (60,), "sleeper", 120))'
+  ],
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+  try:
+    sleeper, deadline = None, time.time() + 60
+    while sleeper is None and time.time() < deadline and caller.poll() is None:
+      time.sleep(0.2)
+      for c in _children(caller.pid):
+        with open(f'/proc/{c}/cmdline') as f:
+          if 'spawn_main' in f.read():
+            sleeper = c
+    assert sleeper is not None, 'run_process started no process'
+    time.sleep(1.0)  # past its start: the signal is armed first thing
+    assert lifecycle.pid_alive(sleeper)
+    caller.kill()
+    caller.wait(10)
+    deadline = time.time() + 10
+    while lifecycle.pid_alive(sleeper) and time.time() < deadline:
+      time.sleep(0.1)
+    assert not lifecycle.pid_alive(sleeper), f'pid {sleeper} outlived its killed caller'
+  finally:
+    if caller.poll() is None:
+      caller.kill()
+
+
+def test_run_process_gives_the_exit_code_or_none_at_its_timeout():
+  assert calibration_procs.run_process(time.sleep, (0.0,), 'quick', 60) == 0
+  assert calibration_procs.run_process(time.sleep, (30,), 'slow', 1.0) is None
+  assert calibration_procs.exit_text(-9) == 'killed by SIGKILL' and calibration_procs.exit_text(3) == 'exit code 3'
