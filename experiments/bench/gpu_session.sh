@@ -60,7 +60,9 @@
 #         `auto` calibrates on a fresh machine's first use (into $ROOT/profiles, kept for later calls on the same warm
 #         machine and brought back as OUT_DIR/matrix_profiles.tgz). MATRIX_SCHEDULES picks labels (e.g. auto alone first,
 #         its calibration inside MATRIX_AUTO_S, auto's own --max_wall_s), MATRIX_AUTO_EXTRA harness flags for it (e.g.
-#         --only=auto:--calibration_quotas=100 where a call cannot hold three quotas), MATRIX_TAG names the call. Merge:
+#         --only=auto:--calibration_quotas=100 where a call cannot hold three quotas), MATRIX_TAG names the call,
+#         MATRIX_TRAIN_S gives every label the same seconds of training (--max_train_s, start-up excluded; then
+#         MATRIX_RUN_S is only the wall-clock safety net). Merge:
 #         python -m experiments.bench.run --merge=matrix_w6_s0.json,matrix_w6_s1.json,... --out=...
 # solver  experiments/solver_caps.py on the GPU (MJX-JAX push_cube steps/s at the default solver options and with
 #         the iteration / linesearch caps, native fidelity; SOLVER_IMPLS=jax,warp adds MJX-Warp), then W6 fused with the defaults vs --ls_iterations=8,
@@ -324,7 +326,8 @@ case $PART in
       --only=auto:--max_wall_s=$auto_s --label_timeout_s=auto:$((auto_s + 20)) ${MATRIX_AUTO_EXTRA:-})
     bench matrix_${w}${u:+_u$u}_s$seed${MATRIX_TAG:+_$MATRIX_TAG} 0-15 --bench_flagfile=experiments/$ff.flags \
       --gpus=0 --seeds=$seed $x --schedules=$scheds --extra=--num_groups=2 ${u:+--extra=--num_updates_per_batch=$u} \
-      --extra=--max_wall_s=$run_s "${per[@]}" --timeout_s=$((run_s + 15))
+      --extra=--max_wall_s=$run_s ${MATRIX_TRAIN_S:+--extra=--max_train_s=$MATRIX_TRAIN_S} "${per[@]}" \
+      --timeout_s=$((run_s + 15))
     tar czf $OUT_DIR/matrix_profiles.tgz -C $ROOT profiles ;;
   solver)  # the solver caps on the GPU: MJX step rates per cap, then W6 fused with the defaults vs --ls_iterations=8
     timeout -s TERM 200 taskset -c 0-15 python3 -m experiments.solver_caps --impls=${SOLVER_IMPLS:-jax} --out=$ROOT/solver_caps_h200.json \
