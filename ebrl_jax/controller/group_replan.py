@@ -20,7 +20,6 @@ from absl import logging
 from ebrl_jax import config as config_lib
 from ebrl_jax.resources import autoplan
 from ebrl_jax.resources import group_replanner
-from ebrl_jax.resources import profiles
 
 BUCKETS_NOTE = ('not changed live: the generation worker compiles, at its start, one act program for every bucket '
                 'from the slice size up to all envs in powers of two, so any mix of ready slices already has its '
@@ -98,7 +97,7 @@ def make_trigger(cfg: config_lib.Config, workers, plan_record: Optional[dict], m
   profiles the run measures itself."""
   store = None
   if plan_record is not None:
-    store = profiles.ProfileStore.load(plan_record['profile_store'], autoplan.machine_key(), autoplan.workload_key(cfg))
+    store = autoplan.load_store(plan_record['profile_store'], cfg)
     if not all(name in store for name in ('sim', 'train')):
       logging.warning('--replan_groups: the --plan store %s lacks a sim or train profile; measuring in the run.',
                       plan_record['profile_store'])

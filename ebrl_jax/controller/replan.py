@@ -32,7 +32,6 @@ from absl import logging
 from ebrl_jax import config as config_lib
 from ebrl_jax.resources import autoplan
 from ebrl_jax.resources import planner
-from ebrl_jax.resources import profiles
 from ebrl_jax.runtime import feedback as fb
 
 _JOIN_S = 10.0
@@ -331,6 +330,6 @@ def make_changer(cfg: config_lib.Config, workers, plan_record: Optional[dict],
            if plan_record.get('shared') else 'the rollout workers hold no quota')
     logging.warning('--replan: no rollout quota to re-plan (%s); the quotas stay as planned.', why)
     return None
-  store = profiles.ProfileStore.load(plan_record['profile_store'], autoplan.machine_key(), autoplan.workload_key(cfg))
+  store = autoplan.load_store(plan_record['profile_store'], cfg)
   total = -(-cfg.schedule.num_timesteps // cfg.env_steps_per_iteration)
   return QuotaChanger(cfg, workers, ReplanTrigger(cfg, workers, store, make_replanner(cfg, store), total))

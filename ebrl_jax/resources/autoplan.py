@@ -1,12 +1,11 @@
 """`--plan`: the process schedules' env groups and SM quotas chosen from stage profiles at the start of a run.
 
-  1. The profile store of this machine and workload is read from `--profile_dir` (one JSON file per pair).
+  1. The profile store of this machine (GPU model, CPU count) and workload is read from `--profile_dir`.
   2. Where it lacks a quota of `--calibration_quotas` (a quota every stage has samples at), the stages are
      calibrated there (`calibrate.profile_stages`): one short-lived process per missing quota, 100 % first, each
      started with that CUDA_MPS_ACTIVE_THREAD_PERCENTAGE under the run's MPS daemon, at every group size the
-     planner may choose, one after another (each times its stages with the GPU to itself); compile is excluded
-     from the samples, and the persistent compilation cache (--compilation_cache_dir) makes the later quotas
-     cheap. `--schedule=auto` skips the quotas below 100 % when the 100 % profile already shows that no quota
+     planner may choose, one after another (each times its stages with the GPU to itself; compile excluded, the
+     compilation cache makes later quotas cheap). `--schedule=auto` skips the quotas below 100 % when the 100 % profile already shows that no quota
      can make a process schedule win (`schedule_choice.quotas_cannot_win`). The store is saved, so the next run
      on this machine and workload starts from it (a later `--plan` run calibrates the quotas it lacks).
   3. `planner.plan` picks the number of groups and the quotas (or none: every process may use every SM) with the
@@ -15,8 +14,7 @@
   4. The run goes on with the chosen `--num_groups` (and `--sm_quotas`); the decision, its reason and the
      predicted env steps/s go to the log and to the summary, where the measured figure sits beside it.
 
-Quotas are fixed for the run unless `--replan` is on: then controller/replan.py re-plans the rollout quota
-from measured stage times and applies a change by swapping each rollout worker for a warm standby.
+Quotas are fixed unless `--replan` is on: controller/replan.py then re-plans them from measured stage times.
 """
 from __future__ import annotations
 
@@ -50,18 +48,25 @@ _QUOTA_GRID = tuple(range(10, 101, 10))
 _STAGES = ('sim', 'generation', 'train')
 
 
-def machine_key() -> str:
-  """This machine as the profile store knows it: the visible GPU's name and driver (NVML), and the CPU count."""
-  name, driver = 'none', 'none'
+def _nvml_gpu() -> Tuple[str, str]:
+  """(name, driver version) of the visible GPU from NVML; ('none', 'none') on a machine without NVML or GPU."""
   try:
     pynvml.nvmlInit()
     handle = telemetry.nvml_handle(pynvml, telemetry.visible_gpu())
-    name = pynvml.nvmlDeviceGetName(handle)
-    driver = pynvml.nvmlSystemGetDriverVersion()
-    name, driver = (v.decode() if isinstance(v, bytes) else str(v) for v in (name, driver))
+    found = (pynvml.nvmlDeviceGetName(handle), pynvml.nvmlSystemGetDriverVersion())
   except Exception:  # pylint: disable=broad-except  (no NVML, no GPU: a CPU machine)
-    pass
-  return profiles.machine_id(name, driver, os.cpu_count() or 1)
+    return 'none', 'none'
+  return tuple(v.decode() if isinstance(v, bytes) else str(v) for v in found)
+
+
+def machine_key() -> str:
+  """This machine as the profile store knows it: the visible GPU's name (NVML) and the CPU count."""
+  return profiles.machine_id(_nvml_gpu()[0], os.cpu_count() or 1)
+
+
+def load_store(path: str, cfg: config_lib.Config) -> profiles.ProfileStore:
+  """The profile store at `path` for this machine and `cfg`'s workload, told this machine's GPU driver."""
+  return profiles.ProfileStore.load(path, machine_key(), workload_key(cfg), _nvml_gpu()[1])
 
 
 def workload_key(cfg: config_lib.Config) -> str:
@@ -139,9 +144,8 @@ def _profiles(cfg: config_lib.Config,
   are those whose turn comes too late for a process as long as the last one. The record, as the plan's record
   keeps it: calibrated_s (None: nothing calibrated), calibration_quotas (those calibrated), calibration_process_s
   and calibration_phase_s per quota, and calibration_skipped (what was skipped and why, or None)."""
-  machine, workload = machine_key(), workload_key(cfg)
-  path = store_path(cfg, machine, workload)
-  store = profiles.ProfileStore.load(path, machine, workload)
+  path = store_path(cfg, machine_key(), workload_key(cfg))
+  store = load_store(path, cfg)
   sizes = sorted({cfg.sim.num_envs // g for g in group_choices(cfg)})
   quotas = sorted(set(cfg.resources.calibration_quotas) if mps_active else {100}, reverse=True)
   missing = [q for q in quotas if q not in calibrated_quotas(store)]

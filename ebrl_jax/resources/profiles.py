@@ -43,9 +43,11 @@ _FORMAT = 'ebrl_jax.resources.profiles/1'
 _Q_SAT_GRID = np.arange(1.0, 100.0 + 1e-9, 0.25)
 
 
-def machine_id(gpu_name: str, driver: str, cpu_count: int) -> str:
-  """Key of the machine a profile was measured on: GPU name, driver version, CPU count."""
-  return f'gpu={gpu_name};driver={driver};cpus={int(cpu_count)}'
+def machine_id(gpu_name: str, cpu_count: int) -> str:
+  """Key of the machine a profile was measured on: GPU name and CPU count. The driver is not in it (nodes of one
+  cluster differ in driver patch levels, and a driver update would throw every profile away): the store records
+  the driver it was measured under (`ProfileStore.driver`) and says when it differs."""
+  return f'gpu={gpu_name};cpus={int(cpu_count)}'
 
 
 def workload_id(task: str, backend: str, num_envs: int, policy_size: str) -> str:
@@ -186,17 +188,20 @@ class StageProfile:
 class ProfileStore:
   """A named set of StageProfiles for one (machine, workload), kept in a JSON file.
 
-  File: {"format": ..., "machine": machine_id, "workload": workload_id, "profiles": {name: StageProfile dict}}.
+  File: {"format": ..., "machine": machine_id, "workload": workload_id, "driver": the GPU driver the profiles
+  were measured under ('none': no GPU; absent in older files), "profiles": {name: StageProfile dict}}.
   """
 
   def __init__(self,
                machine: str,
                workload: str,
                path: Optional[str] = None,
-               profiles: Optional[Dict[str, StageProfile]] = None):
+               profiles: Optional[Dict[str, StageProfile]] = None,
+               driver: str = 'none'):
     self.machine = machine
     self.workload = workload
     self.path = path
+    self.driver = driver
     self.profiles: Dict[str, StageProfile] = dict(profiles or {})
 
   def profile(self, name: str) -> StageProfile:
@@ -224,6 +229,7 @@ class ProfileStore:
         'format': _FORMAT,
         'machine': self.machine,
         'workload': self.workload,
+        'driver': self.driver,
         'profiles': {
             name: p.to_dict() for name, p in sorted(self.profiles.items())
         }
@@ -250,10 +256,12 @@ class ProfileStore:
     return path
 
   @classmethod
-  def load(cls, path: str, machine: str, workload: str) -> 'ProfileStore':
+  def load(cls, path: str, machine: str, workload: str, driver: str = 'none') -> 'ProfileStore':
     """The profiles saved at `path` for this machine and workload; an empty store if the file is missing or was
-    written for another machine or workload. A file that is not a valid store is a ValueError naming it."""
-    empty = cls(machine, workload, path=path)
+    written for another machine or workload. A file that is not a valid store is a ValueError naming it. `driver`
+    is this machine's GPU driver: the store keeps it for what it measures next, and a store measured under another
+    driver is used, with a warning that says so."""
+    empty = cls(machine, workload, path=path, driver=driver)
     if not os.path.exists(path):
       return empty
     try:
@@ -266,6 +274,12 @@ class ProfileStore:
                      path, data.get('machine'), data.get('workload'), machine, workload)
         return empty
       profiles = {name: StageProfile.from_dict(name, p) for name, p in data['profiles'].items()}
+      measured_under = str(data.get('driver', 'unknown'))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
       raise ValueError(f'profile file {path} is malformed: {e}') from e
-    return cls(machine, workload, path=path, profiles=profiles)
+    if measured_under != driver:
+      logging.warning(
+          'Profiles in %s were measured under GPU driver %s; this machine runs %s. They are used as they are '
+          '(--schedule=auto tries a process schedule against fused before it keeps it); delete the file to '
+          'measure them again.', path, measured_under, driver)
+    return cls(machine, workload, path=path, profiles=profiles, driver=driver)

@@ -7,7 +7,7 @@ import pytest
 
 from ebrl_jax.resources.profiles import ProfileStore, StageProfile, machine_id, workload_id
 
-MACHINE = machine_id('NVIDIA H200', '570.86', 16)
+MACHINE = machine_id('NVIDIA H200', 16)
 WORKLOAD = workload_id('ant', 'mjx', 4096, 'mlp:32x4')
 
 
@@ -112,8 +112,23 @@ def test_other_machine_workload_or_missing_file_gives_an_empty_store(tmp_path):
   store.profile('sim').add_sample(64, 100, 0.001)
   store.save(path)
   assert len(ProfileStore.load(path, MACHINE, WORKLOAD)) == 1
-  assert len(ProfileStore.load(path, machine_id('NVIDIA H100', '570.86', 16), WORKLOAD)) == 0
+  assert len(ProfileStore.load(path, machine_id('NVIDIA H100', 16), WORKLOAD)) == 0
   assert len(ProfileStore.load(path, MACHINE, workload_id('ant', 'mjx', 8192, 'mlp:32x4'))) == 0
+
+
+def test_a_store_keeps_its_driver_and_one_from_another_driver_is_used_with_a_warning(tmp_path, caplog):
+  path = str(tmp_path / 'p.json')
+  store = ProfileStore.load(path, MACHINE, WORKLOAD, driver='570.86')
+  store.profile('sim').add_sample(64, 100, 0.001)
+  store.save()
+  with open(path) as f:
+    assert json.load(f)['driver'] == '570.86'
+  caplog.set_level('WARNING')
+  assert len(ProfileStore.load(path, MACHINE, WORKLOAD, driver='570.86')) == 1
+  assert 'driver' not in caplog.text
+  other = ProfileStore.load(path, MACHINE, WORKLOAD, driver='580.159.04')
+  assert len(other) == 1 and other.driver == '580.159.04'  # what it measures next is under this driver
+  assert 'measured under GPU driver 570.86; this machine runs 580.159.04' in caplog.text
 
 
 @pytest.mark.parametrize('text', [
