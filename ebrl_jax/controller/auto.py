@@ -123,6 +123,22 @@ def trial(cfg: config_lib.Config, chosen: config_lib.Config, record: dict,
   return (chosen, record, None) if keep else (*autoplan.after_trial_fused(cfg, record, why), None)
 
 
+def _check_verdict(trial: Optional[dict], summary: driver.RunSummary) -> None:
+  """After a run that followed a trial's verdict (this run's or a kept one): the run's rate against the other
+  schedule's trial (auto_trial.check_run); a verdict the run contradicts is dropped from the trials file, so the
+  next run tries again. The outcome goes to trial['run_check']."""
+  if not trial or trial.get('pending') or 'measured_env_steps_per_s' not in trial:
+    return
+  ok, why = auto_trial.check_run(trial, summary)
+  trial['run_check'] = {'confirmed': ok, 'reason': why}
+  if ok is False:
+    auto_trial.forget(trial['path'], trial['layout'])
+    logging.warning('--schedule=auto: %s; the verdict is dropped from %s, the next run tries again.', why,
+                    trial['path'])
+  elif ok:
+    logging.info('--schedule=auto: the verdict holds: %s.', why)
+
+
 def run(cfg: config_lib.Config, pids: Dict[str, int], start: run_clock.StartClock) -> driver.RunSummary:
   chosen, record = resolve(cfg, start.unix)
   start = start.mark('auto_choice')  # profiles read (or calibrated) and the schedule chosen
@@ -136,6 +152,7 @@ def run(cfg: config_lib.Config, pids: Dict[str, int], start: run_clock.StartCloc
     summary = fused.run(chosen, start)
   else:
     summary = pipeline.run(chosen, pids, start)
+  _check_verdict(record.get('trial'), summary)
   summary.extra['auto'] = record
   if record.get('generation') is not None and 'generation_layout' in summary.extra:
     summary.extra['generation_layout']['reason'] = record['generation']['reason']  # chosen here, not by a flag

@@ -13,7 +13,10 @@ Each trial is a config of the run itself (the chosen one, then the run's as fuse
 `<run_dir>/auto_trial_fused`, stopped after `--auto_trial_s` seconds of training (`--max_train_s`: a process
 schedule's start-up iteration, which no rate counts, comes first), without checkpoints, on the run's clock, inside
 the calibration budget. The verdict is kept beside the profile store (`path_for`), keyed by the layout (`key`), so
-a later run of the same machine, workload and layout decides without a trial.
+a later run of the same machine, workload and layout decides without a trial. Every run that follows a verdict
+checks it at its end (`check_run`): a run that measured, over at least a trial's length, slower than the
+schedule it was preferred to (by MEASURED_MARGIN) drops the verdict (`forget`): a verdict taken in a noisy minute
+holds only while the runs that follow bear it out.
 """
 from __future__ import annotations
 
@@ -162,3 +165,32 @@ def verdict(trial: dict) -> Tuple[bool, str]:
   if gain > margin:
     return True, f'{schedule} kept: {text} (> {margin:.0%})'
   return False, f'fused: {text}, within the {margin:.0%} margin'
+
+
+def forget(path: str, layout: str) -> None:
+  """Removes one layout's trial from the file (its next run tries again); nothing where it has none."""
+  trials = load(path)
+  if trials.pop(layout, None) is not None:
+    storage.write_json(path, {'format': FORMAT, 'trials': trials}, indent=1)
+
+
+def check_run(trial: dict, summary) -> Tuple[Optional[bool], str]:
+  """Whether the run that followed a verdict (`trial`: its record, `summary`: the run's driver.RunSummary) bears
+  it out: (None, why not checked) where the run measured less than a trial's length, or ended otherwise than by
+  its steps, its target or a budget; else (True, text) where its rate is within MEASURED_MARGIN of, or above, the
+  rate the other schedule measured (a process schedule's run against fused's trial, fused's run against the
+  process schedule's trial), (False, text) where it is below it."""
+  if summary.stopped not in MEASURED_STOPS + ('target_return',) or measured(summary) is None:
+    return None, f'the run ended ({summary.stopped}) before it measured a rate'
+  if summary.train_wall_s < trial.get('auto_trial_s', 0.0):
+    return None, f'the run measured {summary.train_wall_s:.1f} s, less than a trial'
+  if summary.schedule == 'fused':
+    other, name = trial.get('measured_env_steps_per_s'), trial['layout'].split(';', 1)[0] + "'s trial"
+  else:
+    other, name = trial.get('fused_measured_env_steps_per_s'), "fused's trial"
+  if other is None:
+    return None, f'{name} measured nothing to hold the run against'
+  gain = summary.env_steps_per_s / other - 1
+  text = (f'the run ({summary.schedule}) measured {summary.env_steps_per_s:,.0f} env-steps/s over '
+          f'{summary.train_wall_s:.0f} s, {gain:+.1%} against {name} ({other:,.0f})')
+  return gain >= -MEASURED_MARGIN, text

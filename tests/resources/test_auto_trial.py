@@ -140,6 +140,36 @@ def _summary(rate, iterations, stopped, schedule='async'):
                            stopped=stopped)
 
 
+def test_a_run_that_contradicts_its_verdict_drops_it_and_the_next_run_tries_again(tmp_path, monkeypatch):
+  auto_cfg = _async_auto(tmp_path, monkeypatch)
+  _, record = autoplan.plan_auto(auto_cfg, mps_active=False, worker_env=None, handoff=0.0)
+  layout, path = record['trial']['layout'], record['trial']['path']
+
+  def decide(async_rate):  # a kept verdict: async's trial at async_rate, fused's at 1000
+    auto_trial.save(path, layout, dict(_trial(async_rate, fused_measured=1000.0), layout=layout, auto_trial_s=20.0))
+    return autoplan.plan_auto(auto_cfg, mps_active=False, worker_env=None, handoff=0.0)
+
+  chosen, record = decide(1100.0)  # async kept (+10 %); its run measures 1.5 % below fused's trial: it holds
+  assert chosen.schedule.name == 'async'
+  auto._check_verdict(record['trial'], _summary(985.0, 40, 'num_timesteps'))
+  assert record['trial']['run_check']['confirmed'] and layout in auto_trial.load(path)
+  auto._check_verdict(record['trial'], _summary(950.0, 40, 'num_timesteps'))  # 5 % below: dropped
+  assert record['trial']['run_check']['confirmed'] is False and '-5.0% against fused\'s trial' in record['trial'][
+      'run_check']['reason']
+  assert layout not in auto_trial.load(path)
+  assert autoplan.plan_auto(auto_cfg, mps_active=False, worker_env=None, handoff=0.0)[1]['trial']['pending']
+
+  chosen, record = decide(1010.0)  # fused (async +1 %, within the margin); fused's run then measures 900
+  assert chosen.schedule.name == 'fused'
+  short = dataclasses.replace(_summary(900.0, 40, 'max_train_s', 'fused'), train_wall_s=5.0)
+  for not_checked in (short, _summary(900.0, 40, 'SIGTERM', 'fused')):  # too short, or stopped by a signal
+    auto._check_verdict(record['trial'], not_checked)
+    assert record['trial']['run_check']['confirmed'] is None and layout in auto_trial.load(path)
+  auto._check_verdict(record['trial'], _summary(900.0, 40, 'max_train_s', 'fused'))
+  assert 'against async\'s trial (1,010)' in record['trial']['run_check']['reason']
+  assert layout not in auto_trial.load(path)
+
+
 @pytest.mark.parametrize('ratio, stopped, want', [(0.9, 'max_train_s', 'fused'), (1.2, 'max_train_s', 'async'),
                                                   (1.2, 'SIGTERM', 'stopped')])
 def test_the_controller_runs_both_trials_and_goes_on_with_what_they_measured(tmp_path, monkeypatch, ratio, stopped,
