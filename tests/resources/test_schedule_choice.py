@@ -104,8 +104,17 @@ def test_auto_tries_the_predicted_process_schedule_and_keeps_the_verdict(tmp_pat
   assert summary.env_steps >= 6_400 and 'auto_trial' in summary.compile_breakdown
   for name in ('auto_trial', 'auto_trial_fused'):
     assert (tmp_path / 'first' / name / 'summary.json').exists()
+  # The run checked the verdict at its end: its own rate against the other schedule's trial (auto_trial.check_run).
+  check = trial['run_check']
+  other = trial['measured_env_steps_per_s' if summary.schedule == 'fused' else 'fused_measured_env_steps_per_s']
+  if summary.train_wall_s >= 3.0 and check['confirmed'] is not None:
+    assert check['confirmed'] == (summary.env_steps_per_s >= other * (1 - auto_trial.MEASURED_MARGIN))
   again = controller.run(
       dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, run_dir=str(tmp_path / 'second'))))
+  if check['confirmed'] is False:  # dropped: the second run tries again, and keeps its new verdict
+    assert (tmp_path / 'second' / 'auto_trial' / 'summary.json').exists() and 'auto_trial' in again.compile_breakdown
+    assert again.extra['auto']['trial']['measured_env_steps_per_s'] != trial['measured_env_steps_per_s']
+    return
   assert again.schedule == summary.schedule and not again.extra['auto']['trial']['pending']
   assert again.extra['auto']['trial']['measured_env_steps_per_s'] == trial['measured_env_steps_per_s']
   assert not (tmp_path / 'second' / 'auto_trial').exists() and 'auto_trial' not in again.compile_breakdown
