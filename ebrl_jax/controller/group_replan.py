@@ -97,7 +97,7 @@ def make_trigger(cfg: config_lib.Config, workers, plan_record: Optional[dict], m
   profiles the run measures itself."""
   store = None
   if plan_record is not None:
-    store = autoplan.load_store(plan_record['profile_store'], cfg)
+    store = autoplan.load_store(cfg, plan_record['profile_store'])
     if not all(name in store for name in ('sim', 'train')):
       logging.warning('--replan_groups: the --plan store %s lacks a sim or train profile; measuring in the run.',
                       plan_record['profile_store'])

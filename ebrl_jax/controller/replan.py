@@ -330,6 +330,6 @@ def make_changer(cfg: config_lib.Config, workers, plan_record: Optional[dict],
            if plan_record.get('shared') else 'the rollout workers hold no quota')
     logging.warning('--replan: no rollout quota to re-plan (%s); the quotas stay as planned.', why)
     return None
-  store = autoplan.load_store(plan_record['profile_store'], cfg)
+  store = autoplan.load_store(cfg, plan_record['profile_store'])
   total = -(-cfg.schedule.num_timesteps // cfg.env_steps_per_iteration)
   return QuotaChanger(cfg, workers, ReplanTrigger(cfg, workers, store, make_replanner(cfg, store), total))

@@ -49,6 +49,11 @@ def key(cfg: config_lib.Config) -> str:
           f'colocate={s.colocate_generation};slices={s.env_slices}')
 
 
+def schedule_of(layout: str) -> str:
+  """The schedule a layout key (`key`) names."""
+  return layout.split(';', 1)[0]
+
+
 def path_for(store_path: str) -> str:
   """The trials file beside a profile store (`<digest>.json` -> `<digest>.trials.json`)."""
   return os.path.splitext(store_path)[0] + '.trials.json'
@@ -70,12 +75,15 @@ def load(path: str) -> dict:
   return dict(data.get('trials', {}))
 
 
-def save(path: str, layout: str, entry: dict) -> None:
-  """Adds (or replaces) one layout's trial in the file, written whole (storage.write_json)."""
-  trials = load(path)
-  trials[layout] = entry
+def _write(path: str, trials: dict) -> None:
+  """The trials file, written whole (storage.write_json)."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
   storage.write_json(path, {'format': FORMAT, 'trials': trials}, indent=1)
+
+
+def save(path: str, layout: str, entry: dict) -> None:
+  """Adds (or replaces) one layout's trial in the file."""
+  _write(path, {**load(path), layout: entry})
 
 
 def trial_config(cfg: config_lib.Config,
@@ -148,7 +156,7 @@ def verdict(trial: dict) -> Tuple[bool, str]:
   MEASURED_MARGIN, or, where fused's trial measured nothing, more than fused's prediction by PREDICTED_MARGIN; a
   process trial that measured nothing keeps the prediction's choice."""
   layout, rate = trial['layout'], trial['measured_env_steps_per_s']
-  schedule = layout.split(';', 1)[0]
+  schedule = schedule_of(layout)
   if rate is None:
     return True, (f'{schedule} kept on its prediction: its trial ended ({trial["stopped"]}) after '
                   f'{trial["iterations"]} iteration(s), too few to measure')
@@ -171,7 +179,7 @@ def forget(path: str, layout: str) -> None:
   """Removes one layout's trial from the file (its next run tries again); nothing where it has none."""
   trials = load(path)
   if trials.pop(layout, None) is not None:
-    storage.write_json(path, {'format': FORMAT, 'trials': trials}, indent=1)
+    _write(path, trials)
 
 
 def check_run(trial: dict, summary) -> Tuple[Optional[bool], str]:
@@ -185,7 +193,7 @@ def check_run(trial: dict, summary) -> Tuple[Optional[bool], str]:
   if summary.train_wall_s < trial.get('auto_trial_s', 0.0):
     return None, f'the run measured {summary.train_wall_s:.1f} s, less than a trial'
   if summary.schedule == 'fused':
-    other, name = trial.get('measured_env_steps_per_s'), trial['layout'].split(';', 1)[0] + "'s trial"
+    other, name = trial.get('measured_env_steps_per_s'), schedule_of(trial['layout']) + "'s trial"
   else:
     other, name = trial.get('fused_measured_env_steps_per_s'), "fused's trial"
   if other is None:

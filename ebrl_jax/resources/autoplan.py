@@ -5,16 +5,15 @@
      calibrated there (`calibrate.profile_stages`): one short-lived process per missing quota, 100 % first, each
      started with that CUDA_MPS_ACTIVE_THREAD_PERCENTAGE under the run's MPS daemon, at every group size the
      planner may choose, one after another (each times its stages with the GPU to itself; compile excluded, the
-     compilation cache makes later quotas cheap). `--schedule=auto` skips the quotas below 100 % when the 100 % profile already shows that no quota
-     can make a process schedule win (`schedule_choice.quotas_cannot_win`). The store is saved, so the next run
-     on this machine and workload starts from it (a later `--plan` run calibrates the quotas it lacks).
+     compilation cache makes later quotas cheap). `--schedule=auto` skips the quotas below 100 % when the 100 %
+     profile already shows that no quota can make a process schedule win (`schedule_choice.quotas_cannot_win`).
+     The store is saved: the next run on this machine and workload starts from it and calibrates what it lacks.
   3. `planner.plan` picks the number of groups and the quotas (or none: every process may use every SM) with the
      least predicted iteration time; quotas given with `--sm_quotas` stay pinned. Without MPS only the group count
      is chosen: there are no quotas to share, and the prediction adds up the processes' GPU work.
   4. The run goes on with the chosen `--num_groups` (and `--sm_quotas`); the decision, its reason and the
-     predicted env steps/s go to the log and to the summary, where the measured figure sits beside it.
-
-Quotas are fixed unless `--replan` is on: controller/replan.py then re-plans them from measured stage times.
+     predicted env steps/s go to the log and to the summary, where the measured figure sits beside it. Quotas
+     stay fixed unless `--replan` is on: controller/replan.py then re-plans them from measured stage times.
 """
 from __future__ import annotations
 
@@ -59,14 +58,16 @@ def _nvml_gpu() -> Tuple[str, str]:
   return tuple(v.decode() if isinstance(v, bytes) else str(v) for v in found)
 
 
-def machine_key() -> str:
-  """This machine as the profile store knows it: the visible GPU's name (NVML) and the CPU count."""
-  return profiles.machine_id(_nvml_gpu()[0], os.cpu_count() or 1)
+def machine_key(gpu_name: Optional[str] = None) -> str:
+  """This machine as the profile store knows it: the visible GPU's name (NVML, unless given) and the CPU count."""
+  return profiles.machine_id(gpu_name or _nvml_gpu()[0], os.cpu_count() or 1)
 
 
-def load_store(path: str, cfg: config_lib.Config) -> profiles.ProfileStore:
-  """The profile store at `path` for this machine and `cfg`'s workload, told this machine's GPU driver."""
-  return profiles.ProfileStore.load(path, machine_key(), workload_key(cfg), _nvml_gpu()[1])
+def load_store(cfg: config_lib.Config, path: Optional[str] = None) -> profiles.ProfileStore:
+  """This machine's store for `cfg`'s workload at `path` (None: under --profile_dir), told its GPU driver."""
+  name, driver = _nvml_gpu()  # one NVML query for the key and the driver
+  machine, workload = machine_key(name), workload_key(cfg)
+  return profiles.ProfileStore.load(path or store_path(cfg, machine, workload), machine, workload, driver)
 
 
 def workload_key(cfg: config_lib.Config) -> str:
@@ -144,8 +145,7 @@ def _profiles(cfg: config_lib.Config,
   are those whose turn comes too late for a process as long as the last one. The record, as the plan's record
   keeps it: calibrated_s (None: nothing calibrated), calibration_quotas (those calibrated), calibration_process_s
   and calibration_phase_s per quota, and calibration_skipped (what was skipped and why, or None)."""
-  path = store_path(cfg, machine_key(), workload_key(cfg))
-  store = load_store(path, cfg)
+  store = load_store(cfg)
   sizes = sorted({cfg.sim.num_envs // g for g in group_choices(cfg)})
   quotas = sorted(set(cfg.resources.calibration_quotas) if mps_active else {100}, reverse=True)
   missing = [q for q in quotas if q not in calibrated_quotas(store)]
@@ -154,7 +154,7 @@ def _profiles(cfg: config_lib.Config,
   def calibrate_at(todo):
     logging.info(
         '--plan: no stage profiles at quotas %s for this machine and workload in %s; calibrating them, '
-        'group sizes %s.', todo, path, sizes)
+        'group sizes %s.', todo, store.path, sizes)
     for i, q in enumerate(todo):
       timeout = calibration_procs.TIMEOUT_S
       if deadline is not None:
@@ -179,7 +179,7 @@ def _profiles(cfg: config_lib.Config,
         return skip(todo[i:], str(e))
       calibrate.add_to_store(store, profile)
       runs.append(profile)
-      store.save(path)  # each quota kept at once: a later budget stop or failure loses none
+      store.save()  # each quota kept at once: a later budget stop or failure loses none
 
   def skip(todo, reason):
     skipped.append({'quotas': list(todo), 'reason': reason})
@@ -195,7 +195,7 @@ def _profiles(cfg: config_lib.Config,
     missing = [] if reason else lower
   if missing:
     calibrate_at(missing)
-  return store, path, {
+  return store, store.path, {
       'calibrated_s': sum(p['process_s'] for p in runs) if runs else None,
       'calibration_quotas': [p['quota'] for p in runs],
       'calibration_process_s': {
