@@ -136,7 +136,10 @@ def _check_verdict(trial: Optional[dict], summary: driver.RunSummary) -> None:
     logging.warning('--schedule=auto: %s; the verdict is dropped from %s, the next run tries again.', why,
                     trial['path'])
   elif ok:
-    logging.info('--schedule=auto: the verdict holds: %s.', why)
+    runs, recheck = auto_trial.confirm(trial['path'], trial['layout'])
+    trial['run_check']['confirmed_runs'] = runs
+    logging.info('--schedule=auto: the verdict holds: %s (%d run(s) have borne it out%s).', why, runs,
+                 '; the next run tries both schedules again' if recheck else '')
 
 
 def run(cfg: config_lib.Config, pids: Dict[str, int], start: run_clock.StartClock) -> driver.RunSummary:

@@ -16,7 +16,9 @@ the calibration budget. The verdict is kept beside the profile store (`path_for`
 a later run of the same machine, workload and layout decides without a trial. Every run that follows a verdict
 checks it at its end (`check_run`): a run that measured, over at least a trial's length, slower than the
 schedule it was preferred to (by MEASURED_MARGIN) drops the verdict (`forget`): a verdict taken in a noisy minute
-holds only while the runs that follow bear it out.
+holds only while the runs that follow bear it out, and after RECHECK_AFTER runs that bore it out the next run tries
+both again (`confirm`): a run measures only its own schedule, and one slow trial of the other must not hold for
+ever.
 """
 from __future__ import annotations
 
@@ -40,6 +42,10 @@ MEASURED_MARGIN = 0.02
 PREDICTED_MARGIN = schedule_choice.MARGIN
 # How a trial may end and still have measured something; any other stop (a signal, a failure) ends the run.
 MEASURED_STOPS = ('max_train_s', 'num_timesteps', 'max_wall_s')
+# Runs that bear a verdict out before it is tried again: a run measures only the schedule it ran, so the other
+# schedule's rate stays that of one trial; a trial that ran slow in a noisy minute would keep confirming the
+# verdict for ever. Every RECHECK_AFTER confirmations, the next run measures both again.
+RECHECK_AFTER = 5
 
 
 def key(cfg: config_lib.Config) -> str:
@@ -180,6 +186,23 @@ def forget(path: str, layout: str) -> None:
   trials = load(path)
   if trials.pop(layout, None) is not None:
     _write(path, trials)
+
+
+def confirm(path: str, layout: str) -> Tuple[int, bool]:
+  """Counts a run that bore a layout's verdict out (`confirmed_runs` in its entry): (the count, whether it reached
+  RECHECK_AFTER, which drops the verdict so that the next run tries both schedules again). (0, False) where the
+  file has no such verdict (another run dropped it)."""
+  trials = load(path)
+  kept = trials.get(layout)
+  if kept is None:
+    return 0, False
+  runs = int(kept.get('confirmed_runs', 0)) + 1
+  if runs >= RECHECK_AFTER:
+    trials.pop(layout)
+  else:
+    trials[layout] = dict(kept, confirmed_runs=runs)
+  _write(path, trials)
+  return runs, runs >= RECHECK_AFTER
 
 
 def check_run(trial: dict, summary) -> Tuple[Optional[bool], str]:

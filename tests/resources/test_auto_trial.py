@@ -170,6 +170,28 @@ def test_a_run_that_contradicts_its_verdict_drops_it_and_the_next_run_tries_agai
   assert layout not in auto_trial.load(path)
 
 
+def test_a_verdict_borne_out_by_recheck_after_runs_is_tried_again(tmp_path, monkeypatch):
+  # The other schedule's rate is one trial's: after RECHECK_AFTER runs that bore the verdict out, the next run
+  # measures both again; a run that is not checked (a signal) does not count.
+  auto_cfg = _async_auto(tmp_path, monkeypatch)
+  _, record = autoplan.plan_auto(auto_cfg, mps_active=False, worker_env=None, handoff=0.0)
+  layout, path = record['trial']['layout'], record['trial']['path']
+  auto_trial.save(path, layout, dict(_trial(1100.0, fused_measured=1000.0), layout=layout, auto_trial_s=20.0))
+  for run in range(1, auto_trial.RECHECK_AFTER + 1):
+    chosen, record = autoplan.plan_auto(auto_cfg, mps_active=False, worker_env=None, handoff=0.0)
+    assert chosen.schedule.name == 'async' and not record['trial']['pending']
+    auto._check_verdict(record['trial'], _summary(1080.0, 40, 'SIGTERM'))  # not checked, not counted
+    auto._check_verdict(record['trial'], _summary(1080.0, 40, 'num_timesteps'))
+    assert record['trial']['run_check'] == {
+        'confirmed': True,
+        'reason': record['trial']['run_check']['reason'],
+        'confirmed_runs': run
+    }
+    assert (layout in auto_trial.load(path)) == (run < auto_trial.RECHECK_AFTER)
+  assert autoplan.plan_auto(auto_cfg, mps_active=False, worker_env=None, handoff=0.0)[1]['trial']['pending']
+  assert auto_trial.confirm(path, layout) == (0, False)  # no verdict left to count
+
+
 @pytest.mark.parametrize('ratio, stopped, want', [(0.9, 'max_train_s', 'fused'), (1.2, 'max_train_s', 'async'),
                                                   (1.2, 'SIGTERM', 'stopped')])
 def test_the_controller_runs_both_trials_and_goes_on_with_what_they_measured(tmp_path, monkeypatch, ratio, stopped,
