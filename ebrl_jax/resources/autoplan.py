@@ -224,23 +224,16 @@ def _apply(cfg: config_lib.Config, chosen: planner.Plan, mps_active: bool, sched
   return dataclasses.replace(cfg, schedule=schedule_cfg, resources=resources_cfg)
 
 
+# The record's fields a plan gives (`_record`), which after_trial_fused moves under record['trial']['plan'].
+PLAN_FIELDS = ('num_groups', 'envs_per_group', 'quotas', 'shared', 'predicted_env_steps_per_s', 'predicted_iteration_s',
+               'predicted_rollout_s', 'predicted_train_s', 'reason')
+
+
 def _record(chosen: planner.Plan, mps_active: bool, store, path: str, calibration: dict) -> dict:
-  return {
-      'num_groups': chosen.num_groups,
-      'envs_per_group': chosen.envs_per_group,
-      'quotas': chosen.quotas if mps_active and not chosen.shared else None,
-      'shared': chosen.shared,
-      'predicted_env_steps_per_s': chosen.env_steps_per_s,
-      'predicted_iteration_s': chosen.iteration_s,
-      'predicted_rollout_s': chosen.rollout_s,
-      'predicted_train_s': chosen.train_s,
-      'reason': chosen.reason,
-      'mps': mps_active,
-      **calibration, 'profile_store': path,
-      'fits': {
-          name: store[name].fit_note for name in sorted(store)
-      }
-  }
+  plan = (chosen.num_groups, chosen.envs_per_group, chosen.quotas if mps_active and not chosen.shared else None,
+          chosen.shared, chosen.env_steps_per_s, chosen.iteration_s, chosen.rollout_s, chosen.train_s, chosen.reason)
+  fits = {name: store[name].fit_note for name in sorted(store)}
+  return {**dict(zip(PLAN_FIELDS, plan)), 'mps': mps_active, **calibration, 'profile_store': path, 'fits': fits}
 
 
 def _pinned(cfg: config_lib.Config, space: planner.PlanSpace, mps_active: bool) -> Dict[str, int]:
@@ -367,9 +360,7 @@ def after_trial_fused(cfg: config_lib.Config, record: dict, why: str) -> Tuple[c
   """`--schedule=auto` goes on as fused after a trial of its process schedule (auto_trial.verdict): `cfg` (auto's
   own) as fused, and the record with the plan's figures moved under record['trial']['plan']."""
   chosen_cfg, dropped = as_fused(cfg)
-  plan_keys = ('num_groups', 'envs_per_group', 'quotas', 'shared', 'predicted_env_steps_per_s', 'predicted_iteration_s',
-               'predicted_rollout_s', 'predicted_train_s', 'reason')
-  plan = {k: record.pop(k) for k in plan_keys if k in record}
+  plan = {k: record.pop(k) for k in PLAN_FIELDS if k in record}
   trial = dict(record.pop('trial', {}), plan=plan, kept=False, verdict=why)
   return chosen_cfg, dict(record, schedule='fused', choice_reason=why, dropped=dropped, trial=trial)
 
