@@ -5,7 +5,6 @@ CpuFusedLoop`, native MuJoCo from a Python loop) or the trainer worker's (`train
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from typing import Any, Dict, Optional, Protocol, Tuple
@@ -14,7 +13,6 @@ from absl import logging
 import jax
 
 from ebrl_jax import config as config_lib
-from ebrl_jax import config_checks
 from ebrl_jax import config_generation
 from ebrl_jax import sim
 from ebrl_jax.generation import policies
@@ -25,6 +23,7 @@ from ebrl_jax.runtime import run_clock
 from ebrl_jax.runtime import startup
 from ebrl_jax.runtime import storage
 from ebrl_jax.runtime import trace_cache
+from ebrl_jax.trainer import cadence
 from ebrl_jax.trainer import checkpoint as checkpoint_lib
 from ebrl_jax.trainer import evaluations
 from ebrl_jax.trainer import stages as trainer_stages
@@ -112,6 +111,7 @@ class RunSummary:
 
 
 FINISHED = ('num_timesteps', 'target_return')
+BUDGETS = ('max_wall_s', 'max_train_s')  # a stop at the budget: checkpoint, then the final policy's evaluation
 DIVERGED, OUT_OF_MEMORY = errors.DIVERGED, errors.OUT_OF_MEMORY
 
 
@@ -128,39 +128,14 @@ def run_training(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
                           storage.resume_advice(run_dir)) from e
 
 
-@dataclasses.dataclass
-class _Progress:
-  """What the driver counts as the run goes on (mutable: one instance per run)."""
-  env_steps: int
-  iterations: int
-  last_saved: int  # the iteration of the newest checkpoint (a resumed run's starting point is on disk)
-  checkpoint: Optional[int] = None  # the newest checkpoint on disk (None: none yet)
-  train_wall: float = 0.0  # seconds of collection + training, start-up excluded
-  steps_this_session: int = 0  # env steps counted in the end-to-end rate
-  compile_s: Optional[float] = None  # start-up, once it is over
-  startup_s: Optional[float] = None  # a process schedule's first iteration, moved into compile_s
-  s_per_iteration: Optional[float] = None  # of the latest chunk, start-up included (sizes a chunk to the budget)
-  eval_index: int = 0
-  target_hit: Optional[Tuple[int, float, float]] = None  # (env steps, wall s, train s) when the target was hit
-  failure: Optional[str] = None  # what stopped a DIVERGED or OUT_OF_MEMORY run: no checkpoint is saved after it
-  eval_curve: list = dataclasses.field(default_factory=list)
-
-
-def _iteration_plan(cfg: TrainerConfig) -> Tuple[int, int, int]:
-  """(env steps per iteration, total iterations, iterations per evaluation): whole chunks only, since a shorter
-  last chunk would be a second program to compile (MJX) mid-run."""
-  per_iteration = cfg.env_steps_per_iteration
-  total, per_eval = config_checks.planned_iterations(cfg.schedule.num_timesteps, per_iteration, cfg.schedule.num_evals)
-  return per_iteration, total, per_eval
-
-
-def _evaluate(cfg, source, train_state, root_key, progress: _Progress, logger, clock: run_clock.RunClock) -> float:
+def _evaluate(cfg, source, train_state, root_key, progress: cadence.Progress, logger,
+              clock: run_clock.RunClock) -> float:
   eval_metrics = source.evaluate(train_state.params, keys.eval_key(root_key, progress.iterations))
   return evaluations.record(progress, logger, cfg.schedule.target_return, eval_metrics, progress.env_steps, clock.now(),
                             progress.train_wall, progress.iterations)
 
 
-def _save(cfg, checkpointer, train_state, progress: _Progress, spec) -> None:
+def _save(cfg, checkpointer, train_state, progress: cadence.Progress, spec) -> None:
   if checkpointer is None or not cfg.schedule.checkpoint_every or progress.iterations <= progress.last_saved:
     return
   critic = config_generation.critic_of(cfg.policy, bool(spec.pixel_shape))
@@ -174,27 +149,7 @@ def _save(cfg, checkpointer, train_state, progress: _Progress, spec) -> None:
   progress.last_saved = progress.checkpoint = progress.iterations
 
 
-def _chunk_size(cfg: TrainerConfig, progress: _Progress, per_eval: int, total: int, clock: run_clock.RunClock) -> int:
-  """Iterations until the next evaluation, cut at --first_checkpoint_iteration, at half of what the rest of
-  --max_wall_s (and of --max_train_s) holds (so chunks shrink towards it, the last one a single iteration), and while signals are held
-  (`errors.deferred_stops`) after `errors.STOP_LATENCY_S`."""
-  n = min(per_eval - progress.iterations % per_eval, total - progress.iterations)
-  if errors.stops_deferred():  # one iteration first, to learn how many fit STOP_LATENCY_S
-    n = min(n, max(1, math.floor(errors.STOP_LATENCY_S / progress.s_per_iteration)) if progress.s_per_iteration else 1)
-  first = cfg.schedule.first_checkpoint_iteration
-  if cfg.schedule.checkpoint_every and progress.last_saved < first and progress.iterations < first:
-    n = min(n, first - progress.iterations)
-  budget = cfg.schedule.max_wall_s
-  if budget and progress.s_per_iteration:  # half the rest at the latest rate: a rate that drops mid-chunk then
-    n = min(n, max(1, math.ceil((budget - clock.now()) / (2 * progress.s_per_iteration))))  # overshoots by less
-  train_budget = cfg.schedule.max_train_s
-  if train_budget:  # the same for the training seconds; one iteration first, to learn the rate
-    rest = train_budget - progress.train_wall
-    n = min(n, max(1, math.ceil(rest / (2 * progress.s_per_iteration))) if progress.s_per_iteration else 1)
-  return n
-
-
-def _account(progress: _Progress, source, num: int, elapsed: float, per_iteration: int, logger, clock) -> int:
+def _account(progress: cadence.Progress, source, num: int, elapsed: float, per_iteration: int, logger, clock) -> int:
   """Counts `num` finished iterations that took `elapsed` s; a process schedule's first iteration is start-up
   (its seconds go into compile_s, its steps out of the rate; see `trainer.worker.ChannelSource.take_startup_s`).
   Returns (iterations counted in the rate, their seconds)."""
@@ -215,7 +170,7 @@ def _account(progress: _Progress, source, num: int, elapsed: float, per_iteratio
   return counted, elapsed
 
 
-def _train_chunk(source, train_state, num: int, per_iteration: int, progress: _Progress, logger, eval_return,
+def _train_chunk(source, train_state, num: int, per_iteration: int, progress: cadence.Progress, logger, eval_return,
                  clock: run_clock.RunClock):
   """`num` iterations from the source. A source stopped part-way (`errors.StopRequested`) has its finished
   iterations counted before the stop goes on up."""
@@ -245,7 +200,7 @@ def _close(source, logger, checkpointer) -> None:
         checkpointer.close()
 
 
-def _summary(cfg, progress: _Progress, clock: run_clock.RunClock, num_params: int, extra: dict, stopped: str,
+def _summary(cfg, progress: cadence.Progress, clock: run_clock.RunClock, num_params: int, extra: dict, stopped: str,
              device: str) -> RunSummary:
   hit, curve = progress.target_hit, progress.eval_curve
   parts = {k: round(v, 3) for k, v in clock.parts.items()}
@@ -274,29 +229,54 @@ def _summary(cfg, progress: _Progress, clock: run_clock.RunClock, num_params: in
                     start_unix=clock.start_unix)
 
 
-def _loop(cfg, source, train_state, root_key, progress: _Progress, logger, clock, checkpointer, spec, off_path) -> str:
+def _stop_due(cfg, progress: cadence.Progress, clock: run_clock.RunClock) -> str:
+  """The signal held while the last chunk ran (`errors.deferred_stops`), else the budget that is spent, else ''."""
+  held = errors.pending_stop()
+  if held or cfg.ranks is not None:  # a cell's ranks vote on --max_wall_s (trainer.ranks); cells refuse --max_train_s
+    return held
+  if cfg.schedule.max_wall_s and clock.now() >= cfg.schedule.max_wall_s:
+    return 'max_wall_s'
+  if cfg.schedule.max_train_s and progress.train_wall >= cfg.schedule.max_train_s:
+    return 'max_train_s'
+  return ''
+
+
+def _evaluate_or_submit(cfg, source, train_state, root_key, progress: cadence.Progress, logger, clock, off_path,
+                        in_line: bool):
+  """The evaluation of the iteration reached: in line (returns its return), or asked of `off_path` (returns the
+  newest return that came in meanwhile; None: none)."""
+  progress.evaluated = progress.iterations
+  if off_path is None or in_line:
+    return _evaluate(cfg, source, train_state, root_key, progress, logger, clock)
+  eval_return = off_path.poll(progress, logger, clock.now)
+  if progress.target_hit is None:
+    off_path.submit(source, train_state.params, keys.eval_key(root_key, progress.iterations), progress)
+  return eval_return
+
+
+def _loop(cfg, source, train_state, root_key, progress: cadence.Progress, logger, clock, checkpointer, spec,
+          off_path) -> str:
   """Evaluates, checkpoints and trains until the run is done; returns why it stopped (see RunSummary.stopped).
-  With `off_path` (the 'evaluate' window; the evaluator process) evaluations run beside training, recorded in order."""
-  per_iteration, total, per_eval = _iteration_plan(cfg)
+  With `off_path` (the 'evaluate' window; the evaluator process) evaluations run beside training, recorded in order.
+  A budget's stop saves its checkpoint, then evaluates the iteration it stopped at (unless it was just evaluated),
+  so the summary's final return is of the policy the run ends with; it ends one evaluation past the budget (with
+  `off_path`, `train` waits for it as at a finished run's end)."""
+  per_iteration, total, per_eval = cadence.iteration_plan(cfg.schedule, cfg.env_steps_per_iteration)
   first, eval_return = True, None
   while True:
-    budget = cfg.schedule.max_wall_s if cfg.ranks is None else 0  # a cell's ranks vote on it (trainer.ranks)
-    held = errors.pending_stop()  # a signal held while a chunk ran (errors.deferred_stops), else the budgets
-    train_budget = cfg.schedule.max_train_s if cfg.ranks is None else 0  # cells refuse it (config_cells)
-    over = 'max_wall_s' if budget and clock.now() >= budget else ''
-    over = over or ('max_train_s' if train_budget and progress.train_wall >= train_budget else '')
-    if held or over:
-      why = 'A stop signal came during the last chunk' if held else f'--{over}={getattr(cfg.schedule, over):g} reached'
+    stop = _stop_due(cfg, progress, clock)
+    if stop:
+      why = f'--{stop}={getattr(cfg.schedule, stop):g} reached' if stop in BUDGETS else (
+          'A stop signal came during the last chunk')
       logging.info('%s: stopping at iteration %d.', why, progress.iterations)
       _save(cfg, checkpointer, train_state, progress, spec)
-      return held or over
+      if stop in BUDGETS and progress.evaluated is not None and progress.evaluated < progress.iterations:
+        _evaluate_or_submit(cfg, source, train_state, root_key, progress, logger, clock, off_path, False)
+      return stop
     if first or progress.iterations % per_eval == 0 or progress.iterations >= total:
-      if off_path is None or (first and off_path.in_line_first):
-        eval_return = _evaluate(cfg, source, train_state, root_key, progress, logger, clock)
-      else:
-        eval_return = off_path.poll(progress, logger, clock.now) or eval_return
-        if progress.target_hit is None:
-          off_path.submit(source, train_state.params, keys.eval_key(root_key, progress.iterations), progress)
+      in_line = off_path is None or (first and off_path.in_line_first)
+      came = _evaluate_or_submit(cfg, source, train_state, root_key, progress, logger, clock, off_path, in_line)
+      eval_return = eval_return if came is None else came
       if first:
         clock.mark('first_eval')
       every = cfg.schedule.checkpoint_every  # the cadence: every `every` evaluations, and at the run's end
@@ -312,7 +292,8 @@ def _loop(cfg, source, train_state, root_key, progress: _Progress, logger, clock
       clock.mark('other')
       progress.compile_s = sum(clock.parts.values())
       logger.log(progress.env_steps, {'time/compile_s': progress.compile_s})
-    num = _chunk_size(cfg, progress, per_eval, total, clock)
+    held_latency_s = errors.STOP_LATENCY_S if errors.stops_deferred() else None
+    num = cadence.chunk_size(cfg.schedule, progress, per_eval, total, clock.now(), held_latency_s)
     train_state = _train_chunk(source, train_state, num, per_iteration, progress, logger, eval_return, clock)
     if progress.last_saved < cfg.schedule.first_checkpoint_iteration <= progress.iterations:  # a run stopped
       _save(cfg, checkpointer, train_state, progress, spec)  # early has a checkpoint to resume
@@ -340,7 +321,7 @@ def train(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
                                                                       async_save='checkpoint' in cfg.windows)
   env_steps, iterations = (resumed['env_steps'], resumed['iterations']) if resumed else (0, 0)
   clock.mark('restore')
-  per_iteration, total_iterations, per_eval = _iteration_plan(cfg)
+  per_iteration, total_iterations, per_eval = cadence.iteration_plan(cfg.schedule, cfg.env_steps_per_iteration)
   logging.info('%s/%s: %s, %d params, %d env steps per iteration, %d iterations (%d per evaluation).',
                cfg.schedule.name, cfg.sim.backend, cfg.sim.task, num_params, per_iteration, total_iterations, per_eval)
   source = make_source(cfg, spec, network, optimizer)
@@ -350,7 +331,7 @@ def train(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
                                      initial_env_steps=env_steps,
                                      clock=lambda: clock.now())  # late-bound: the clock the summary keeps
   clock.mark('env_build')
-  progress = _Progress(env_steps, iterations, iterations, resumed['step'] if resumed else None)
+  progress = cadence.Progress(env_steps, iterations, iterations, resumed['step'] if resumed else None)
   stopped = 'start-up'
   off_path = remote or (evaluations.OffPath(cfg.schedule.target_return) if 'evaluate' in cfg.windows else None)
   try:
@@ -358,7 +339,7 @@ def train(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
       clock = run_clock.RunClock(run_clock.StartClock(time.time()))
     clock.mark('compile', seconds=source.compile(train_state, per_eval))
     stopped = _loop(cfg, source, train_state, root_key, progress, logger, clock, checkpointer, spec, off_path)
-    if off_path is not None and stopped in FINISHED:  # the final version's evaluation is waited for (bounded)
+    if off_path is not None and stopped in FINISHED + BUDGETS:  # the final version's evaluation (bounded wait)
       off_path.finish(progress, logger, clock.now)
   except errors.StopRequested as stop:
     stopped = stop.reason

@@ -1,5 +1,6 @@
 """The driver's clock and cadence with a stand-in batch source: --max_wall_s stops at an iteration boundary (the
-chunk cut to what fits the budget), --max_train_s after that many seconds of training, --first_checkpoint_iteration saves early, a stop request part-way through a
+chunk cut to what fits the budget, one iteration first while the rate is unknown) and evaluates the final policy,
+--max_train_s after that many seconds of training, --first_checkpoint_iteration saves early, a stop request part-way through a
 chunk keeps the iterations that finished, a signal held while a chunk runs stops the run at the next boundary,
 and every time counts from the run's start clock."""
 import json
@@ -13,6 +14,7 @@ from ebrl_jax import config as config_lib
 from ebrl_jax.runtime import errors
 from ebrl_jax.runtime import run_clock
 from ebrl_jax.runtime import startup
+from ebrl_jax.trainer import cadence
 from ebrl_jax.trainer import driver
 
 ITERATION_S = 0.2
@@ -57,16 +59,35 @@ def _trainer(tmp_path, start=None, **schedule):
 
 
 def test_max_wall_s_stops_at_the_iteration_boundary_that_reaches_it(tmp_path):
-  # 40 iterations of 0.2 s, 4 per evaluation; the budget (1.3 s from the compile: no start clock given) falls
-  # inside the second chunk, which is cut to the iterations that reach it instead of running whole.
+  # 40 iterations of 0.2 s, 4 per evaluation; the budget (1.3 s from the compile: no start clock given). The first
+  # chunk is one iteration (the rate is unknown), then chunks of half of what the rest holds: 3 (to the
+  # evaluation at 4, 0.8 s), 2 (1.2 s), 1 (1.4 s: past the budget). The stop evaluates the policy it stopped at.
   source = _Source()
   summary = driver.run_training(_trainer(tmp_path, max_wall_s=1.3), lambda *args: source)
   assert summary.stopped == 'max_wall_s'
-  assert source.calls[0] == 4 and all(1 <= n < 4 for n in source.calls[1:]) and len(source.calls) >= 2, source.calls
-  assert source.calls[1:] == sorted(source.calls[1:], reverse=True)  # they shrink towards the budget
+  assert source.calls[0] == 1 and all(1 <= n < 4 for n in source.calls[1:]) and len(source.calls) >= 3, source.calls
+  assert source.calls[2:] == sorted(source.calls[2:], reverse=True)  # they shrink towards the budget
   assert summary.iterations == sum(source.calls) and summary.env_steps == 20 * summary.iterations
   assert 1.3 <= summary.wall_s < 1.3 + ITERATION_S + 0.3
-  assert [e['env_steps'] for e in summary.eval_curve] == [0, 80]  # the partial curve; no evaluation at the stop
+  assert [e['env_steps'] for e in summary.eval_curve] == [0, 80, summary.env_steps]  # the final one at the stop
+  assert summary.final_eval_return == float(summary.iterations)  # the stand-in returns the iterations it ran
+
+
+@pytest.mark.parametrize('resumed', [False, True], ids=['no_first_checkpoint', 'resumed'])
+def test_max_wall_s_times_one_iteration_first_when_the_rate_is_unknown(tmp_path, resumed):
+  """A run with no early checkpoint (--first_checkpoint_iteration=0), or a resumed one (its first checkpoint is on
+  disk), knows no iteration rate at its first chunk: that chunk is one iteration, not the 4 to the next evaluation
+  (0.8 s, past the 0.5 s budget), and the run stops within an iteration of the budget, with its final evaluation."""
+  schedule = dict(checkpoint_every=1, first_checkpoint_iteration=0)
+  if resumed:  # 8 iterations (4 per evaluation) and their checkpoints, then the same run resumed with a budget
+    driver.run_training(_trainer(tmp_path, num_timesteps=8 * 20, num_evals=2, **schedule), lambda *args: _Source())
+    schedule = dict(checkpoint_every=1, resume=True)
+  source = _Source()
+  summary = driver.run_training(_trainer(tmp_path, max_wall_s=0.5, **schedule), lambda *args: source)
+  assert summary.stopped == 'max_wall_s' and source.calls[0] == 1, source.calls
+  assert summary.wall_s < 0.5 + ITERATION_S + 0.3 and summary.iterations == (8 if resumed else 0) + sum(source.calls)
+  assert summary.eval_curve[-1]['env_steps'] == summary.env_steps  # evaluated at the stop
+  assert summary.extra['last_checkpoint'] == summary.iterations  # saved at the stop
 
 
 def test_max_train_s_counts_training_seconds_only(tmp_path):
@@ -79,28 +100,24 @@ def test_max_train_s_counts_training_seconds_only(tmp_path):
   assert summary.stopped == 'max_train_s' and source.calls[0] == 1, source.calls
   assert 1.0 <= summary.train_wall_s < 1.0 + 2 * ITERATION_S and summary.iterations == sum(source.calls)
   assert summary.wall_s >= 5.0 + summary.train_wall_s
+  assert summary.eval_curve[-1]['env_steps'] == summary.env_steps  # the final policy's evaluation
   with pytest.raises(ValueError, match='max_train_s'):
     config_lib.ScheduleConfig(max_train_s=-1)
-
-
-class _FixedClock:
-  """A driver clock that reads `now` seconds."""
-
-  def __init__(self, now):
-    self._now = now
-
-  def now(self):
-    return self._now
 
 
 @pytest.mark.parametrize('now,want', [(0.8, 4), (1.6, 2), (2.0, 1), (2.19, 1), (2.5, 1)])
 def test_budget_chunks_take_half_of_what_the_rest_of_the_budget_holds(tmp_path, now, want):
   """--max_wall_s=2.2 at 0.2 s an iteration, 20 iterations to the next evaluation: at 0.8 s the 1.4 s left hold 7
   iterations and the chunk is 4 (half, rounded up), so an iteration rate that falls mid-chunk (a busier machine)
-  overshoots the budget by a fraction of what was left, not by all of it; at least one iteration, whatever is left."""
-  trainer = _trainer(tmp_path, max_wall_s=2.2, num_evals=2)
-  progress = driver._Progress(env_steps=0, iterations=0, last_saved=0, s_per_iteration=0.2)  # pylint: disable=protected-access
-  assert driver._chunk_size(trainer, progress, 20, 40, _FixedClock(now)) == want  # pylint: disable=protected-access
+  overshoots the budget by a fraction of what was left, not by all of it; at least one iteration, whatever is left.
+  With the rate not known yet (a run's or a resumed run's first chunk), one iteration, to learn it."""
+  schedule = _trainer(tmp_path, max_wall_s=2.2, num_evals=2).schedule
+  progress = cadence.Progress(env_steps=0, iterations=0, last_saved=0, s_per_iteration=0.2)
+  assert cadence.chunk_size(schedule, progress, 20, 40, now) == want
+  unknown = cadence.Progress(env_steps=0, iterations=0, last_saved=0)
+  assert cadence.chunk_size(schedule, unknown, 20, 40, now) == 1
+  unlimited = _trainer(tmp_path, num_evals=2).schedule  # no budget: to the next evaluation
+  assert cadence.chunk_size(unlimited, unknown, 20, 40, now) == 20
 
 
 def test_first_checkpoint_comes_after_the_first_iteration(tmp_path):
