@@ -44,6 +44,7 @@ from ebrl_jax.runtime import distributed
 from ebrl_jax.runtime import errors
 from ebrl_jax.runtime import launch
 from ebrl_jax.runtime import ray_launch
+from ebrl_jax.runtime import storage
 # pylint: enable=wrong-import-position
 
 EXIT_USAGE, EXIT_FAILED = 2, 3
@@ -297,6 +298,16 @@ def _stop_line(cfg: config_lib.Config, summary) -> str:
           f'{os.path.join(run_dir, "summary.json")} holds the run so far; {resume}.')
 
 
+def _os_error_line(cfg: config_lib.Config, error: OSError) -> str:
+  """One line for an OS error that stopped the run: what failed, the run directory, and what --resume can load."""
+  run_dir = os.path.abspath(cfg.schedule.run_dir)
+  full = storage.disk_full(error)
+  if full is not None:
+    return f'the disk holding {run_dir} is full ({full}); the run stopped. ' + storage.resume_advice(run_dir)
+  return (f'the run in {run_dir} stopped on an operating-system error ({type(error).__name__}: {error}). ' +
+          storage.checkpoint_advice(run_dir, 'mend what it names'))
+
+
 def main(argv):
   code = _main(argv)
   if distributed.joined():  # a cell: JAX's shutdown at exit would wait for every rank, and one may be gone
@@ -353,6 +364,10 @@ def _main(argv):
     return EXIT_USAGE
   except errors.RunError as e:  # e.g. the trainer worker died: children stopped, shared memory freed
     print(f'FATAL: {e}', file=sys.stderr)
+    return EXIT_FAILED
+  except OSError as e:  # one no writer of the run named (those are a DiskFull, or a ValueError before any worker)
+    std_logging.getLogger(__name__).debug('the OS error that stopped the run', exc_info=True)
+    print(f'FATAL: {_os_error_line(cfg, e)}', file=sys.stderr)
     return EXIT_FAILED
   if summary.stopped in EXIT_SIGNAL:
     print(_stop_line(cfg, summary), file=sys.stderr)

@@ -91,6 +91,26 @@ def write_summary(cfg: config_lib.Config, summary: driver.RunSummary) -> str:
   return path
 
 
+def _write_config(cfg: config_lib.Config) -> None:
+  """The run's first writes, before any worker starts: its directory (0700) and config.json. A full disk is a
+  `DiskFull` (exit code 3) naming the directory and what --resume can load; any other OS error refuses the
+  --run_dir (a ValueError: exit code 2). Either leaves a previous run's config.json as it was (written atomically)."""
+  run_dir = cfg.schedule.run_dir
+  path = os.path.join(run_dir, 'config.json')
+  try:
+    storage.ensure_private_dir(run_dir)
+    storage.write_json(path, dataclasses.asdict(cfg), indent=2)
+  except (OSError, ValueError) as e:
+    reason = storage.disk_full(e)  # ensure_private_dir's ValueError keeps the OS error's text
+    if reason is not None:
+      raise errors.DiskFull(f'the disk holding {os.path.abspath(run_dir)} is full ({reason}): {path} could not be '
+                            'written, so the run did not start. ' + storage.resume_advice(run_dir)) from None
+    if isinstance(e, ValueError):
+      raise
+    raise ValueError(f'--run_dir={run_dir}: {path} cannot be written ({e}); fix the directory or choose another '
+                     '--run_dir.') from None
+
+
 def check_run_dir_path(run_dir: str) -> None:
   """Refuses a --run_dir that cannot hold a run: a file, a pseudo-filesystem, or no writable directory above."""
   path = os.path.realpath(os.path.abspath(os.path.expanduser(run_dir)))
@@ -267,8 +287,7 @@ def run(cfg: config_lib.Config, start_unix: Optional[float] = None) -> driver.Ru
     cell = cells_lib.join(cfg, spec)  # before JAX starts its backend; rank k > 0 writes under run_dir/rank<k>/
     cfg = cells_lib.rank_config(cfg, cell)
     check_host_memory(cfg)  # this rank's envs, on its host
-    storage.ensure_private_dir(cfg.schedule.run_dir)
-    storage.write_json(os.path.join(cfg.schedule.run_dir, 'config.json'), dataclasses.asdict(cfg), indent=2)
+    _write_config(cfg)
     metrics.quiet_library_logs()
     summary, means = _run_schedule(cfg, start.mark('controller'), cell)
   _add_telemetry_and_trace(cfg, summary, means)
