@@ -13,7 +13,9 @@ directory.
 A step can still be damaged after its commit (a file truncated or deleted by hand, a disk error). `damage` and
 `shape_mismatch` read a step's metadata files as plain JSON, without orbax and without changing anything (the
 controller checks a run's checkpoints with them before any worker starts), and `restore_newest_intact` falls
-back from a damaged step to the newest intact one, naming each step it skipped by path and why.
+back from a damaged step to the newest intact one, naming each step it skipped by path and why. A data file
+changed on disk shows only when it is read: `restore` raises `DamagedStep` when orbax cannot decode it, or when a
+value comes back NaN, infinite or implausibly large (`checkpoint_values`).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import jax
 import orbax.checkpoint as ocp
 
+from ebrl_jax.trainer.checkpoint_values import DamagedStep, implausible_leaf, root_cause
 from ebrl_jax.trainer.stages import TrainState
 
 _ITEMS = ('state', 'extra')
@@ -243,7 +246,9 @@ class Checkpointer:
 
   def restore(self, template_state: TrainState, step: Optional[int] = None) -> Tuple[TrainState, Dict[str, Any], int]:
     """Restores (state, extra, step); `step=None` takes the newest. `template_state` fixes the pytree
-    structure, dtypes and placement (e.g. a freshly initialised TrainState)."""
+    structure, dtypes and placement (e.g. a freshly initialised TrainState). Raises `DamagedStep` when the
+    step's data does not read back (orbax fails, or a value comes back NaN, infinite or implausibly large:
+    `checkpoint_values.implausible_leaf`)."""
     if step is None:
       step = self.latest_step()
       if step is None:
@@ -252,9 +257,17 @@ class Checkpointer:
       raise FileNotFoundError(f'No checkpoint for step {step} in {self.directory}; have {list(self.all_steps())}.')
     multi = jax.process_count() > 1  # as in `save`: numpy in, then onto this rank's device
     template = jax.device_get(template_state) if multi else template_state
-    restored = self._manager.restore(int(step),
-                                     args=ocp.args.Composite(state=ocp.args.StandardRestore(template),
-                                                             extra=ocp.args.JsonRestore()))
+    path = os.path.join(self.directory, str(step))
+    try:
+      restored = self._manager.restore(int(step),
+                                       args=ocp.args.Composite(state=ocp.args.StandardRestore(template),
+                                                               extra=ocp.args.JsonRestore()))
+    except Exception as e:  # pylint: disable=broad-except  (orbax and tensorstore raise many kinds)
+      raise DamagedStep(step, path, f'its data does not read back ({root_cause(e)})') from e
+    bad = implausible_leaf(restored.state)
+    if bad is not None:
+      raise DamagedStep(step, path,
+                        f'its data reads back with values no run saves ({bad}): a data file was changed on disk')
     state = jax.device_put(restored.state) if multi else restored.state
     return state, dict(restored.extra or {}), int(step)
 
@@ -274,8 +287,10 @@ class Checkpointer:
                            f'{mismatch}. Resume with the flags it was written with, or choose another --run_dir.')
         try:
           restored = self.restore(template_state, step)
-        except Exception as e:  # pylint: disable=broad-except  (orbax and tensorstore raise many kinds)
-          reason = f'its restore failed ({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ""})'
+        except DamagedStep as e:
+          reason = e.reason
+        except FileNotFoundError as e:  # a step directory orbax does not list as a checkpoint
+          reason = str(e)
         else:
           self._move_aside(skipped)
           return restored + (skipped,)
@@ -329,7 +344,9 @@ def _resume(checkpointer: Optional[Checkpointer], template_state: TrainState, re
   try:
     state, extra, step, skipped = checkpointer.restore_newest_intact(template_state)
   except FileNotFoundError as e:
-    raise ValueError(f'--resume was given but {run_dir}/checkpoints holds no checkpoint that restores: {e}') from None
+    raise ValueError(
+        f'--resume was given but {run_dir}/checkpoints holds no checkpoint that restores: {str(e).rstrip(".")}. No older '
+        'step is kept to fall back to; start a new run (without --resume) in another --run_dir.') from None
   _LOG.info('Resumed from checkpoint %d: env step %d (iteration %d) of a %s run.', step, extra['env_steps'],
             extra['iterations'], extra.get('schedule', '?'))
   if extra.get('schedule') not in (None, schedule):

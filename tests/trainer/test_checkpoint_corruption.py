@@ -1,0 +1,126 @@
+"""A checkpoint whose data files were changed on disk after its commit: orbax keeps no checksum, so 0xFF bytes
+written into a data file mostly restore without error, as NaN or values near 1e38. The restore checks every float
+value (NaN, infinite, beyond +-1e30), a resume falls back from such a step to the newest intact one, naming the
+step and the first bad array, and a run with no intact step left is one FATAL line instead of resuming into a
+'divergence'."""
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ebrl_jax import config as config_lib
+from ebrl_jax import controller
+from ebrl_jax.controller import runner
+from ebrl_jax.trainer import checkpoint
+from ebrl_jax.trainer import checkpoint_values
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = ('--task=inverted_pendulum', '--num_envs=32', '--batch_size=32', '--num_minibatches=8', '--num_eval_envs=8',
+        '--num_threads=1', '--compilation_cache_dir=', '--noprogress_bar', '--telemetry_period_s=0')
+
+
+def _config(run_dir, **schedule):
+  return config_lib.Config(sim=config_lib.SimConfig(task='inverted_pendulum',
+                                                    num_envs=32,
+                                                    num_eval_envs=8,
+                                                    num_threads=1),
+                           algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
+                           schedule=config_lib.ScheduleConfig(run_dir=str(run_dir),
+                                                              compilation_cache_dir='',
+                                                              progress_bar=False,
+                                                              num_timesteps=2560,
+                                                              num_evals=2,
+                                                              **schedule),
+                           resources=config_lib.ResourceConfig(telemetry_period_s=0))
+
+
+@pytest.fixture(scope='module')
+def finished_run(tmp_path_factory):
+  """A finished fused run on the pendulum: 2 iterations, checkpoints 1 and 2."""
+  run_dir = tmp_path_factory.mktemp('previous') / 'run'
+  assert controller.run(_config(run_dir)).iterations == 2
+  return run_dir
+
+
+def _template(run_dir):
+  return jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), runner._state_template(_config(run_dir)))  # pylint: disable=protected-access
+
+
+def _overwrite_data(directory, step):
+  """0xFF bytes over three places of step `step`'s largest data file (zstd-compressed arrays, no checksum): orbax
+  restores them mostly without error, as NaN or values with random exponents, or fails to decode them."""
+  name = max(glob.glob(os.path.join(directory, str(step), 'state', '**', 'd', '*'), recursive=True),
+             key=os.path.getsize)
+  with open(name, 'r+b') as f:
+    for quarter in (1, 2, 3):
+      f.seek(os.path.getsize(name) * quarter // 4)
+      f.write(b'\xff' * 256)
+
+
+# The reason a damaged step gives: its first bad array by path, or the decoding error naming its file.
+DAMAGED = (r'its data (reads back with values no run saves \([\w.]+: \d+ of \d+ values are NaN, infinite or beyond '
+           r'\+-1e\+30\): a data file was changed on disk|does not read back \(\w+: .*\))')
+
+
+def test_the_check_names_the_first_bad_leaf_of_params_optimizer_or_normalizer():
+  normalizer = {'count': jnp.float32(3), 'mean': jnp.zeros(4)}
+  state = {
+      'params': {
+          'normalizer': normalizer,
+          'w': jnp.ones((2, 3))
+      },
+      'opt_state': ({
+          'nu': jnp.ones(5, jnp.bfloat16)
+      },)
+  }
+  state['steps'] = jnp.int32(-1)  # ints are not checked
+  assert checkpoint_values.implausible_leaf(state) is None
+  for bad in (jnp.nan, jnp.inf, -1e38):
+    broken = dict(state, opt_state=({'nu': state['opt_state'][0]['nu'].at[1:3].set(bad)},))
+    assert checkpoint_values.implausible_leaf(
+        broken) == 'opt_state.0.nu: 2 of 5 values are NaN, infinite or beyond +-1e+30'
+  broken = dict(state, params=dict(state['params'], normalizer=dict(normalizer, mean=jnp.full(4, jnp.inf))))
+  assert checkpoint_values.implausible_leaf(broken).startswith('params.normalizer.mean: 4 of 4 values')
+  assert checkpoint_values.implausible_leaf({'big': jnp.float32(-1e29), 'n': jnp.int32(2**31 - 1)}) is None
+
+
+def test_changed_data_is_named_and_the_resume_falls_back_to_the_step_before(tmp_path, finished_run, caplog):
+  directory = str(tmp_path / 'checkpoints')
+  shutil.copytree(finished_run / 'checkpoints', directory)
+  _overwrite_data(directory, 2)
+  with checkpoint.Checkpointer(directory) as ckpt:
+    with pytest.raises(checkpoint.DamagedStep, match=rf'^checkpoint 2 \({directory}/2\) is damaged: {DAMAGED}$'):
+      ckpt.restore(_template(directory), 2)
+    state, _, step, skipped = ckpt.restore_newest_intact(_template(directory))
+  assert step == 1 and [s for s, _ in skipped] == [2] and checkpoint_values.implausible_leaf(state) is None
+  assert re.fullmatch(DAMAGED, skipped[0][1]), skipped
+  assert any(f'checkpoint 2 ({directory}/2) is damaged: ' in r.getMessage() for r in caplog.records)
+
+
+def test_no_intact_step_left_is_one_fatal_line_naming_each_step_not_a_divergence(tmp_path, finished_run):
+  run_dir = tmp_path / 'run'
+  shutil.copytree(finished_run, run_dir)
+  directory = str(run_dir / 'checkpoints')
+  for step in (1, 2):
+    _overwrite_data(directory, step)
+  result = subprocess.run(
+      [sys.executable, '-m', 'ebrl_jax.main', *TINY, '--num_timesteps=3840', '--resume', f'--run_dir={run_dir}'],
+      cwd=ROOT,
+      env=dict(os.environ, JAX_PLATFORMS='cpu'),
+      capture_output=True,
+      text=True,
+      timeout=300)
+  lines = [l for l in result.stderr.splitlines() if l.strip()]
+  assert result.returncode == 2 and lines[-1].startswith('FATAL: '), result.stderr[-3000:]
+  assert re.search(
+      rf'{directory} holds no checkpoint that restores: .*step 2: {DAMAGED}; step 1: {DAMAGED}\)\. '
+      'No older step is kept to fall back to; start a new run', lines[-1]), lines[-1]
+  assert 'Traceback' not in result.stderr and 'diverged' not in result.stderr
+  assert len(lines) == 4, lines  # the controller's 'Resuming ...', a warning per step, then the FATAL line
