@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 from ebrl_jax.config_cells import LAUNCHERS, CellConfig, check_run_cells
 from ebrl_jax.config_checks import check_choice as _check_choice, check_positive as _check_positive
 from ebrl_jax.config_checks import check_playground_sim, check_solver_caps
-from ebrl_jax.config_checks import check_env_slices, check_host_rollout_quotas, check_range as _check_range
+from ebrl_jax.config_checks import check_env_slices, check_host_rollout_quotas, check_range as _check_range, check_seed
 from ebrl_jax.config_checks import check_grpo_run, check_optimizer, check_schedule_options, planned_iterations
 from ebrl_jax.config_checks import GRAD_CLIP_SCOPES, parse_group_schedule
 from ebrl_jax.config_generation import CRITICS, GENERATION_TRANSPORTS, check_critic, check_generation
@@ -252,11 +252,9 @@ class ScheduleConfig:
   def __post_init__(self):
     _check_choice('schedule', self.name, SCHEDULES)
     _check_positive('num_timesteps', self.num_timesteps)
-    _check_positive('num_evals', self.num_evals, allow_zero=True)
-    _check_positive('checkpoint_every', self.checkpoint_every, allow_zero=True)
-    _check_positive('first_checkpoint_iteration', self.first_checkpoint_iteration, allow_zero=True)
-    _check_positive('max_wall_s', self.max_wall_s, allow_zero=True)
-    _check_positive('max_train_s', self.max_train_s, allow_zero=True)
+    for name in ('num_evals', 'checkpoint_every', 'first_checkpoint_iteration', 'max_wall_s', 'max_train_s'):
+      _check_positive(name, getattr(self, name), allow_zero=True)
+    check_seed(self.seed)
     if not self.run_dir:
       raise ValueError('--run_dir must not be empty.')
     _check_positive('num_groups', self.num_groups)

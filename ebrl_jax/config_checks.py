@@ -20,6 +20,18 @@ def check_positive(field: str, value, allow_zero: bool = False) -> None:
     raise ValueError(f'--{field}={value!r} must be {bound}.')
 
 
+# The seeds a run accepts: JAX (without x64) keeps a seed's low 32 bits, so 2**32 would draw seed 0's numbers and
+# -1 seed 2**32 - 1's; numpy's SeedSequence (the native pools' seeds, `rollout.keys.env_seed`) takes no negative.
+MAX_SEED = 2**32 - 1
+
+
+def check_seed(seed: int, field: str = 'seed') -> None:
+  if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
+    raise ValueError(f'--{field}={seed!r} must be an integer in [0, {MAX_SEED}] (2**32 - 1): JAX keeps only a '
+                     'seed\'s low 32 bits (a larger one would repeat a smaller one\'s numbers) and numpy\'s seeds '
+                     'are >= 0.')
+
+
 def check_range(field: str, value: float, lo: float, hi: float) -> None:
   if not lo <= value <= hi:
     raise ValueError(f'--{field}={value!r} must lie in [{lo}, {hi}].')

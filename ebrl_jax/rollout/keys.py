@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from ebrl_jax import types
+from ebrl_jax.config_checks import check_seed
 from ebrl_jax.sim import randomize
 
 # Purposes: fixed numbers, so a key never changes when a purpose is added.
@@ -29,6 +30,9 @@ ENV_RANDOMIZE = randomize.KEY_PURPOSE
 
 
 def root(seed: int) -> types.PRNGKey:
+  """The run's root key; `seed` in [0, 2**32 - 1] (`config_checks.MAX_SEED`: JAX keeps a seed's low 32 bits)."""
+  if isinstance(seed, (int, np.integer)):  # a traced seed is checked where it was made
+    check_seed(int(seed))
   return jax.random.PRNGKey(seed)
 
 

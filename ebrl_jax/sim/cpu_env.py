@@ -140,6 +140,8 @@ class CpuEnvPool:
       raise ValueError(f'CpuEnvPool: num_envs={num_envs} must be a multiple of group_size={group_size}.')
     if num_threads < 0:
       raise ValueError(f'CpuEnvPool: num_threads={num_threads} must be >= 0 (0: one per available core).')
+    if not isinstance(seed, (int, np.integer)) or seed < 0:  # numpy's generators take no negative seed
+      raise ValueError(f'CpuEnvPool: seed={seed!r} must be an integer >= 0.')
     self._task = registry.load(task)
     self._spec = (registry.env_spec(task, episode_length, action_repeat) if camera is None else registry.env_spec(
         task, episode_length, action_repeat, camera.shape, camera.state))
