@@ -14,12 +14,12 @@ from absl import logging
 import jax
 
 from ebrl_jax import config as config_lib
-from ebrl_jax import config_generation
 from ebrl_jax import config_resources
 from ebrl_jax.controller import auto
 from ebrl_jax.controller import cells as cells_lib
 from ebrl_jax.controller import fused
 from ebrl_jax.controller import pipeline
+from ebrl_jax.controller import resume_check
 from ebrl_jax.controller import supervisor
 from ebrl_jax.resources import mps
 from ebrl_jax.resources import telemetry as telemetry_lib
@@ -34,13 +34,12 @@ from ebrl_jax.sim import cpu_env
 from ebrl_jax.sim import registry
 from ebrl_jax.trainer import checkpoint
 from ebrl_jax.trainer import driver
-from ebrl_jax.trainer import stages as trainer_stages
 
 RunError = errors.RunError
 # A run stopped on a failure (its summary's `stopped`): the error the runner raises once the summary is written,
 # what happened, and what to change before --resume.
 _FAILURES = {
-    errors.DIVERGED: (errors.Diverged, 'training diverged', 'lower --learning_rate or set --max_grad_norm'),
+    errors.DIVERGED: (errors.Diverged, 'training diverged', None),  # what --resume accepts: resume_check's advice
     errors.OUT_OF_MEMORY: (errors.OutOfMemory, 'out of memory', errors.OUT_OF_MEMORY_FIX),
     errors.WORKER_FAILED: (errors.WorkerFailure, 'a worker failed', 'mend what its error names'),
 }
@@ -178,82 +177,11 @@ def _check_gpu_sharing(cfg: config_lib.Config) -> None:
                      'the driver.')
 
 
-def _checkpoint_state(directory: str) -> str:
-  """What `directory` holds, in words, truthfully: its newest intact step, or why none is loadable."""
-  damaged = [(s, checkpoint.damage(directory, s)) for s in checkpoint.committed_steps(directory)]
-  intact = [s for s, why in damaged if why is None]
-  if intact:
-    return f'the newest intact one is step {intact[0]}'
-  return 'none of them is loadable: ' + '; '.join(f'step {s}: {why}' for s, why in damaged)
-
-
-def check_checkpoints(cfg: config_lib.Config) -> Optional[dict]:
-  """The run directory's checkpoints against --resume, read without orbax and without changing anything: a new
-  run refuses a directory that holds checkpoints; --resume needs an intact one whose arrays fit this run's train
-  state. Returns what --resume continues from ({'step', 'env_steps', 'iterations', 'skipped'}), else None."""
-  run_dir = cfg.schedule.run_dir
-  directory = os.path.join(os.path.abspath(run_dir), 'checkpoints')
-  steps = checkpoint.committed_steps(directory)
-  if not cfg.schedule.resume:
-    if cfg.schedule.checkpoint_every and steps:
-      raise ValueError(f'--run_dir={run_dir} already holds checkpoints; pass --resume to continue that run '
-                       f'({_checkpoint_state(directory)}) or choose another --run_dir.')
-    return None
-  if not steps:
-    raise ValueError(f'--resume was given but {directory} holds no checkpoint, so there is nothing to resume; '
-                     'start without --resume, or point --run_dir at the run to continue.')
-  skipped = []
-  for step in steps:
-    why = checkpoint.damage(directory, step)
-    if why is None:
-      break
-    skipped.append(step)
-    logging.warning('checkpoint %d (%s) is damaged: %s; --resume falls back to an older step.', step,
-                    os.path.join(directory, str(step)), why)
-  else:
-    raise ValueError(f'--resume: {directory} holds checkpoints, but {_checkpoint_state(directory)}. Start a new '
-                     'run (without --resume) in another --run_dir.')
-  mismatch = checkpoint.shape_mismatch(directory, step, _state_template(cfg))
-  if mismatch is not None:
-    hints = [
-        f'{field} is {flag}\'s state, set in one run and not the other' for field, flag in STATE_FLAGS.items()
-        if f'{field}.' in mismatch
-    ]
-    raise ValueError(
-        f'--resume: checkpoint {step} in {directory} is intact, but it was written {_written_by(cfg, step)}'
-        f' and does not fit this run\'s train state: {mismatch}{"".join(f" ({h})" for h in hints)}. It stays '
-        f'loadable by a run with its own flags: resume with those, or choose another --run_dir for this run.')
-  extra = checkpoint.read_extra(directory, step)
-  return {'step': step, 'env_steps': extra.get('env_steps'), 'iterations': extra.get('iterations'), 'skipped': skipped}
-
-
-def _state_template(cfg: config_lib.Config):
-  """The shapes of this run's train state (`jax.eval_shape`: nothing computed, no JAX backend started)."""
-  spec, network, optimizer = driver.network_and_optimizer(cfg.sim, cfg.policy, cfg.algo)
-  return jax.eval_shape(lambda: trainer_stages.init_train_state(network, optimizer, jax.random.PRNGKey(
-      0), spec.obs_dim, cfg.policy.normalize_observations, spec.pixel_shape, cfg.algo.value_norm_rate is not None))
-
-
-# Parts of the train state that a flag adds: a checkpoint with them fits only a run with that flag, and back.
-STATE_FLAGS = {'value_stats': '--value_norm_rate'}
-
-
-def _written_by(cfg: config_lib.Config, step: int) -> str:
-  """'for --task=... --policy=...' of the run that wrote `step` (its metadata, else the run dir's config.json,
-  written by the last run that started there), beside this run's."""
-  run = checkpoint.read_extra(os.path.join(cfg.schedule.run_dir, 'checkpoints'), step).get('run')
-  if run is None:
-    try:
-      with open(os.path.join(cfg.schedule.run_dir, 'config.json')) as f:
-        saved = json.load(f)
-      run = {'task': saved['sim']['task'], 'policy': saved['policy']['kind']}
-    except (OSError, ValueError, KeyError, TypeError):
-      return 'by another run'
-  text = (f'for --task={run.get("task")} --policy={run.get("policy")} (this run: --task={cfg.sim.task} '
-          f'--policy={cfg.policy.kind})')
-  mine = config_generation.critic_of(cfg.policy, cfg.sim.obs == 'pixels')
-  theirs = run.get('critic') or ('shared (checkpoints from before --critic)' if run.get('policy') != 'mlp' else mine)
-  return text if theirs == mine else f'{text} with --critic={theirs} (this run: {mine})'
+# What --resume continues from, checked before any worker starts (controller/resume_check.py; tests name these).
+check_checkpoints = resume_check.check_checkpoints
+_state_template = resume_check.state_template
+_written_by = resume_check.written_by
+STATE_FLAGS = resume_check.STATE_FLAGS
 
 
 def check_before_start(cfg: config_lib.Config) -> Optional[dict]:
@@ -295,8 +223,9 @@ def run(cfg: config_lib.Config, start_unix: Optional[float] = None) -> driver.Ru
   cells_lib.finish(cell, summary)  # the end barrier of ranks that finished, or stopped together
   if summary.stopped in _FAILURES:
     kind, what, fix = _FAILURES[summary.stopped]
-    raise kind(f'{what}: {summary.extra.get("failure")}; the run stopped. {path} holds the run so far. ' +
-               storage.checkpoint_advice(cfg.schedule.run_dir, fix))
+    advice = (storage.checkpoint_advice(cfg.schedule.run_dir, fix)
+              if fix is not None else resume_check.divergence_advice(cfg))
+    raise kind(f'{what}: {summary.extra.get("failure")}; the run stopped. {path} holds the run so far. ' + advice)
   if summary.stopped not in errors.STOP_SIGNALS:  # a signal's stop is main.py's one line
     final = 'none' if summary.final_eval_return is None else f'{summary.final_eval_return:.1f}'
     logging.info('%s: %d env steps, final eval return %s, %.0f env steps/s, start-up %.1f s, wall %.1f s.',
