@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 
 from ebrl_jax.config_cells import LAUNCHERS, CellConfig, check_run_cells
 from ebrl_jax.config_checks import check_choice as _check_choice, check_positive as _check_positive
-from ebrl_jax.config_checks import check_playground_sim, check_solver_caps
+from ebrl_jax.config_checks import check_episode_length, check_playground_sim, check_solver_caps
 from ebrl_jax.config_checks import check_env_slices, check_host_rollout_quotas, check_range as _check_range, check_seed
 from ebrl_jax.config_checks import check_grpo_run, check_optimizer, check_schedule_options, planned_iterations
 from ebrl_jax.config_checks import GRAD_CLIP_SCOPES, parse_group_schedule
@@ -72,6 +72,7 @@ class SimConfig:
     _check_positive('num_envs', self.num_envs)
     _check_positive('episode_length', self.episode_length)
     _check_positive('action_repeat', self.action_repeat)
+    check_episode_length(self)
     _check_positive('num_threads', self.num_threads, allow_zero=True)
     _check_positive('group_size', self.group_size)
     _check_positive('num_eval_envs', self.num_eval_envs)

@@ -2,8 +2,9 @@
 and what is allowed."""
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Tuple
+from typing import List, Tuple
 
 
 def check_choice(field: str, value, allowed) -> None:
@@ -30,6 +31,36 @@ def check_seed(seed: int, field: str = 'seed') -> None:
     raise ValueError(f'--{field}={seed!r} must be an integer in [0, {MAX_SEED}] (2**32 - 1): JAX keeps only a '
                      'seed\'s low 32 bits (a larger one would repeat a smaller one\'s numbers) and numpy\'s seeds '
                      'are >= 0.')
+
+
+# MJX (Brax's EpisodeWrapper) counts an episode's env steps in float32, exact only up to 2**24, and the native pools
+# report episode lengths in int32: an --episode_length beyond it never ends (or overflows). No task runs near it.
+MAX_EPISODE_LENGTH = 2**24
+
+
+def check_episode_length(sim) -> None:
+  """--episode_length and --action_repeat (`sim` a `config.SimConfig`) within `MAX_EPISODE_LENGTH`."""
+  for field in ('episode_length', 'action_repeat'):
+    if getattr(sim, field) > MAX_EPISODE_LENGTH:
+      raise ValueError(f'--{field}={getattr(sim, field)} must be <= {MAX_EPISODE_LENGTH} (2**24): MJX counts an '
+                       'episode\'s env steps in float32, exact only that far, and the native pools report them in '
+                       'int32.')
+
+
+def default_of(config, field: str):
+  return next(f.default for f in dataclasses.fields(config) if f.name == field)
+
+
+def no_effect(cfg) -> List[str]:
+  """The flags of a `Config` set away from their defaults that its run does not read, where they are harmless and
+  a run may still carry them (a flagfile shared by several schedules, `experiments.bench.stage_profile` reading
+  --num_groups beside a fused flagfile): one warning line each. Flags that cannot take effect and that nothing else
+  reads are errors instead (their checks)."""
+  schedule, out = cfg.schedule, []
+  if schedule.name == 'fused' and schedule.num_groups != default_of(schedule, 'num_groups'):
+    out.append(f'--num_groups={schedule.num_groups} has no effect with --schedule=fused (one program steps every '
+               'env); it sizes the env groups of the process schedules.')
+  return out
 
 
 def check_range(field: str, value: float, lo: float, hi: float) -> None:
@@ -205,8 +236,14 @@ GRAD_CLIP_SCOPES = ('global', 'per_network')  # trainer/stages.make_optimizer
 
 def check_optimizer(algo) -> None:
   """--learning_rate_end / --learning_rate_decay_updates / --learning_rate_warmup_updates, --grad_clip_scope,
-  --max_update_kl and --value_norm_rate (`algo` a `config.AlgoConfig`)."""
+  --max_update_kl, --value_norm_rate and --value_cost (`algo` a `config.AlgoConfig`)."""
   check_choice('grad_clip_scope', algo.grad_clip_scope, GRAD_CLIP_SCOPES)
+  if algo.name == 'grpo' and algo.grad_clip_scope == 'per_network':
+    raise ValueError('--grad_clip_scope=per_network clips the critic\'s gradient apart from the policy\'s; --algo=grpo '
+                     'trains no critic, so it would clip as --grad_clip_scope=global does: drop it.')
+  if algo.name == 'grpo' and algo.value_cost != default_of(algo, 'value_cost'):
+    raise ValueError(f'--value_cost={algo.value_cost} weighs the critic\'s loss; --algo=grpo trains no critic: drop '
+                     'it.')
   if algo.grad_clip_scope != 'global' and algo.max_grad_norm is None:
     raise ValueError(f'--grad_clip_scope={algo.grad_clip_scope} says how --max_grad_norm clips: set --max_grad_norm.')
   if algo.max_update_kl is not None:

@@ -115,7 +115,9 @@ class ResourceConfig:
   slack_step: int = 10  # quota points moved per candidate
 
   def __post_init__(self):
-    _check_choice('platform', self.platform, ('', 'cpu', 'gpu', 'cuda'))
+    if self.platform not in ('', 'cpu', 'gpu', 'cuda'):
+      raise ValueError(
+          f'--platform={self.platform!r} is not valid; allowed values: cpu, gpu, cuda (unset: JAX chooses).')
     _check_positive('telemetry_period_s', self.telemetry_period_s, allow_zero=True)
     quotas = self.quotas  # parses and checks
     _check_positive('calibration_budget_s', self.calibration_budget_s, allow_zero=True)

@@ -40,6 +40,7 @@ from absl import app
 from absl import flags
 
 from ebrl_jax import config as config_lib
+from ebrl_jax import config_checks
 from ebrl_jax.runtime import distributed
 from ebrl_jax.runtime import errors
 from ebrl_jax.runtime import launch
@@ -277,6 +278,8 @@ def parse_flags(argv):
     return FLAGS(argv)
   except flags.Error as e:
     sys.exit(_usage_error(str(e)))
+  except SystemExit as e:  # absl's --help / --helpfull / --helpshort print the flags and exit 1: asked for, success
+    sys.exit(0 if e.code == 1 else e.code)
 
 
 def _stop_line(cfg: config_lib.Config, summary) -> str:
@@ -328,6 +331,8 @@ def _main(argv):
     cfg = config_from_flags()
   except ValueError as e:
     return _usage_error(str(e))
+  for warning in config_checks.no_effect(cfg):  # harmless flags the run does not read (errors: config's checks)
+    std_logging.getLogger(__name__).warning(warning)
   # PyOpenGL (imported by mujoco when MUJOCO_GL is set, as headless rendering asks) logs at INFO that it runs
   # without its optional accelerator: a line before every message of the run, an error's included.
   std_logging.getLogger('OpenGL').setLevel(std_logging.WARNING)

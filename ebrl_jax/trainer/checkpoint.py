@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import jax
 import orbax.checkpoint as ocp
 
-from ebrl_jax.trainer.checkpoint_values import DamagedStep, implausible_leaf, root_cause
+from ebrl_jax.trainer.checkpoint_values import DamagedStep, implausible_leaf, normalization_change, root_cause
 from ebrl_jax.trainer.stages import TrainState
 
 _ITEMS = ('state', 'extra')
@@ -347,6 +347,10 @@ def _resume(checkpointer: Optional[Checkpointer], template_state: TrainState, re
     raise ValueError(
         f'--resume was given but {run_dir}/checkpoints holds no checkpoint that restores: {str(e).rstrip(".")}. No older '
         'step is kept to fall back to; start a new run (without --resume) in another --run_dir.') from None
+  change = normalization_change(state, template_state)
+  if change is not None:
+    raise ValueError(f'--resume: checkpoint {step} in {run_dir}/checkpoints {change}, or start a new run in another '
+                     '--run_dir.')
   _LOG.info('Resumed from checkpoint %d: env step %d (iteration %d) of a %s run.', step, extra['env_steps'],
             extra['iterations'], extra.get('schedule', '?'))
   if extra.get('schedule') not in (None, schedule):

@@ -50,3 +50,18 @@ def root_cause(e: BaseException) -> str:
     e = e.__cause__ or e.__context__
   text = str(seen[-1]).strip()
   return f'{type(seen[-1]).__name__}: {text.splitlines()[0][:300] if text else ""}'
+
+
+def normalization_change(restored, template) -> Optional[str]:
+  """Why `restored` (a checkpoint's TrainState) cannot go on under `template`'s observation normalisation, or None.
+  The flag is static (not saved: the restore takes the template's), but a run that normalises moves its statistics
+  every iteration, so a checkpoint's count says which run wrote it: > 0 one that normalised, 0 one that did not."""
+  seen = float(np.asarray(jax.device_get(restored.params.normalizer.count)))
+  if template.params.normalize_observations and not seen:
+    return ('was written by a run with --nonormalize_observations (its observation statistics are empty), and this '
+            'run normalises: its policy learned from raw observations. Resume with --nonormalize_observations')
+  if not template.params.normalize_observations and seen:
+    return (f'was written by a run that normalised its observations (its statistics have seen {seen:.0f}), and this '
+            'run has --nonormalize_observations: its policy would see raw observations. Resume without '
+            '--nonormalize_observations')
+  return None
