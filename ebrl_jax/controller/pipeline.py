@@ -271,7 +271,7 @@ def run(cfg: config_lib.Config,
   if workers.summary is None and stopped is not None:
     raise KeyboardInterrupt(stopped)  # the runner writes the controller's own summary
   if workers.summary is None:
-    raise errors.WorkerFailure('the trainer ended without sending its summary; see its log above.')
+    raise errors.TrainerDied('the trainer ended without sending its summary; see its log above.')
   summary = driver.RunSummary(**workers.summary)
   if stopped is not None and summary.stopped not in driver.FINISHED:
     summary.stopped = stopped  # the trainer saw a stop request: the controller knows which signal, or failure

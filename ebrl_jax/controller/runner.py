@@ -1,6 +1,7 @@
 """Entry point of the controller: `run(config)` checks everything a run can fail on before anything starts or is
 written, configures JAX, runs the schedule by name with telemetry alongside, and writes `<run_dir>/summary.json`
-— the one writer of the summary, also of a run stopped by SIGTERM, Ctrl-C or --max_wall_s."""
+— the one writer of the summary, also of a run stopped by SIGTERM, Ctrl-C or --max_wall_s, and of one whose trainer
+worker died (from what it had logged)."""
 from __future__ import annotations
 
 import dataclasses
@@ -42,6 +43,7 @@ _FAILURES = {
     errors.DIVERGED: (errors.Diverged, 'training diverged', None),  # what --resume accepts: resume_check's advice
     errors.OUT_OF_MEMORY: (errors.OutOfMemory, 'out of memory', errors.OUT_OF_MEMORY_FIX),
     errors.WORKER_FAILED: (errors.WorkerFailure, 'a worker failed', 'mend what its error names'),
+    errors.TRAINER_DIED: (errors.TrainerDied, None, ''),  # its words name the trainer
 }
 _PSEUDO_FILESYSTEMS = ('/proc', '/sys', '/dev')
 
@@ -199,8 +201,8 @@ def check_before_start(cfg: config_lib.Config) -> Optional[dict]:
 def run(cfg: config_lib.Config, start_unix: Optional[float] = None) -> driver.RunSummary:
   """Runs `cfg` with its schedule, with telemetry alongside; writes the run's config.json (the whole config, the
   one place that sees it) and its summary.json, and returns the summary; a run whose loss or return became
-  NaN/inf, that ran out of memory or whose worker beside the trainer failed for good writes its summary too, then
-  raises `errors.Diverged` / `OutOfMemory` / `WorkerFailure`.
+  NaN/inf, that ran out of memory, whose worker beside the trainer failed for good or whose trainer worker died
+  writes its summary too, then raises `errors.Diverged` / `OutOfMemory` / `WorkerFailure` / `TrainerDied`.
   Every time of the run counts from `start_unix` (`time.time()` at process start: main.py passes it; None: from
   this call)."""
   start = run_clock.StartClock(start_unix or time.time()).mark('imports')  # interpreter, flags, controller imports
@@ -217,7 +219,8 @@ def run(cfg: config_lib.Config, start_unix: Optional[float] = None) -> driver.Ru
     check_host_memory(cfg)  # this rank's envs, on its host
     _write_config(cfg)
     metrics.quiet_library_logs()
-    summary, means = _run_schedule(cfg, start.mark('controller'), cell)
+    logged_from = metrics.log_size(cfg.schedule.run_dir)  # this run's records in metrics.jsonl start here
+    summary, means = _run_schedule(cfg, start.mark('controller'), cell, logged_from)
   _add_telemetry_and_trace(cfg, summary, means)
   path = write_summary(cfg, summary)
   cells_lib.finish(cell, summary)  # the end barrier of ranks that finished, or stopped together
@@ -225,7 +228,8 @@ def run(cfg: config_lib.Config, start_unix: Optional[float] = None) -> driver.Ru
     kind, what, fix = _FAILURES[summary.stopped]
     advice = (storage.checkpoint_advice(cfg.schedule.run_dir, fix)
               if fix is not None else resume_check.divergence_advice(cfg))
-    raise kind(f'{what}: {summary.extra.get("failure")}; the run stopped. {path} holds the run so far. ' + advice)
+    said = summary.extra.get('failure')
+    raise kind(f'{f"{what}: " if what else ""}{said}; the run stopped. {path} holds the run so far. ' + advice)
   if summary.stopped not in errors.STOP_SIGNALS:  # a signal's stop is main.py's one line
     final = 'none' if summary.final_eval_return is None else f'{summary.final_eval_return:.1f}'
     logging.info('%s: %d env steps, final eval return %s, %.0f env steps/s, start-up %.1f s, wall %.1f s.',
@@ -234,9 +238,10 @@ def run(cfg: config_lib.Config, start_unix: Optional[float] = None) -> driver.Ru
   return summary
 
 
-def _run_schedule(cfg: config_lib.Config, start: run_clock.StartClock, cell: cells_lib.Cell):
+def _run_schedule(cfg: config_lib.Config, start: run_clock.StartClock, cell: cells_lib.Cell, logged_from: int = 0):
   """(summary, telemetry means) of the schedule; a run stopped before its schedule had a summary (SIGTERM or
-  Ctrl-C during start-up) gets the controller's own. A cell of several runs `fused` as one rank, or `sync` /
+  Ctrl-C during start-up, a trainer worker that died or sent none: with what it had logged in metrics.jsonl from
+  byte `logged_from` on) gets the controller's own. A cell of several runs `fused` as one rank, or `sync` /
   `async` with its trainer worker as the rank; a failed all-reduce in this process is a `distributed.RankFailed`
   naming the rank that died (a trainer worker's comes as its error report)."""
   pids: Dict[str, int] = {}
@@ -262,47 +267,86 @@ def _run_schedule(cfg: config_lib.Config, start: run_clock.StartClock, cell: cel
       raise
     else:
       raise distributed.failed_rank(cell.spec, e) from e
-  except errors.WorkerFailure as failure:
-    if failure.stopped is None:  # the trainer's own death
-      raise
-    summary = stopped_summary(cfg, failure.stopped, start.unix)  # a worker beside it; the trainer sent nothing
-    summary.extra['failure'] = str(failure)
+  except errors.WorkerFailure as failure:  # the trainer died, or sent nothing after a worker beside it failed
+    stopped = failure.stopped or (errors.TRAINER_DIED
+                                  if isinstance(failure, errors.TrainerDied) else errors.WORKER_FAILED)
+    summary = stopped_summary(cfg, stopped, start.unix, metrics.read_log(cfg.schedule.run_dir, logged_from))
+    summary.extra['failure'] = failure.cause
   except KeyboardInterrupt as interrupt:
-    summary = stopped_summary(cfg, errors.stop_reason(interrupt), start.unix)
+    summary = stopped_summary(cfg, errors.stop_reason(interrupt), start.unix,
+                              metrics.read_log(cfg.schedule.run_dir, logged_from))
   finally:
     means = telemetry.stop() if telemetry is not None else None
   return summary, means
 
 
-def stopped_summary(cfg: config_lib.Config, stopped: str, start_unix: float) -> driver.RunSummary:
+def _logged_curve(cfg: config_lib.Config, logged: list) -> dict:
+  """What a trainer that sent no summary had logged (`metrics.read_log` records of this run): its evaluation curve
+  (env steps, run-clock wall_s, return: the versions and training seconds are not logged), where it hit the target,
+  its last train metrics and the env steps it reached."""
+  curve = [{
+      'env_steps': r['env_steps'],
+      'wall_s': r.get('wall_s'),
+      'return': r['eval/episode_return']
+  } for r in logged if isinstance(r.get('eval/episode_return'), (int, float))]
+  target = cfg.schedule.target_return
+  hit = next((e for e in curve if target is not None and e['return'] >= target), None)
+  return {
+      'eval_curve': curve,
+      'final_eval_return': curve[-1]['return'] if curve else None,
+      'best_eval_return': max(e['return'] for e in curve) if curve else None,
+      'env_steps_to_target': hit['env_steps'] if hit else None,
+      'wall_s_to_target': hit['wall_s'] if hit else None,
+      'last_metrics': next((r for r in reversed(logged) if any(k.startswith('train/') for k in r)), None),
+      'env_steps': max((r['env_steps'] for r in logged), default=0)
+  }
+
+
+def stopped_summary(cfg: config_lib.Config,
+                    stopped: str,
+                    start_unix: float,
+                    logged: Optional[list] = None) -> driver.RunSummary:
   """The controller's summary of a run stopped before it had one (during start-up, or a trainer that sent none):
-  no curve, and the counts of the newest intact checkpoint (what the run keeps), else zeros."""
+  the counts of the newest intact checkpoint (what the run keeps), else zeros; with `logged` (the trainer's records
+  of this run in metrics.jsonl) also its curve, its last train metrics and the env steps it reached."""
   directory = os.path.join(cfg.schedule.run_dir, 'checkpoints')
   steps = [s for s in checkpoint.committed_steps(directory) if checkpoint.damage(directory, s) is None]
   saved = checkpoint.read_extra(directory, steps[0]) if steps else {}
+  env_steps, iterations = int(saved.get('env_steps', 0)), int(saved.get('iterations', 0))
   wall = time.time() - start_unix
-  return driver.RunSummary(env_steps=int(saved.get('env_steps', 0)),
-                           iterations=int(saved.get('iterations', 0)),
+  extra = {
+      'summary_from': 'the controller: stopped before the trainer sent a summary; the counts are those of the '
+                      'newest intact checkpoint',
+      'last_checkpoint': steps[0] if steps else None
+  }
+  found = _logged_curve(cfg, logged or [])
+  if logged:
+    extra['summary_from'] = ('the controller, from what the trainer had logged in metrics.jsonl (it sent no '
+                             'summary): the curve, the last train metrics and the env steps they reached; the '
+                             'iterations counted from the newest intact checkpoint\'s at the run\'s env steps per '
+                             'iteration')
+    extra['last_metrics'] = found['last_metrics']
+    if found['env_steps'] > env_steps:
+      iterations += (found['env_steps'] - env_steps) // cfg.env_steps_per_iteration
+      env_steps = found['env_steps']
+  return driver.RunSummary(env_steps=env_steps,
+                           iterations=iterations,
                            wall_s=wall,
                            compile_s=wall,
                            train_wall_s=0.0,
                            env_steps_per_s=0.0,
-                           final_eval_return=None,
-                           best_eval_return=None,
+                           final_eval_return=found['final_eval_return'],
+                           best_eval_return=found['best_eval_return'],
                            target_return=cfg.schedule.target_return,
-                           env_steps_to_target=None,
-                           wall_s_to_target=None,
+                           env_steps_to_target=found['env_steps_to_target'],
+                           wall_s_to_target=found['wall_s_to_target'],
                            train_s_to_target=None,
-                           eval_curve=[],
+                           eval_curve=found['eval_curve'],
                            num_params=0,
                            schedule=cfg.schedule.name,
                            backend=cfg.sim.backend,
                            task=cfg.sim.task,
                            device='',
-                           extra={
-                               'summary_from': 'the controller: stopped before the trainer sent a summary; the '
-                                               'counts are those of the newest intact checkpoint',
-                               'last_checkpoint': steps[0] if steps else None
-                           },
+                           extra=extra,
                            stopped=stopped,
                            start_unix=start_unix)

@@ -272,9 +272,9 @@ class Supervisor:
         self._read_inbox(trainer)
         code = getattr(trainer, 'exitcode', 0)
         if code not in (0, None):
-          raise errors.WorkerFailure(f'the trainer worker (pid {trainer.pid}) died with exit code {code}'
-                                     f'{_said(self._last_error(trainer))}; the run stopped. '
-                                     f'{storage.checkpoint_advice(self._cfg.schedule.run_dir)}')
+          cause = f'the trainer worker (pid {trainer.pid}) died with exit code {code}{_said(self._last_error(trainer))}'
+          raise errors.TrainerDied(f'{cause}; the run stopped. {storage.checkpoint_advice(self._cfg.schedule.run_dir)}',
+                                   cause=cause)
         return
       for role, w in list(self.workers.items()):
         if role != 'trainer' and not w.is_alive() and not self.stop.is_set() and self.failure is None:

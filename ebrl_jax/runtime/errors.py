@@ -31,11 +31,17 @@ class DiskFull(RunError):
 class WorkerFailure(RunError):
   """A worker died and the run could not go on; the message names the worker, its exit code and the error it
   recorded. `stopped` is set when the worker was not the trainer, which can still send its summary so far: the
-  summary's `stopped` (`WORKER_FAILED`, or `OUT_OF_MEMORY` for an allocation XLA refused the worker)."""
+  summary's `stopped` (`WORKER_FAILED`, or `OUT_OF_MEMORY` for an allocation XLA refused the worker). `cause`:
+  what happened without the advice (the summary's `extra['failure']`; default the message)."""
 
-  def __init__(self, message: str, stopped: Optional[str] = None):
+  def __init__(self, message: str, stopped: Optional[str] = None, cause: Optional[str] = None):
     super().__init__(message)
-    self.stopped = stopped
+    self.stopped, self.cause = stopped, cause or message
+
+
+class TrainerDied(WorkerFailure):
+  """The trainer worker died: no summary came from it, so the controller writes its own from what the trainer had
+  logged (`stopped` = TRAINER_DIED), then raises this."""
 
 
 class MpsDaemonDied(RunError):
@@ -59,13 +65,14 @@ class ErrorReport(NamedTuple):
 
 
 KINDS: Dict[str, Type[RunError]] = {
-    cls.__name__: cls for cls in (RunError, DiskFull, WorkerFailure, MpsDaemonDied, Diverged, OutOfMemory)
+    cls.__name__: cls for cls in (RunError, DiskFull, WorkerFailure, TrainerDied, MpsDaemonDied, Diverged, OutOfMemory)
 }
 
 # A summary's `stopped` for a run a failure ended (beside FINISHED, the budget and the signals; trainer.driver's
 # own failures are named after these): a loss or return became NaN/inf, an allocation XLA refused, a worker beside
-# the trainer that failed for good. extra['failure'] says what happened.
-DIVERGED, OUT_OF_MEMORY, WORKER_FAILED = 'non_finite', 'out_of_memory', 'worker_failed'
+# the trainer that failed for good, the trainer worker's own death (the controller's summary, from what the trainer
+# had logged). extra['failure'] says what happened.
+DIVERGED, OUT_OF_MEMORY, WORKER_FAILED, TRAINER_DIED = 'non_finite', 'out_of_memory', 'worker_failed', 'trainer_died'
 # What to change before --resume after OUT_OF_MEMORY: the flags that size a run's memory.
 OUT_OF_MEMORY_FIX = (
     'lower --num_envs or --num_eval_envs, the segments an iteration holds (--batch_size x '

@@ -11,12 +11,14 @@ import sys
 import threading
 import time
 import traceback
-from typing import Callable, Dict, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional
 
 from absl import logging
 import numpy as np
 
 from ebrl_jax.runtime import storage
+
+METRICS_FILE = 'metrics.jsonl'  # in the run directory: one JSON record a line
 
 
 class _DropChattyInfo(logging.logging.Filter):
@@ -137,7 +139,7 @@ class MetricsLogger:
                check_finite: tuple = ('loss', 'return'),
                clock: Optional[Callable[[], float]] = None):
     os.makedirs(run_dir, exist_ok=True)
-    self._jsonl = storage.open_append(os.path.join(run_dir, 'metrics.jsonl'))
+    self._jsonl = storage.open_append(os.path.join(run_dir, METRICS_FILE))
     start = time.monotonic()
     self._clock = clock or (lambda: time.monotonic() - start)
     self._check_finite = check_finite
@@ -229,3 +231,33 @@ class MetricsLogger:
 
   def __exit__(self, *exc):
     self.close()
+
+
+def log_size(run_dir: str) -> int:
+  """Bytes of `<run_dir>/metrics.jsonl` now (0: none yet): where a run's own records begin, as every run in a
+  directory appends to it (a resumed one, and a new one in a directory without checkpoints)."""
+  try:
+    return os.path.getsize(os.path.join(run_dir, METRICS_FILE))
+  except OSError:
+    return 0
+
+
+def read_log(run_dir: str, offset: int = 0) -> List[dict]:
+  """The records `MetricsLogger` appended to `<run_dir>/metrics.jsonl` from byte `offset` on, read by another
+  process (the controller, after its trainer died): a line the writer did not finish (killed mid-write) is
+  skipped, and a file that cannot be read gives none."""
+  try:
+    with open(os.path.join(run_dir, METRICS_FILE), 'rb') as f:
+      f.seek(offset)
+      lines = f.read().splitlines()
+  except OSError:
+    return []
+  records = []
+  for line in lines:
+    try:
+      record = json.loads(line)
+    except ValueError:
+      continue
+    if isinstance(record, dict) and isinstance(record.get('env_steps'), int):
+      records.append(record)
+  return records
