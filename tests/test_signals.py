@@ -1,6 +1,6 @@
 """SIGTERM (a harness's time limit) and --max_wall_s stop a run cleanly: exit code 143 (0 for the budget), one
 `STOPPED:` line and no traceback, summary.json written with the partial curve and `stopped` saying why, the
-checkpoint the early first checkpoint left, and every time on one clock that starts when the process started
+checkpoint of the iteration it stopped at, and every time on one clock that starts when the process started
 (in `async` too, where the trainer worker counts from the controller's start)."""
 import json
 import os
@@ -54,8 +54,8 @@ def _stopped_by_sigterm(run_dir, *flags):
   assert len(lines) == 1 and lines[0].startswith('STOPPED: SIGTERM at env step'), out[-3000:]
   summary = json.load(open(run_dir / 'summary.json'))
   assert summary['stopped'] == 'SIGTERM' and summary['iterations'] >= 1 and summary['eval_curve']
-  step = summary['extra']['last_checkpoint']
-  assert step >= 1 and str(step) in os.listdir(run_dir / 'checkpoints')
+  step = summary['extra']['last_checkpoint']  # the stop's own: the last iteration the run counted
+  assert step == summary['iterations'] and str(step) in os.listdir(run_dir / 'checkpoints'), summary
   assert f'checkpoint {step} in {run_dir}/checkpoints is loadable: continue with --resume' in lines[0]
   # One clock from process start: its origin is the launch (within the interpreter's start), and every
   # evaluation's wall_s is its unix time minus that origin.

@@ -41,15 +41,18 @@ def run(cfg: config_lib.Config,
   signal (the summary's `stopped` says which). Returns the summary, its times on the clock `start`. On MJX one
   process runs its chunks as programs that call into the simulator (MJX-Warp's kernels call back into Python), so
   there a signal is held until the chunk ends (`errors.deferred_stops`): an exception raised inside such a
-  callback aborts the process, losing the summary. With a `cell` of several, an iteration is every cell's batch
-  (its env steps count them all) and --resume reads rank 0's run."""
+  callback aborts the process, losing the summary. On native MuJoCo it is held to the end of the running
+  iteration (`fused_steps`): a stop at once would leave no whole state to save (the train step donates it). With
+  a `cell` of several, an iteration is every cell's batch (its env steps count them all) and --resume reads rank
+  0's run."""
   multi = cell is not None and cell.multi
   trainer = driver.trainer_config(cfg, topology.process_config(cfg), start=start)
   trainer = cells_lib.trainer_of_cell(trainer, cell or cells_lib.Cell(run_dir=cfg.schedule.run_dir),
                                       cfg.schedule.resume)
   vote = ranks.StopVote(cfg.schedule.max_wall_s, trainer.start.unix if trainer.start else None) if multi else None
-  # a cell of several: SIGTERM and Ctrl-C are this rank's vote to stop; one MJX process: held to a chunk's end
-  with cells_lib.signals_vote(vote), errors.deferred_stops(not multi and cfg.sim.backend != 'mujoco_cpu'):
+  # a cell of several: SIGTERM and Ctrl-C are this rank's vote to stop; one cell: held, so the run stops where its
+  # state is whole and saves it (MJX: at a chunk's end; native MuJoCo: after the running iteration, fused_steps)
+  with cells_lib.signals_vote(vote), errors.deferred_stops(not multi):
     summary = driver.run_training(
         trainer, lambda _, spec, network, optimizer: make_source(cfg, spec, network, optimizer, cell, vote))
   summary.extra['topology'] = {'roles': ['controller'], 'num_groups': 1}  # one process collects and trains

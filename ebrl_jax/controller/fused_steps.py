@@ -4,7 +4,8 @@ The native-MuJoCo loop (`fused_cpu.CpuFusedLoop`, always) and an MJX cell of sev
 whose one-cell chunk stays one jitted program) share it, so both cells train alike: the rollout keys are the cell's
 (`rollout_root`: `keys.cell_key(root, rank)`), the train keys the run's (`root_key`: the same on every rank), and
 `train` is, for a cell of several, the step over the ranks (`trainer.ranks.RankStep`), after which the ranks' agreed
-stop is checked at every step (`RankStep.check_stop`).
+stop is checked at every step (`RankStep.check_stop`); one cell's held signal (`errors.deferred_stops`) stops it
+after the running iteration (`errors.StopRequested`, that iteration counted and its state whole).
 
   state, metrics = fused_steps.run_iterations(collect, train, algo_name, root_key, rollout_root, state, n, rank)
 
@@ -18,6 +19,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import jax
 
 from ebrl_jax.rollout import keys
+from ebrl_jax.runtime import errors
 from ebrl_jax.runtime import metrics as metrics_lib
 
 
@@ -41,4 +43,6 @@ def run_iterations(collect: Callable,
     acc.add(jax.device_get(metrics), float(stats.return_sum), float(stats.count))
     if rank is not None:  # the ranks agreed to stop after this step: all of them stop here
       rank.check_stop(train_state, done + 1, acc.result())
+    elif errors.pending_stop():  # a signal held (`errors.deferred_stops`): stop after this iteration, counted
+      raise errors.StopRequested(errors.pending_stop(), done + 1, train_state, acc.result())
   return train_state, acc.result()

@@ -1,6 +1,6 @@
 """The training driver's cadence (`trainer.driver`): what it counts as the run goes on (`Progress`), the run's
-iterations and those between two evaluations (`iteration_plan`), and how many iterations its next chunk runs
-(`chunk_size`).
+iterations and those between two evaluations (`iteration_plan`), the iterations a chunk ran (`account`), and how
+many iterations its next chunk runs (`chunk_size`).
 
 A chunk runs up to the next evaluation, cut at --first_checkpoint_iteration, at half of what the rest of
 --max_wall_s (and of --max_train_s) holds at the latest iteration rate (so chunks shrink towards a budget, the last
@@ -34,6 +34,28 @@ class Progress:
   target_hit: Optional[Tuple[int, float, float]] = None  # (env steps, wall s, train s) when the target was hit
   failure: Optional[str] = None  # what stopped a DIVERGED or OUT_OF_MEMORY run: no checkpoint is saved after it
   eval_curve: list = dataclasses.field(default_factory=list)
+
+
+def account(progress: Progress, source, num: int, elapsed: float, per_iteration: int, logger,
+            clock) -> Tuple[int, float]:
+  """Counts `num` finished iterations that took `elapsed` s (on the driver's `logger` and run `clock`); a process
+  schedule's first iteration is start-up (its seconds go into compile_s, its steps out of the rate; see
+  `trainer.worker.ChannelSource.take_startup_s`). Returns (iterations counted in the rate, their seconds)."""
+  progress.s_per_iteration = elapsed / max(num, 1)
+  startup = source.take_startup_s() if hasattr(source, 'take_startup_s') else None
+  counted = num
+  if startup is not None:
+    progress.startup_s = startup
+    clock.mark('first_iteration', seconds=startup)
+    progress.compile_s += startup
+    elapsed -= startup
+    counted -= 1
+    logger.log(progress.env_steps, {'time/compile_s': progress.compile_s})
+  progress.train_wall += elapsed
+  progress.iterations += num
+  progress.env_steps += num * per_iteration
+  progress.steps_this_session += counted * per_iteration
+  return counted, elapsed
 
 
 def iteration_plan(schedule, env_steps_per_iteration: int) -> Tuple[int, int, int]:

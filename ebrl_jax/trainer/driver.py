@@ -4,8 +4,10 @@ schedule's (`controller.fused_mjx.MjxFusedLoop`, one jitted program per chunk of
 CpuFusedLoop`, native MuJoCo from a Python loop) or the trainer worker's (`trainer.worker.ChannelSource`)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import sys
 import time
 from typing import Any, Dict, Optional, Protocol, Tuple
 
@@ -26,6 +28,7 @@ from ebrl_jax.runtime import trace_cache
 from ebrl_jax.trainer import cadence
 from ebrl_jax.trainer import checkpoint as checkpoint_lib
 from ebrl_jax.trainer import evaluations
+from ebrl_jax.trainer import run_summary
 from ebrl_jax.trainer import stages as trainer_stages
 
 
@@ -78,38 +81,7 @@ class BatchSource(Protocol):
     """Frees what the source holds."""
 
 
-@dataclasses.dataclass
-class RunSummary:
-  """What a run reports, finished or stopped; the controller writes it to `<run_dir>/summary.json`. Every time
-  is on the run's clock (docs/benchmarks.md, Clocks): seconds since its first process started."""
-  env_steps: int
-  iterations: int
-  wall_s: float  # process start -> the end of the run
-  compile_s: float  # start-up: process start -> the first iteration counted in the rate (see compile_breakdown)
-  train_wall_s: float  # wall time of collection + training, start-up and evaluation excluded
-  env_steps_per_s: float  # env_steps / train_wall_s, this session's steps only
-  final_eval_return: Optional[float]  # None: stopped before the first evaluation
-  best_eval_return: Optional[float]
-  target_return: Optional[float]
-  env_steps_to_target: Optional[int]
-  wall_s_to_target: Optional[float]  # process start -> the evaluation that reached the target
-  train_s_to_target: Optional[float]  # collection + training time only
-  eval_curve: list
-  num_params: int
-  schedule: str
-  backend: str
-  task: str
-  device: str
-  extra: dict  # schedule-specific figures (segments consumed, dropped, duplicates, worker restarts, ...)
-  # Why the run ended: one of FINISHED, 'max_wall_s' or 'max_train_s' (the budgets), the signal ('SIGTERM', 'SIGINT'), DIVERGED (a
-  # loss or return became NaN/inf), OUT_OF_MEMORY (an allocation XLA refused, here or in a worker) or
-  # errors.WORKER_FAILED (a worker beside the trainer failed for good); for the failures extra['failure'] says what
-  # happened, and the controller raises errors.Diverged, OutOfMemory or WorkerFailure.
-  stopped: str = 'num_timesteps'
-  compile_breakdown: Dict[str, float] = dataclasses.field(default_factory=dict)  # the parts of compile_s
-  start_unix: Optional[float] = None  # the clock's origin, `time.time()` at process start
-
-
+RunSummary = run_summary.RunSummary  # what a run reports (its fields: trainer/run_summary.py)
 FINISHED = ('num_timesteps', 'target_return')
 BUDGETS = ('max_wall_s', 'max_train_s')  # a stop at the budget: checkpoint, then the final policy's evaluation
 DIVERGED, OUT_OF_MEMORY = errors.DIVERGED, errors.OUT_OF_MEMORY
@@ -135,39 +107,93 @@ def _evaluate(cfg, source, train_state, root_key, progress: cadence.Progress, lo
                             progress.train_wall, progress.iterations)
 
 
+class _DiskFullNoise(logging.logging.Filter):
+  """Drops what orbax's writer threads and asyncio (its tasks' unretrieved errors) log, a traceback each, of a
+  write that found the disk full."""
+
+  def filter(self, record) -> bool:
+    if '/orbax/' not in record.pathname and '/asyncio/' not in record.pathname:
+      return True
+    exc = record.exc_info[1] if record.exc_info else None
+    return storage.disk_full(exc) is None and storage.disk_full(RuntimeError(record.getMessage())) is None
+
+
+def _loop_closed_unsaid(previous):
+  """`sys.unraisablehook` without tensorstore's late callbacks into the event loop orbax closed after a failed
+  write (`RuntimeError: Event loop is closed`, a traceback each)."""
+
+  def hook(unraisable):
+    if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == 'Event loop is closed'):
+      previous(unraisable)
+
+  return hook
+
+
+@contextlib.contextmanager
+def _disk_full_said_once():
+  """Around a checkpoint's save: a full disk is said once, by the driver (a stop's warning) or the run's
+  `errors.DiskFull` line, without the tracebacks orbax, asyncio and tensorstore print beside it. After a save
+  the full disk failed, both filters stay: their late reports come until the process ends."""
+  quiet, previous = _DiskFullNoise(), sys.unraisablehook
+  loggers = (logging.get_absl_logger(), logging.logging.getLogger('asyncio'))  # where the records are made
+  for logger in loggers:
+    logger.addFilter(quiet)
+  sys.unraisablehook = _loop_closed_unsaid(previous)
+  keep = False
+  try:
+    yield
+  except Exception as e:
+    keep = storage.disk_full(e) is not None
+    raise
+  finally:
+    if not keep:
+      for logger in loggers:
+        logger.removeFilter(quiet)
+      sys.unraisablehook = previous
+
+
 def _save(cfg, checkpointer, train_state, progress: cadence.Progress, spec) -> None:
   if checkpointer is None or not cfg.schedule.checkpoint_every or progress.iterations <= progress.last_saved:
     return
   critic = config_generation.critic_of(cfg.policy, bool(spec.pixel_shape))
   run = dict(task=cfg.sim.task, policy=cfg.policy.kind, obs_dim=spec.obs_dim, action_dim=spec.action_dim, critic=critic)
-  checkpointer.save(progress.iterations, train_state, {
-      'env_steps': progress.env_steps,
-      'iterations': progress.iterations,
-      'schedule': cfg.schedule.name,
-      'run': run
-  })
+  with _disk_full_said_once():
+    checkpointer.save(progress.iterations, train_state, {
+        'env_steps': progress.env_steps,
+        'iterations': progress.iterations,
+        'schedule': cfg.schedule.name,
+        'run': run
+    })
   progress.last_saved = progress.checkpoint = progress.iterations
 
 
-def _account(progress: cadence.Progress, source, num: int, elapsed: float, per_iteration: int, logger, clock) -> int:
-  """Counts `num` finished iterations that took `elapsed` s; a process schedule's first iteration is start-up
-  (its seconds go into compile_s, its steps out of the rate; see `trainer.worker.ChannelSource.take_startup_s`).
-  Returns (iterations counted in the rate, their seconds)."""
-  progress.s_per_iteration = elapsed / max(num, 1)
-  startup = source.take_startup_s() if hasattr(source, 'take_startup_s') else None
-  counted = num
-  if startup is not None:
-    progress.startup_s = startup
-    clock.mark('first_iteration', seconds=startup)
-    progress.compile_s += startup
-    elapsed -= startup
-    counted -= 1
-    logger.log(progress.env_steps, {'time/compile_s': progress.compile_s})
-  progress.train_wall += elapsed
-  progress.iterations += num
-  progress.env_steps += num * per_iteration
-  progress.steps_this_session += counted * per_iteration
-  return counted, elapsed
+def _is_state_of(state, iterations: int) -> bool:
+  """Whether `state` is whole (no array of it donated to a train step since) and the state after `iterations`
+  iterations (its policy version counts the train steps)."""
+  if state is None or any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree_util.tree_leaves(state)):
+    return False
+  return int(jax.device_get(state.policy_version)) == iterations
+
+
+def _save_at_stop(cfg, checkpointer, state, progress: cadence.Progress, spec) -> None:
+  """The checkpoint of a requested stop (a signal, the controller's stop request) at the last iteration counted,
+  of `state` where it is that iteration's whole state; a state a stop caught mid-update is not saved (the newest
+  checkpoint stays). Best effort: a write that fails (a full disk) is one warning and the stop goes on to its
+  summary, whose `extra.last_checkpoint` names the checkpoint there is."""
+  if checkpointer is None or not cfg.schedule.checkpoint_every or progress.iterations <= progress.last_saved:
+    return
+  advice = storage.checkpoint_advice(os.path.abspath(cfg.checkpoint_run_dir or cfg.process.run_dir))
+  if not _is_state_of(state, progress.iterations):
+    logging.warning('stopping at iteration %d without its checkpoint (no whole state of it to save). %s',
+                    progress.iterations, advice)
+    return
+  try:
+    _save(cfg, checkpointer, state, progress, spec)
+  except Exception as e:  # pylint: disable=broad-except  (orbax and tensorstore wrap the OS error)
+    full, said = storage.disk_full(e), (str(e).splitlines() or [''])[0][:300]
+    why = f'the disk is full: {full}' if full else f'{type(e).__name__}: {said}'
+    logging.warning('stopping at iteration %d without its checkpoint: the save failed (%s). %s', progress.iterations,
+                    why, advice)
 
 
 def _train_chunk(source, train_state, num: int, per_iteration: int, progress: cadence.Progress, logger, eval_return,
@@ -179,10 +205,10 @@ def _train_chunk(source, train_state, num: int, per_iteration: int, progress: ca
     train_state, train_metrics = source.run_iterations(train_state, num)
   except errors.StopRequested as stop:
     if stop.done:
-      _account(progress, source, stop.done, time.monotonic() - t0, per_iteration, logger, clock)
+      cadence.account(progress, source, stop.done, time.monotonic() - t0, per_iteration, logger, clock)
       logger.log(progress.env_steps, stop.metrics or {})
     raise
-  counted, seconds = _account(progress, source, num, time.monotonic() - t0, per_iteration, logger, clock)
+  counted, seconds = cadence.account(progress, source, num, time.monotonic() - t0, per_iteration, logger, clock)
   train_metrics['rollout/env_steps_per_s'] = counted * per_iteration / max(seconds, 1e-9)
   logger.log(progress.env_steps, train_metrics)
   logger.advance(progress.env_steps, {'return': eval_return, 'steps/s': train_metrics['rollout/env_steps_per_s']})
@@ -198,35 +224,6 @@ def _close(source, logger, checkpointer) -> None:
     finally:
       if checkpointer is not None:
         checkpointer.close()
-
-
-def _summary(cfg, progress: cadence.Progress, clock: run_clock.RunClock, num_params: int, extra: dict, stopped: str,
-             device: str) -> RunSummary:
-  hit, curve = progress.target_hit, progress.eval_curve
-  parts = {k: round(v, 3) for k, v in clock.parts.items()}
-  compile_s = progress.compile_s if progress.compile_s is not None else clock.now()  # stopped during start-up
-  return RunSummary(env_steps=progress.env_steps,
-                    iterations=progress.iterations,
-                    wall_s=clock.now(),
-                    compile_s=compile_s,
-                    train_wall_s=progress.train_wall,
-                    env_steps_per_s=progress.steps_this_session / max(progress.train_wall, 1e-9),
-                    final_eval_return=curve[-1]['return'] if curve else None,
-                    best_eval_return=max(e['return'] for e in curve) if curve else None,
-                    target_return=cfg.schedule.target_return,
-                    env_steps_to_target=hit[0] if hit else None,
-                    wall_s_to_target=hit[1] if hit else None,
-                    train_s_to_target=hit[2] if hit else None,
-                    eval_curve=curve,
-                    num_params=num_params,
-                    schedule=cfg.schedule.name,
-                    backend=cfg.sim.backend,
-                    task=cfg.sim.task,
-                    device=device,
-                    extra=extra,
-                    stopped=stopped,
-                    compile_breakdown=parts,
-                    start_unix=clock.start_unix)
 
 
 def _stop_due(cfg, progress: cadence.Progress, clock: run_clock.RunClock) -> str:
@@ -263,45 +260,53 @@ def _loop(cfg, source, train_state, root_key, progress: cadence.Progress, logger
   `off_path`, `train` waits for it as at a finished run's end)."""
   per_iteration, total, per_eval = cadence.iteration_plan(cfg.schedule, cfg.env_steps_per_iteration)
   first, eval_return = True, None
-  while True:
-    stop = _stop_due(cfg, progress, clock)
-    if stop:
-      why = f'--{stop}={getattr(cfg.schedule, stop):g} reached' if stop in BUDGETS else (
-          'A stop signal came during the last chunk')
-      logging.info('%s: stopping at iteration %d.', why, progress.iterations)
-      _save(cfg, checkpointer, train_state, progress, spec)
-      if stop in BUDGETS and progress.evaluated is not None and progress.evaluated < progress.iterations:
-        _evaluate_or_submit(cfg, source, train_state, root_key, progress, logger, clock, off_path, False)
-      return stop
-    if first or progress.iterations % per_eval == 0 or progress.iterations >= total:
-      in_line = off_path is None or (first and off_path.in_line_first)
-      came = _evaluate_or_submit(cfg, source, train_state, root_key, progress, logger, clock, off_path, in_line)
-      eval_return = eval_return if came is None else came
-      if first:
-        clock.mark('first_eval')
-      every = cfg.schedule.checkpoint_every  # the cadence: every `every` evaluations, and at the run's end
-      if every and (progress.eval_index % every == 0 or progress.iterations >= total or progress.target_hit):
+  try:
+    while True:
+      stop = _stop_due(cfg, progress, clock)
+      if stop:
+        why = f'--{stop}={getattr(cfg.schedule, stop):g} reached' if stop in BUDGETS else (
+            'A stop signal came during the last chunk')
+        logging.info('%s: stopping at iteration %d.', why, progress.iterations)
+        if stop not in BUDGETS:
+          _save_at_stop(cfg, checkpointer, train_state, progress, spec)
+          return stop
         _save(cfg, checkpointer, train_state, progress, spec)
-      progress.eval_index += 1
-    first = False
-    if progress.target_hit is not None:
-      return 'target_return'
-    if progress.iterations >= total:
-      return 'num_timesteps'
-    if progress.compile_s is None:  # start-up ends here (a process schedule's first iteration is added to it)
-      clock.mark('other')
-      progress.compile_s = sum(clock.parts.values())
-      logger.log(progress.env_steps, {'time/compile_s': progress.compile_s})
-    held_latency_s = errors.STOP_LATENCY_S if errors.stops_deferred() else None
-    num = cadence.chunk_size(cfg.schedule, progress, per_eval, total, clock.now(), held_latency_s)
-    train_state = _train_chunk(source, train_state, num, per_iteration, progress, logger, eval_return, clock)
-    if progress.last_saved < cfg.schedule.first_checkpoint_iteration <= progress.iterations:  # a run stopped
-      _save(cfg, checkpointer, train_state, progress, spec)  # early has a checkpoint to resume
+        if progress.evaluated is not None and progress.evaluated < progress.iterations:
+          _evaluate_or_submit(cfg, source, train_state, root_key, progress, logger, clock, off_path, False)
+        return stop
+      if first or progress.iterations % per_eval == 0 or progress.iterations >= total:
+        in_line = off_path is None or (first and off_path.in_line_first)
+        came = _evaluate_or_submit(cfg, source, train_state, root_key, progress, logger, clock, off_path, in_line)
+        eval_return = eval_return if came is None else came
+        if first:
+          clock.mark('first_eval')
+        every = cfg.schedule.checkpoint_every  # the cadence: every `every` evaluations, and at the run's end
+        if every and (progress.eval_index % every == 0 or progress.iterations >= total or progress.target_hit):
+          _save(cfg, checkpointer, train_state, progress, spec)
+        progress.eval_index += 1
+      first = False
+      if progress.target_hit is not None:
+        return 'target_return'
+      if progress.iterations >= total:
+        return 'num_timesteps'
+      if progress.compile_s is None:  # start-up ends here (a process schedule's first iteration is added to it)
+        clock.mark('other')
+        progress.compile_s = sum(clock.parts.values())
+        logger.log(progress.env_steps, {'time/compile_s': progress.compile_s})
+      held_latency_s = errors.STOP_LATENCY_S if errors.stops_deferred() else None
+      num = cadence.chunk_size(cfg.schedule, progress, per_eval, total, clock.now(), held_latency_s)
+      train_state = _train_chunk(source, train_state, num, per_iteration, progress, logger, eval_return, clock)
+      if progress.last_saved < cfg.schedule.first_checkpoint_iteration <= progress.iterations:  # a run stopped
+        _save(cfg, checkpointer, train_state, progress, spec)  # early has a checkpoint to resume
+  except errors.StopRequested as stop:  # the source saw a stop (a signal, the controller's): save where it stopped
+    _save_at_stop(cfg, checkpointer, train_state if stop.state is None else stop.state, progress, spec)
+    raise
 
 
 def train(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
   """The training driver shared by every schedule: evaluation cadence, checkpoints, target, wall-clock budget,
-  metrics; returns the summary, also of a run stopped by a signal or a stop request (`stopped` says which).
+  metrics; returns the summary, also of a run stopped by a signal or a stop request (`stopped` says which), whose
+  checkpoint is of the iteration it stopped at (`_save_at_stop`; a KeyboardInterrupt, a second signal, saves none).
   `make_source(cfg, spec, network, optimizer)` returns the `BatchSource` (`cfg`: the `TrainerConfig`); `remote`: a
   `trainer.remote_eval.RemoteEvaluations`, the evaluator process evaluating instead of the source."""
   clock = run_clock.RunClock(cfg.start or run_clock.StartClock(time.time()))
@@ -341,10 +346,8 @@ def train(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
     stopped = _loop(cfg, source, train_state, root_key, progress, logger, clock, checkpointer, spec, off_path)
     if off_path is not None and stopped in FINISHED + BUDGETS:  # the final version's evaluation (bounded wait)
       off_path.finish(progress, logger, clock.now)
-  except errors.StopRequested as stop:
+  except errors.StopRequested as stop:  # its checkpoint is saved (`_loop`); a cell's ranks stopped at one step
     stopped = stop.reason
-    if cfg.ranks is not None and stop.state is not None:  # the ranks stopped at one step: rank 0 saves it
-      _save(cfg, checkpointer, stop.state, progress, spec)
   except KeyboardInterrupt as interrupt:  # SIGINT, or SIGTERM turned into one (runtime/errors.interrupt)
     stopped = errors.stop_reason(interrupt)
   except metrics_lib.NonFiniteMetricError as e:  # the state is garbage now: the summary, and no checkpoint of it
@@ -367,4 +370,4 @@ def train(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
     if resumed is not None:
       extra['resumed_from'] = resumed
     _close(source, logger, checkpointer)
-  return _summary(cfg, progress, clock, num_params, extra, stopped, str(jax.devices()[0].device_kind))
+  return run_summary.make(cfg, progress, clock, num_params, extra, stopped, str(jax.devices()[0].device_kind))
