@@ -270,6 +270,8 @@ SLOW = frozenset({
     ('test_policies.py', 'test_transformer_mlp_critic_value_loss_moves_no_policy_parameter'),
     ('test_playground.py', 'test_cartpole_steps_through_our_stages'),
     ('test_stop_check_tool.py', 'test_stop_check_signals_a_training_run_and_reads_its_summary'),
+    # 29 s on the loaded 2-core machine: a native fused run SIGTERMed, then resumed from the stop's checkpoint
+    ('test_stop_resume.py', 'test_sigterm_saves_the_last_iteration_of_a_native_fused_run_and_resume_continues_there'),
     ('test_token_training.py', 'test_fused_ppo_run_with_the_token_policy_finishes_with_finite_losses'),
     ('test_token_training.py', 'test_bfloat16_compute_dtype_act_and_evaluate_are_finite_and_close_to_float32'),
     ('test_token_training.py', 'test_act_returns_bin_centres_and_float_ids_that_evaluate_scores_to_the_same_log_probs'),
