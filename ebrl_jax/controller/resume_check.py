@@ -1,7 +1,8 @@
 """The run directory's checkpoints against --resume, before any worker starts: read as plain JSON (no orbax, nothing
 changed), with a refusal that names the flag behind a train state that does not fit (a checkpoint's arrays are
 carried over as saved: its optimizer state too, whose layout gradient clipping and a learning-rate schedule shape),
-and what to change after training diverged that --resume then accepts."""
+and what to change after training diverged that --resume then accepts. What the layout does not show (--task
+among tasks of the same sizes, --algo, --normalize_observations) is compared with the checkpoint's metadata."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,6 +17,7 @@ from ebrl_jax import config as config_lib
 from ebrl_jax import config_generation
 from ebrl_jax.runtime import storage
 from ebrl_jax.trainer import checkpoint
+from ebrl_jax.trainer import checkpoint_values
 from ebrl_jax.trainer import driver
 from ebrl_jax.trainer import stages as trainer_stages
 
@@ -72,8 +74,38 @@ def check_checkpoints(cfg: config_lib.Config) -> Optional[dict]:
         f'--resume: checkpoint {step} in {directory} is intact, but{by} it does not fit this run\'s train state: '
         f'{mismatch}{"".join(f" ({h})" for h in hints)}. It stays loadable by a run with its own flags: resume '
         'with those, or choose another --run_dir for this run.')
+  refused = run_change(cfg, directory, step)
+  if refused is not None:
+    raise ValueError(refused)
   extra = checkpoint.read_extra(directory, step)
   return {'step': step, 'env_steps': extra.get('env_steps'), 'iterations': extra.get('iterations'), 'skipped': skipped}
+
+
+def run_change(cfg: config_lib.Config, directory: str, step: int) -> Optional[str]:
+  """Why step `step` cannot go on in this run although its arrays fit: the metadata the driver saved with it names
+  another --task (of the same sizes), --algo or --normalize_observations, none of which the train state's layout
+  shows. None when they agree; a checkpoint whose metadata predates a field is unknown there, one warning."""
+  run = checkpoint.read_extra(directory, step).get('run') or {}
+  where, mine = f'--resume: checkpoint {step} in {directory}', cfg.algo.name
+  if run.get('task', cfg.sim.task) != cfg.sim.task:
+    return (f'{where} was written for --task={run["task"]} (this run: --task={cfg.sim.task}), whose observations '
+            'and actions have this one\'s sizes: --resume continues a run on its own task. Resume with '
+            f'--task={run["task"]}, or start a new run in another --run_dir.')
+  if run.get('algo', mine) != mine:
+    return (f'{where} was written by a run with --algo={run["algo"]} (this run: --algo={mine}): its policy and '
+            f'optimizer state were trained with {run["algo"]}\'s loss, and --resume continues a run with its own '
+            f'algorithm. Resume with --algo={run["algo"]}, or start a new run in another --run_dir.')
+  if 'normalize_observations' in run:
+    change = checkpoint_values.normalization_words(bool(run['normalize_observations']),
+                                                   cfg.policy.normalize_observations, 'its metadata records it')
+    if change is not None:
+      return f'{where} {change}, or start a new run in another --run_dir.'
+  unknown = [f'--{k}' for k in ('algo', 'normalize_observations') if k not in run]
+  if unknown:
+    logging.warning(
+        'checkpoint %d in %s records no %s (it predates that record), so --resume cannot check that '
+        'this run\'s match the run that wrote it.', step, directory, ' or '.join(unknown))
+  return None
 
 
 def state_template(cfg: config_lib.Config):

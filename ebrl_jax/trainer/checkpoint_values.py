@@ -52,16 +52,26 @@ def root_cause(e: BaseException) -> str:
   return f'{type(seen[-1]).__name__}: {text.splitlines()[0][:300] if text else ""}'
 
 
-def normalization_change(restored, template) -> Optional[str]:
-  """Why `restored` (a checkpoint's TrainState) cannot go on under `template`'s observation normalisation, or None.
-  The flag is static (not saved: the restore takes the template's), but a run that normalises moves its statistics
-  every iteration, so a checkpoint's count says which run wrote it: > 0 one that normalised, 0 one that did not."""
-  seen = float(np.asarray(jax.device_get(restored.params.normalizer.count)))
-  if template.params.normalize_observations and not seen:
-    return ('was written by a run with --nonormalize_observations (its observation statistics are empty), and this '
-            'run normalises: its policy learned from raw observations. Resume with --nonormalize_observations')
-  if not template.params.normalize_observations and seen:
-    return (f'was written by a run that normalised its observations (its statistics have seen {seen:.0f}), and this '
-            'run has --nonormalize_observations: its policy would see raw observations. Resume without '
+def normalization_words(normalised: bool, normalise: bool, evidence: str) -> Optional[str]:
+  """Why a checkpoint written by a run that did (`normalised`) or did not normalise its observations cannot go on
+  in a run that does (`normalise`) or does not, ending in the flag to resume with; None when they agree.
+  `evidence`: how the checkpoint says so (its statistics, its metadata)."""
+  if normalise and not normalised:
+    return (f'was written by a run with --nonormalize_observations ({evidence}), and this run normalises: its '
+            'policy learned from raw observations. Resume with --nonormalize_observations')
+  if normalised and not normalise:
+    return (f'was written by a run that normalised its observations ({evidence}), and this run has '
+            '--nonormalize_observations: its policy would see raw observations. Resume without '
             '--nonormalize_observations')
   return None
+
+
+def normalization_change(restored, template) -> Optional[str]:
+  """Why `restored` (a checkpoint's TrainState) cannot go on under `template`'s observation normalisation, or None.
+  The flag is static (not saved in the state: the restore takes the template's), but a run that normalises moves
+  its statistics every iteration, so a checkpoint's count says which run wrote it: > 0 one that normalised, 0 one
+  that did not. (The controller checks the flag the checkpoint's metadata records before any worker starts; this
+  guards a driver run on its own and checkpoints from before the metadata recorded it.)"""
+  seen = float(np.asarray(jax.device_get(restored.params.normalizer.count)))
+  evidence = f'its statistics have seen {seen:.0f}' if seen else 'its observation statistics are empty'
+  return normalization_words(bool(seen), bool(template.params.normalize_observations), evidence)

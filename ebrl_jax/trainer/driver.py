@@ -157,6 +157,7 @@ def _save(cfg, checkpointer, train_state, progress: cadence.Progress, spec) -> N
     return
   critic = config_generation.critic_of(cfg.policy, bool(spec.pixel_shape))
   run = dict(task=cfg.sim.task, policy=cfg.policy.kind, obs_dim=spec.obs_dim, action_dim=spec.action_dim, critic=critic)
+  run.update(algo=cfg.algo.name, normalize_observations=cfg.policy.normalize_observations)  # no layout shows these
   with _disk_full_said_once():
     checkpointer.save(progress.iterations, train_state, {
         'env_steps': progress.env_steps,
