@@ -33,7 +33,8 @@ def _save(run_dir, **algo):
   template = resume_check.state_template(_cfg(run_dir, **algo))
   state = jax.tree_util.tree_map(lambda x: np.zeros(x.shape, x.dtype), template)
   with checkpoint.Checkpointer(str(run_dir / 'checkpoints')) as ckpt:
-    ckpt.save(1, state, {'env_steps': 100, 'iterations': 1, 'run': {'task': 'inverted_pendulum', 'policy': 'mlp'}})
+    run = {'task': 'inverted_pendulum', 'policy': 'mlp', 'normalize_observations': True}  # zeros: a count of 0
+    ckpt.save(1, state, {'env_steps': 100, 'iterations': 1, 'run': run})
 
 
 @pytest.mark.parametrize('saved,resumed,named', [

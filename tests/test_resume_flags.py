@@ -3,7 +3,10 @@ line (exit code 2) naming the flag, in every schedule: the driver records --task
 --normalize_observations in each checkpoint's metadata and the controller compares them (before: a PPO
 checkpoint resumed with --algo=grpo silently, and a changed --normalize_observations was refused only inside the
 trainer worker of sync/async, its FATAL line after a traceback). A checkpoint whose metadata predates the record
-still resumes, with one warning."""
+still resumes, with one warning; whether it normalised its observations its statistics' count says, read before
+any worker starts without orbax or JAX (before: sync and async refused it in the trainer worker)."""
+import dataclasses
+import glob
 import json
 import os
 import shutil
@@ -105,9 +108,12 @@ def test_a_changed_normalize_observations_is_one_line_in_every_schedule(tmp_path
   assert _files(run_dir) == before
 
 
-def _save(run_dir, run):
-  """Checkpoint 1 (zeros of this run's train state's shapes) with `run` as its metadata's record (None: none)."""
+def _save(run_dir, run, seen=1280.0):
+  """Checkpoint 1 (zeros of this run's train state's shapes, its observation statistics having seen `seen`) with
+  `run` as its metadata's record (None: none)."""
   state = jax.tree_util.tree_map(lambda x: np.zeros(x.shape, x.dtype), resume_check.state_template(_config(run_dir)))
+  normalizer = state.params.normalizer.replace(count=np.float32(seen))
+  state = state.replace(params=state.params.replace(normalizer=normalizer))
   extra = {'env_steps': 1280, 'iterations': 1, **({'run': run} if run is not None else {})}
   with checkpoint.Checkpointer(str(run_dir / 'checkpoints')) as ckpt:
     ckpt.save(1, state, extra)
@@ -121,12 +127,54 @@ def test_another_task_of_the_same_sizes_is_refused(tmp_path):
   assert 'Resume with --task=other_pendulum, or start a new run in another --run_dir.' in str(refused.value)
 
 
-@pytest.mark.parametrize('run', [None, {'task': 'inverted_pendulum', 'policy': 'mlp', 'critic': 'mlp'}])
+OLD_RUN = {'task': 'inverted_pendulum', 'policy': 'mlp', 'critic': 'mlp'}  # metadata from before the record
+
+
+@pytest.mark.parametrize('run', [None, OLD_RUN])
 def test_a_checkpoint_from_before_the_record_still_resumes_with_a_warning(tmp_path, run, caplog):
   _save(tmp_path, run)
   assert resume_check.check_checkpoints(_config(tmp_path, resume=True, name='grpo', group_size=4))['step'] == 1
-  assert any('records no --algo or --normalize_observations (it predates that record)' in r.getMessage()
-             for r in caplog.records)
+  warned = [r.getMessage() for r in caplog.records if r.levelname == 'WARNING']
+  assert len(warned) == 1 and 'records no --algo (it predates that record)' in warned[0], warned
+
+
+def test_a_checkpoint_from_before_the_record_is_checked_by_its_statistics(tmp_path):
+  """Its statistics' count says whether the run that wrote it normalised, read without orbax or JAX."""
+  _save(tmp_path, OLD_RUN, seen=0.0)
+  assert resume_check.read_scalar(str(tmp_path / 'checkpoints'), 1, ('params', 'normalizer', 'count')) == 0.0
+  with pytest.raises(ValueError,
+                     match=r'written by a run with --nonormalize_observations \(its observation '
+                     r'statistics are empty\), and this run normalises.*Resume with --nonormalize_observations'):
+    resume_check.check_checkpoints(_config(tmp_path, resume=True))
+  cfg = _config(tmp_path, resume=True)
+  raw = dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, normalize_observations=False))
+  assert resume_check.check_checkpoints(raw)['step'] == 1
+
+
+def test_a_record_and_statistics_that_cannot_be_read_leave_both_unknown(tmp_path, caplog):
+  _save(tmp_path, OLD_RUN)
+  for data in glob.glob(str(tmp_path / 'checkpoints' / '1' / 'state' / '**' / 'd' / '*'), recursive=True):
+    os.remove(data)  # only the restore would find this: the pre-check warns, and the trainer's restore falls back
+  assert resume_check.read_scalar(str(tmp_path / 'checkpoints'), 1, ('params', 'normalizer', 'count')) is None
+  assert resume_check.check_checkpoints(_config(tmp_path, resume=True))['step'] == 1
+  assert any('records no --algo or --normalize_observations' in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize('schedule', ['sync', 'async'])
+def test_an_old_checkpoint_across_normalize_observations_is_one_line_in_the_process_schedules(
+    tmp_path, finished_run, schedule):
+  """Before, sync and async refused it in the trainer worker: its FATAL line after a traceback, exit code 3."""
+  run_dir = _copy(finished_run, tmp_path)
+  metadata = run_dir / 'checkpoints' / '1' / 'extra' / 'metadata'
+  extra = json.loads(metadata.read_text())
+  extra['run'] = OLD_RUN
+  metadata.write_text(json.dumps(extra))
+  line = _one_fatal_line(
+      _main('--num_timesteps=2560', '--resume', '--nonormalize_observations', f'--schedule={schedule}',
+            f'--run_dir={run_dir}'))
+  assert line.startswith(f'FATAL: --resume: checkpoint 1 in {run_dir}/checkpoints was written by a run that '
+                         'normalised its observations (its statistics have seen 1280), and this run has '
+                         '--nonormalize_observations')
 
 
 def test_a_matching_record_resumes_without_a_warning(tmp_path, caplog):

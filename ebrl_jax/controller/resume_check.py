@@ -2,7 +2,8 @@
 changed), with a refusal that names the flag behind a train state that does not fit (a checkpoint's arrays are
 carried over as saved: its optimizer state too, whose layout gradient clipping and a learning-rate schedule shape),
 and what to change after training diverged that --resume then accepts. What the layout does not show (--task
-among tasks of the same sizes, --algo, --normalize_observations) is compared with the checkpoint's metadata."""
+among tasks of the same sizes, --algo, --normalize_observations) is compared with the checkpoint's metadata; where
+that predates --normalize_observations, with its observation statistics' count (one scalar, read by tensorstore)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,6 +13,8 @@ from typing import Iterator, Optional, Set, Tuple
 
 from absl import logging
 import jax
+import numpy as np
+import tensorstore as ts
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import config_generation
@@ -84,7 +87,8 @@ def check_checkpoints(cfg: config_lib.Config) -> Optional[dict]:
 def run_change(cfg: config_lib.Config, directory: str, step: int) -> Optional[str]:
   """Why step `step` cannot go on in this run although its arrays fit: the metadata the driver saved with it names
   another --task (of the same sizes), --algo or --normalize_observations, none of which the train state's layout
-  shows. None when they agree; a checkpoint whose metadata predates a field is unknown there, one warning."""
+  shows. None when they agree; a checkpoint whose metadata predates a field is unknown there, one warning (where
+  it predates --normalize_observations, its observation statistics' count says, as the trainer reads it)."""
   run = checkpoint.read_extra(directory, step).get('run') or {}
   where, mine = f'--resume: checkpoint {step} in {directory}', cfg.algo.name
   if run.get('task', cfg.sim.task) != cfg.sim.task:
@@ -95,16 +99,36 @@ def run_change(cfg: config_lib.Config, directory: str, step: int) -> Optional[st
     return (f'{where} was written by a run with --algo={run["algo"]} (this run: --algo={mine}): its policy and '
             f'optimizer state were trained with {run["algo"]}\'s loss, and --resume continues a run with its own '
             f'algorithm. Resume with --algo={run["algo"]}, or start a new run in another --run_dir.')
-  if 'normalize_observations' in run:
-    change = checkpoint_values.normalization_words(bool(run['normalize_observations']),
-                                                   cfg.policy.normalize_observations, 'its metadata records it')
+  normalised, evidence = run.get('normalize_observations'), 'its metadata records it'
+  if normalised is None:  # a checkpoint from before the record: its statistics' count says (as the trainer reads it)
+    seen = read_scalar(directory, step, ('params', 'normalizer', 'count'))
+    normalised = None if seen is None or seen < 0 else seen > 0
+    evidence = f'its statistics have seen {seen:.0f}' if normalised else 'its observation statistics are empty'
+  if normalised is not None:
+    change = checkpoint_values.normalization_words(bool(normalised), cfg.policy.normalize_observations, evidence)
     if change is not None:
       return f'{where} {change}, or start a new run in another --run_dir.'
-  unknown = [f'--{k}' for k in ('algo', 'normalize_observations') if k not in run]
+  unknown = ['--algo'] if 'algo' not in run else []
+  unknown += ['--normalize_observations'] if normalised is None else []
   if unknown:
     logging.warning(
         'checkpoint %d in %s records no %s (it predates that record), so --resume cannot check that '
         'this run\'s match the run that wrote it.', step, directory, ' or '.join(unknown))
+  return None
+
+
+def read_scalar(directory: str, step: int, path: Tuple[str, ...]) -> Optional[float]:
+  """The value of step `step`'s scalar array at `path` (('params', 'normalizer', 'count')), read with tensorstore
+  alone (orbax's storage; no orbax, no JAX backend, which starts only once the checks passed); None when it cannot
+  be read or is not finite."""
+  kvstore = {'driver': 'ocdbt', 'base': f'file://{os.path.join(directory, str(step), "state")}/'}
+  for driver in ('zarr', 'zarr3'):  # orbax's array format: zarr (0.12), zarr3 (newer)
+    try:
+      array = ts.open({'driver': driver, 'kvstore': dict(kvstore, path='.'.join(path) + '/')}, open=True).result()
+      value = float(np.asarray(array.read().result()).reshape(()))
+    except Exception:  # pylint: disable=broad-except  (tensorstore raises ValueError and others; a damaged file)
+      continue
+    return value if np.isfinite(value) else None
   return None
 
 

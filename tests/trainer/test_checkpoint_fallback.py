@@ -132,7 +132,8 @@ def test_a_popart_difference_is_named_by_its_flag(tmp_path, saved_rate, resume_r
   saved = cfg(saved_rate, False)
   state = jax.tree_util.tree_map(lambda x: np.zeros(x.shape, x.dtype), runner._state_template(saved))  # pylint: disable=protected-access
   with checkpoint.Checkpointer(str(tmp_path / 'checkpoints')) as ckpt:
-    ckpt.save(1, state, {'env_steps': 100, 'iterations': 1})
+    run = {'task': 'inverted_pendulum', 'policy': 'mlp', 'normalize_observations': True}  # zeros: a count of 0
+    ckpt.save(1, state, {'env_steps': 100, 'iterations': 1, 'run': run})
   assert runner.check_checkpoints(cfg(saved_rate, True))['step'] == 1
   with pytest.raises(ValueError,
                      match=r"value_stats\.\w+ only in (this run|the checkpoint).*\(value_stats is "
