@@ -133,7 +133,7 @@ def test_a_truncated_newest_step_is_named_and_resume_continues_from_the_one_befo
   summary = controller.run(_config(run_dir, num_timesteps=3840, num_evals=1, resume=True))
   messages = [r.getMessage() for r in caplog.records]
   assert any(f'checkpoint 2 ({run_dir}/checkpoints/2) is damaged: {metadata} is not whole' in m for m in messages)
-  assert any(f'Resuming the run in {run_dir} from checkpoint 1' in m for m in messages)  # said on the console
+  assert any(f'Resuming the run in {run_dir}: newest checkpoint 1' in m for m in messages)  # said on the console
   assert summary.extra['resumed_from'] == {
       'step': 1,
       'env_steps': 1280,

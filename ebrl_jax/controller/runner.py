@@ -209,10 +209,12 @@ def run(cfg: config_lib.Config, start_unix: Optional[float] = None) -> driver.Ru
   with supervisor.sigterm_as_interrupt():
     spec = cells_lib.resolve(cfg)  # the cells of the run: flags, else JAX_* / SLURM's environment
     resumed = check_before_start(cfg)  # nothing is started or written before this
-    if resumed is not None:
-      logging.info('Resuming the run in %s from checkpoint %d (env step %s, iteration %s)%s.', cfg.schedule.run_dir,
-                   resumed['step'], resumed['env_steps'], resumed['iterations'],
-                   f', past damaged step(s) {resumed["skipped"]}' if resumed['skipped'] else '')
+    if resumed is not None:  # its files look whole; its data is read by the trainer, which names the step it restores
+      logging.info(
+          'Resuming the run in %s: newest checkpoint %d (env step %s, iteration %s)%s; the trainer restores it, or '
+          'an older one where its data does not read back, and names the step it restored.', cfg.schedule.run_dir,
+          resumed['step'], resumed['env_steps'], resumed['iterations'],
+          f', past damaged step(s) {resumed["skipped"]}' if resumed['skipped'] else '')
     startup.configure_jax(cfg.resources.platform, cfg.schedule.compilation_cache_dir)
     cell = cells_lib.join(cfg, spec)  # before JAX starts its backend; rank k > 0 writes under run_dir/rank<k>/
     cfg = cells_lib.rank_config(cfg, cell)

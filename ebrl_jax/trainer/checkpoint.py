@@ -351,8 +351,11 @@ def _resume(checkpointer: Optional[Checkpointer], template_state: TrainState, re
   if change is not None:
     raise ValueError(f'--resume: checkpoint {step} in {run_dir}/checkpoints {change}, or start a new run in another '
                      '--run_dir.')
-  _LOG.info('Resumed from checkpoint %d: env step %d (iteration %d) of a %s run.', step, extra['env_steps'],
-            extra['iterations'], extra.get('schedule', '?'))
+  # A fallback is a warning, so that a trainer worker (its INFO lines are not shown) names the step it restored too.
+  log = _LOG.warning if skipped else _LOG.info
+  past = f' (past damaged step(s) {[s for s, _ in skipped]})' if skipped else ''
+  log('Resumed from checkpoint %d%s: env step %d (iteration %d) of a %s run.', step, past, extra['env_steps'],
+      extra['iterations'], extra.get('schedule', '?'))
   if extra.get('schedule') not in (None, schedule):
     _LOG.warning('The checkpoint was written by --schedule=%s; continuing with --schedule=%s.', extra['schedule'],
                  schedule)
