@@ -44,6 +44,7 @@ from ebrl_jax import config_checks
 from ebrl_jax.runtime import distributed
 from ebrl_jax.runtime import errors
 from ebrl_jax.runtime import launch
+from ebrl_jax.runtime import lifecycle
 from ebrl_jax.runtime import ray_launch
 from ebrl_jax.runtime import storage
 # pylint: enable=wrong-import-position
@@ -352,14 +353,15 @@ def _main(argv):
     return ray_launch.run_ray(sys.argv[1:], cfg.cells.num_processes, cfg.resources.platform, cfg.schedule.run_dir,
                               cfg.cells.heartbeat_timeout_s, _pending_stop)
   from ebrl_jax import controller  # lazy: a flag error is reported before JAX and the simulators load
-  if _PENDING_STOP:
-    print(f'STOPPED: {_PENDING_STOP[0]} before the run started; nothing was written.', file=sys.stderr)
-    return EXIT_SIGNAL[_PENDING_STOP[0]]
-  signal.signal(signal.SIGTERM, errors.interrupt)  # from here on SIGTERM stops the run as Ctrl-C does
   interrupt = held[signal.SIGINT]  # Python's own KeyboardInterrupt, unless a caller installed another handler
-  signal.signal(signal.SIGINT, signal.default_int_handler if interrupt in (_hold_stop, None) else interrupt)
   try:
-    summary = controller.run(cfg, start_unix=start_unix)
+    # From here on SIGTERM stops the run as Ctrl-C does, and neither is swallowed by a callback (lifecycle).
+    with lifecycle.stop_signals_as_interrupt():
+      signal.signal(signal.SIGINT, signal.default_int_handler if interrupt in (_hold_stop, None) else interrupt)
+      if _PENDING_STOP:  # held while modules loaded; asked once the handlers are in, so none slips between
+        print(f'STOPPED: {_PENDING_STOP[0]} before the run started; nothing was written.', file=sys.stderr)
+        return EXIT_SIGNAL[_PENDING_STOP[0]]
+      summary = controller.run(cfg, start_unix=start_unix)
   except KeyboardInterrupt as interrupt:  # before the run had a summary to write
     reason = errors.stop_reason(interrupt)
     print(f'STOPPED: {reason} before the run had written its summary.', file=sys.stderr)

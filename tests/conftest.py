@@ -260,6 +260,8 @@ HEAVY = frozenset({
 # Measured over ~5 s on the 2-core CPU machine: (file basename, test function name) marks every parametrisation,
 # (file basename, test id with its parameters) one of them.
 SLOW = frozenset({
+    # 2-20 s a trial on the 2-core machine: an async run Ctrl-Ced from inside a gc callback during its start-up
+    ('test_ctrl_c_startup.py', 'test_a_ctrl_c_at_any_moment_of_start_up_stops_the_run_cleanly'),
     # over 12 s in the suite's last --durations run on the 2-core machine (CI's load; alone they are shorter)
     ('test_trace_cache.py', 'test_warm_mjx_fused_run_reuses_its_traces_and_learns_the_same'),
     ('test_liveness.py', 'test_a_sigkilled_controller_leaves_no_process_and_once_swept_no_shared_memory'),

@@ -3,11 +3,9 @@ cores, MPS quota and memory budget, or as threads), watches them, restarts a dea
 worker (`--worker_fault=restart`) or stops the run cleanly, and stops every one of them on the way out."""
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import multiprocessing.connection
 import os
-import signal
 import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -172,11 +170,11 @@ class Supervisor:
                                  daemon=True)
     else:
       worker = threading.Thread(target=target, args=args, kwargs=kwargs, name=role, daemon=True)
-    with _sigint_ignored_by_children(self._use_processes):
+    with lifecycle.spawning(self._use_processes):  # a stop that comes meanwhile is raised once it is watched
       worker.start()
-    if register:
-      self.workers[role] = worker
-      self._write_pids()
+      if register:
+        self.workers[role] = worker
+        self._write_pids()
     return worker
 
   def start_rollout(self, group: int, quota: Optional[int] = None, standby: bool = False, rollout_cfg=None):
@@ -359,32 +357,5 @@ class Supervisor:
           logging.error('%s (pid %d) survived SIGKILL for 2 s; leaving it to the kernel.', w.name, w.pid)
 
 
-@contextlib.contextmanager
-def _sigint_ignored_by_children(processes: bool):
-  """While a worker process starts, SIGINT is ignored, and the child keeps that across exec (Python installs its
-  KeyboardInterrupt handler only over the default disposition). Ctrl-C at a terminal signals the whole process
-  group: the controller alone decides how the run stops (it stops the trainer, which sends its summary, then every
-  worker) instead of each worker dying with a traceback wherever it was. A Ctrl-C landing in those microseconds is
-  lost, not half-handled. Only the main thread may set handlers; elsewhere nothing changes."""
-  if not processes or threading.current_thread() is not threading.main_thread():
-    yield
-    return
-  previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-  try:
-    yield
-  finally:
-    signal.signal(signal.SIGINT, previous)
-
-
-@contextlib.contextmanager
-def sigterm_as_interrupt():
-  """SIGTERM stops the run like Ctrl-C does, as a `KeyboardInterrupt('SIGTERM')` (`errors.interrupt`; main
-  thread only; elsewhere the handler is left alone)."""
-  if threading.current_thread() is not threading.main_thread():
-    yield
-    return
-  previous = signal.signal(signal.SIGTERM, errors.interrupt)
-  try:
-    yield
-  finally:
-    signal.signal(signal.SIGTERM, previous)
+# SIGTERM as Ctrl-C, neither swallowed by a callback (runtime/lifecycle.py; controller/runner.py uses it too).
+sigterm_as_interrupt = lifecycle.stop_signals_as_interrupt

@@ -7,13 +7,18 @@ memory (`StopFlag`), the controller's death is seen through `getppid` (asked fir
 signal, which a worker arms as soon as it unpickles its stop, before it imports JAX. So a worker whose
 controller was SIGKILLed, even mid-import or mid-compile, is ended within a second, and no SIGKILLed worker can
 freeze the others or the controller.
+
+Also the controller's side of a stop signal: SIGTERM and Ctrl-C as a `KeyboardInterrupt` that no callback swallows
+(`stop_signals_as_interrupt`), and none lost while a worker spawns (`spawning`).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import json
 import multiprocessing
+from multiprocessing import resource_tracker
 import os
 import queue
 import signal
@@ -89,7 +94,104 @@ class StopFlag:
 
   def __setstate__(self, state):
     self._value, self.creator = state['value'], state['creator']
+    ignore_inherited_sigint()
     end_with_creator(self.creator)
+
+
+def ignore_inherited_sigint() -> None:
+  """In a worker that the controller started with SIGINT blocked (`spawning`): ignores it from now on, a Ctrl-C
+  that waited meanwhile included (the controller decides how the run stops), and unblocks it, so that a handler
+  installed later (the trainer's stop request) gets the next one. Elsewhere (SIGINT not blocked) does nothing."""
+  if threading.current_thread() is threading.main_thread() and signal.SIGINT in signal.pthread_sigmask(
+      signal.SIG_BLOCK, []):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # discards a pending one
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def spawning(processes: bool = True):
+  """Around the start of a worker process: SIGINT is blocked in this thread, so the child starts with it blocked
+  (the mask survives fork and exec) until, unpickling its stop, it ignores it (`ignore_inherited_sigint`). Ctrl-C
+  at a terminal signals the whole process group: the controller alone decides how the run stops (it stops the
+  trainer, which sends its summary, then every worker) instead of each worker dying with a traceback wherever it
+  was. A SIGINT or SIGTERM that reaches the controller meanwhile is held, never raised inside
+  `multiprocessing`'s start (which would leave a child started and unwatched), and is raised to the handlers in
+  force once the child is started. Only the main thread may set handlers; elsewhere nothing changes.
+  NOTE: not SIG_IGN in the controller, as before: the disposition is the process's, and a Ctrl-C landing while a
+  worker spawned was lost (the run trained on)."""
+  if not processes or threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  resource_tracker.ensure_running()  # its own start unblocks SIGINT: before the mask is set, not inside it
+  came: List[int] = []
+  previous = {s: signal.signal(s, lambda signum, _: came.append(signum)) for s in _STOP_SIGNALS}
+  mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+  try:
+    yield
+  finally:
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a SIGINT that waited on the mask is held here
+    for s, handler in previous.items():
+      signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+    for s in dict.fromkeys(came):  # once each, to the run's own handlers (a KeyboardInterrupt, as a rule)
+      signal.raise_signal(s)
+
+
+_REDELIVER_S = 0.05  # a swallowed interrupt is sent again this long after: the callback has returned by then
+
+
+def _send_later(name: str) -> None:
+  timer = threading.Timer(_REDELIVER_S, os.kill, (os.getpid(), signal.Signals[name]))
+  timer.daemon = True
+  timer.start()
+
+
+def _redeliver_swallowed_interrupts(previous_hook):
+  """A `sys.unraisablehook` for a `KeyboardInterrupt` Python could not raise (its signal handler ran inside a
+  garbage-collection callback, a `__del__` or a weakref callback: 'Exception ignored in ...'): the signal that
+  made it is sent to this process again `_REDELIVER_S` later, so that its handler runs after the callback, and
+  nothing is printed. Anything else goes to `previous_hook`.
+  NOTE: the signal is sent again rather than raised here: an interrupt raised inside this hook is swallowed too
+  (a Timer thread, not `_thread.interrupt_main`, whose handler would run before the hook returns). If the one sent
+  again lands in such a callback once more, it comes back here, and is sent again."""
+
+  def hook(unraisable):
+    if unraisable.exc_type is None or not issubclass(unraisable.exc_type, KeyboardInterrupt):
+      previous_hook(unraisable)
+      return
+    name = errors.stop_reason(unraisable.exc_value or KeyboardInterrupt())
+    for _ in range(3):
+      try:
+        _send_later(name)
+        return
+      except KeyboardInterrupt:  # an earlier one, sent again, landed in this hook (a starved main thread)
+        continue
+
+  hook.redelivers = True
+  return hook
+
+
+@contextlib.contextmanager
+def stop_signals_as_interrupt():
+  """SIGTERM stops the run like Ctrl-C does, as a `KeyboardInterrupt('SIGTERM')` (`errors.interrupt`), and neither
+  is lost where Python cannot raise it: JAX's garbage-collection callback (`_xla_gc_callback`) ran the handler on
+  a loaded machine, the interrupt was printed as 'Exception ignored' and the run trained on. Such an interrupt is
+  raised again outside the callback (`_redeliver_swallowed_interrupts`). Main thread only; elsewhere nothing
+  changes."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  previous = signal.signal(signal.SIGTERM, errors.interrupt)
+  previous_hook = sys.unraisablehook
+  if not getattr(previous_hook, 'redelivers', False):
+    sys.unraisablehook = _redeliver_swallowed_interrupts(previous_hook)
+  try:
+    yield
+  finally:
+    sys.unraisablehook = previous_hook
+    signal.signal(signal.SIGTERM, previous)
 
 
 FAILURES_DIR = 'failures'  # <run_dir>/failures/<pid>.json: the error a worker process ended on (run_worker)
