@@ -47,7 +47,7 @@ def check_quota_sum(resources: 'ResourceConfig', processes: Dict[str, int]) -> N
 @dataclasses.dataclass(frozen=True)
 class ResourceConfig:
   """Placement of the process schedules' workers on the machine."""
-  platform: str = ''  # '' lets JAX choose; else 'cpu' or 'gpu'
+  platform: str = ''  # '' lets JAX choose; else 'cpu', 'gpu' or 'cuda'
   # Run the workers under an NVIDIA MPS daemon (started for the run if none serves CUDA_MPS_PIPE_DIRECTORY).
   use_mps: bool = False
   # SM quotas in percent per role under MPS, e.g. 'trainer=30,rollout=35' ('' = no quotas).

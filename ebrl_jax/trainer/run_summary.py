@@ -31,8 +31,9 @@ class RunSummary:
   extra: dict  # schedule-specific figures (segments consumed, dropped, duplicates, worker restarts, ...)
   # Why the run ended: one of trainer.driver's FINISHED, its BUDGETS ('max_wall_s', 'max_train_s'), the signal
   # ('SIGTERM', 'SIGINT'), DIVERGED (a loss or return became NaN/inf), OUT_OF_MEMORY (an allocation XLA refused, here
-  # or in a worker) or errors.WORKER_FAILED (a worker beside the trainer failed for good); for the failures
-  # extra['failure'] says what happened, and the controller raises errors.Diverged, OutOfMemory or WorkerFailure.
+  # or in a worker), errors.WORKER_FAILED (a worker beside the trainer failed for good) or errors.TRAINER_DIED (the
+  # trainer worker died: the controller's summary, from what it had logged); for the failures extra['failure'] says
+  # what happened, and the controller raises errors.Diverged, OutOfMemory, WorkerFailure or TrainerDied.
   stopped: str = 'num_timesteps'
   compile_breakdown: Dict[str, float] = dataclasses.field(default_factory=dict)  # the parts of compile_s
   start_unix: Optional[float] = None  # the clock's origin, `time.time()` at process start
