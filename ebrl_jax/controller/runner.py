@@ -78,7 +78,8 @@ def _add_telemetry_and_trace(cfg: config_lib.Config, summary: driver.RunSummary,
 
 
 def write_summary(cfg: config_lib.Config, summary: driver.RunSummary) -> str:
-  """Writes the summary atomically; a full disk is a `DiskFull` naming the file (the checkpoints stay whole)."""
+  """Writes the summary atomically; a full disk is a `DiskFull` naming the file (the checkpoints stay whole) and how
+  the run ended (a stop's summary is written too)."""
   path = os.path.join(cfg.schedule.run_dir, 'summary.json')
   try:
     storage.write_json(path, dataclasses.asdict(summary), indent=2)
@@ -87,9 +88,21 @@ def write_summary(cfg: config_lib.Config, summary: driver.RunSummary) -> str:
     if reason is None:
       raise
     run_dir = os.path.abspath(cfg.schedule.run_dir)
-    raise errors.DiskFull(f'the run finished, but the disk holding {run_dir} is full ({reason}): {path} was not '
-                          'written. ' + storage.resume_advice(run_dir)) from e
+    raise errors.DiskFull(f'{how_it_ended(summary.stopped)}, but the disk holding {run_dir} is full ({reason}): '
+                          f'{path} was not written. ' + storage.resume_advice(run_dir)) from e
   return path
+
+
+def how_it_ended(stopped: str) -> str:
+  """'the run finished', or why it stopped, in words, from the summary's `stopped`."""
+  if stopped in driver.FINISHED:
+    return 'the run finished'
+  if stopped in driver.BUDGETS:
+    return f'the run stopped at its --{stopped} budget'
+  if stopped in errors.STOP_SIGNALS:
+    return f'the run stopped on {stopped}'
+  what = (_FAILURES[stopped][1] or 'the trainer worker died') if stopped in _FAILURES else stopped
+  return f'the run stopped ({what})'
 
 
 def _write_config(cfg: config_lib.Config) -> None:
