@@ -118,6 +118,7 @@ FILE_TIERS = {
         'e2e',  # runs that fail (diverged; a worker that fails for good; host memory): one FATAL line, nothing left
     'test_faults.py': 'e2e',  # the fault suite's short version: real runs
     'test_worker_verdict.py': 'contract',  # a dead worker: restart or stop; two real worker processes, no run
+    'test_stop_grace.py': 'contract',  # a stopping trainer's grace: a stand-in trainer process, no run
 }
 DIR_TIERS = {
     'generation': 'unit',

@@ -19,7 +19,6 @@ import glob
 import os
 import shutil
 import signal
-import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -41,6 +40,7 @@ from ebrl_jax.resources import mps
 from ebrl_jax.runtime import errors
 from ebrl_jax.runtime import lifecycle
 from ebrl_jax.runtime import run_clock
+from ebrl_jax.runtime import stop_grace
 from ebrl_jax.trainer import driver
 from ebrl_jax.trainer import remote_eval
 
@@ -151,19 +151,20 @@ def _plan(cfg: config_lib.Config, topology, memory_plan, mps_daemon, start_unix:
   return cfg, topology, plan_record, memory_plan
 
 
-_STOP_GRACE_S = 10.0  # after SIGTERM or Ctrl-C, how long the trainer has to send its partial summary
+_STOP_GRACE_S = 10.0  # after SIGTERM or Ctrl-C, the trainer's time to reach its iteration boundary (besides its save)
 _CELL_STOP_GRACE_S = 60.0  # the same for a cell's trainer rank: it stops when every rank has reached its step
 
 
 def _stop_trainer(cfg: config_lib.Config, workers: supervisor_lib.Supervisor) -> None:
   """After SIGTERM or Ctrl-C: asks the trainer to stop at its next iteration boundary (SIGINT to its process, which
   its handler turns into a request once it runs; the run's stop for a thread, its interrupt for a thread that is a
-  cell's rank) and goes on watching while it sends its partial summary. A trainer process that has not ended
-  after _STOP_GRACE_S (a cell's rank: _CELL_STOP_GRACE_S) is terminated."""
+  cell's rank) and goes on watching while it saves the checkpoint of that iteration and sends its partial summary.
+  A trainer process that has not ended within its grace is terminated (runtime/stop_grace.py: _STOP_GRACE_S,
+  a cell's rank _CELL_STOP_GRACE_S, or two of its iterations, plus the time its checkpoint saves take)."""
   trainer = workers.workers.get('trainer')
   if trainer is None:
     return
-  workers.tick, timer = None, None  # no live quota change while the run stops
+  workers.tick, grace = None, None  # no live quota change while the run stops
   if not trainer.is_alive():
     pass  # it has ended (its summary, if it sent one, is read below)
   elif workers.trainer_interrupt is not None:  # a thread that is a cell's rank: it votes to stop (trainer.ranks)
@@ -171,11 +172,14 @@ def _stop_trainer(cfg: config_lib.Config, workers: supervisor_lib.Supervisor) ->
   elif not workers.use_processes:
     workers.stop.set()
   elif lifecycle.read_phases(cfg.schedule.run_dir).get('trainer', {}).get('pid') == trainer.pid:
-    grace = _CELL_STOP_GRACE_S if workers.cell_rank else _STOP_GRACE_S
-    logging.info('stopping: asking the trainer for its summary so far (up to %.0f s).', grace)
+    base = stop_grace.base_grace(_CELL_STOP_GRACE_S if workers.cell_rank else _STOP_GRACE_S,
+                                 workers.trainer_feedback.snapshot().period_s)
+    grace = stop_grace.StopGrace(trainer, os.path.join(cfg.schedule.run_dir, 'checkpoints'), base)
+    logging.info(
+        'stopping: asking the trainer for its checkpoint and summary so far (up to %.0f s, longer while '
+        'its save is being written).', grace.deadline - grace.asked)
     os.kill(trainer.pid, signal.SIGINT)  # its handler is installed before it reports a phase
-    timer = threading.Timer(grace, trainer.terminate)
-    timer.start()
+    grace.start()
   else:  # still importing: nothing to send yet
     trainer.terminate()
   try:
@@ -183,8 +187,8 @@ def _stop_trainer(cfg: config_lib.Config, workers: supervisor_lib.Supervisor) ->
   except (KeyboardInterrupt, errors.RunError) as e:  # stopped twice, or the trainer ended without its summary
     logging.info('the trainer sent no summary (%s).', type(e).__name__)
   finally:
-    if timer is not None:
-      timer.cancel()
+    if grace is not None:
+      grace.cancel()
 
 
 def _start_and_watch(cfg: config_lib.Config,

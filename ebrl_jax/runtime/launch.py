@@ -8,8 +8,8 @@ naming it (`runtime.distributed.failed_rank`); the launcher measures how long th
 then SIGKILL), and returns one `FATAL:` line naming the rank, its host and pid. Rank 0 writes the checkpoints, so
 what it committed stays loadable for `--resume`, with any number of cells. A stop of the launcher (SIGTERM,
 Ctrl-C) is passed on to every cell, whose ranks agree to stop after one step (`trainer.ranks`: rank 0 saves a
-checkpoint there, each rank writes its summary); the launcher waits up to STOP_GRACE_S for them and returns one
-`STOPPED:` line. No cell outlives the launcher (`PR_SET_PDEATHSIG`).
+checkpoint there, each rank writes its summary); the launcher waits up to STOP_GRACE_S for them (longer for rank
+0's checkpoint save: runtime/stop_grace.py) and returns one `STOPPED:` line. No cell outlives the launcher (`PR_SET_PDEATHSIG`).
 """
 from __future__ import annotations
 
@@ -25,9 +25,11 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 from ebrl_jax.runtime import lifecycle
+from ebrl_jax.runtime import stop_grace
 
 GRACE_S = 10.0  # after SIGTERM, before SIGKILL
-STOP_GRACE_S = 120.0  # after a stop passed on to the cells (they end their step, save, write their summaries)
+STOP_GRACE_S = 120.0  # after a stop passed on to the cells (they end their step, write their summaries), besides
+# rank 0's checkpoint save there: as long as the run's saves took, and while it is written (runtime/stop_grace.py)
 _STOPPED = {128 + signal.SIGTERM: 'SIGTERM', 128 + signal.SIGINT: 'SIGINT'}  # a cell's exit code after a stop
 
 
@@ -104,18 +106,26 @@ def _newest_checkpoint(run_dir: str) -> str:
   return f'checkpoint {steps[0]} in {directory} is loadable: continue with --resume (with any --num_processes)'
 
 
-def _end(procs: Sequence[subprocess.Popen], sig: Optional[int], grace_s: float) -> None:
-  """`sig` to every cell still running (None: none), SIGKILL to those left after `grace_s`, every one reaped."""
+def _end(procs: Sequence[subprocess.Popen], sig: Optional[int], grace_s: float, checkpoints: str = '') -> None:
+  """`sig` to every cell still running (None: none), SIGKILL to those left after `grace_s`, every one reaped. With
+  `checkpoints` (rank 0's checkpoint directory: a stop, whose step rank 0 saves) the grace also holds the time the
+  run's saves took, and goes on while the stop's save is written (runtime/stop_grace.py), up to its cap."""
   for p in procs:
     if sig is not None and p.poll() is None:
       p.send_signal(sig)
-  deadline = time.monotonic() + grace_s
+  asked = time.time()
+  deadline = asked + grace_s + (stop_grace.save_allowance(checkpoints) if checkpoints else 0.0)
+  while any(p.poll() is None for p in procs):
+    now = time.time()
+    if checkpoints and stop_grace.saving_since(checkpoints, asked - 1.0):
+      deadline = min(asked + grace_s + stop_grace.SAVE_CAP_S, max(deadline, now + grace_s))
+    if now >= deadline:
+      break
+    time.sleep(min(0.1, max(0.0, deadline - now)))
   for p in procs:
-    try:
-      p.wait(timeout=max(0.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
+    if p.poll() is None:
       p.kill()
-      p.wait()
+    p.wait()
 
 
 def run_local(argv: Sequence[str],
@@ -166,7 +176,7 @@ def watch(procs: Sequence, hosts: Sequence[str], run_dir: str, heartbeat_timeout
         print(f'{stop}: passed on to the {num} cells; they stop after one step together (up to {STOP_GRACE_S:.0f} s).',
               file=sys.stderr,
               flush=True)
-        _end(procs, signal.Signals[stop], STOP_GRACE_S)
+        _end(procs, signal.Signals[stop], STOP_GRACE_S, os.path.join(run_dir, 'checkpoints'))
         print(_stopped_line(f'{stop} passed on to {num} cells', procs, run_dir), file=sys.stderr, flush=True)
         return 128 + signal.Signals[stop]
       now = time.monotonic()
@@ -174,7 +184,7 @@ def watch(procs: Sequence, hosts: Sequence[str], run_dir: str, heartbeat_timeout
       exited.update({r: now for r in new})
       stopped = [r for r in new if procs[r].returncode in _STOPPED]
       if stopped:  # the others stop after the same step (their exit codes are checked in the line)
-        _end(procs, None, STOP_GRACE_S)
+        _end(procs, None, STOP_GRACE_S, os.path.join(run_dir, 'checkpoints'))
         what = f'the cells stopped together on {_STOPPED[procs[stopped[0]].returncode]} (sent to a cell, not here)'
         print(_stopped_line(what, procs, run_dir), file=sys.stderr, flush=True)
         return procs[stopped[0]].returncode
