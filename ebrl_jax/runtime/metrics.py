@@ -7,10 +7,12 @@ import errno
 import json
 import math
 import os
+import queue
 import sys
 import threading
 import time
 import traceback
+import types
 from typing import Callable, Dict, List, Mapping, Optional
 
 from absl import logging
@@ -50,6 +52,19 @@ def _torch_hidden():
     if 'torch' in sys.modules and sys.modules['torch'] is None:
       del sys.modules['torch']
 
+
+class _EventQueue(queue.Queue):
+  """tensorboardX's queue of pending events, between its caller and its writer thread in one process, as a thread
+  queue. Its own is a `multiprocessing.Queue`, whose three named semaphores a spawned worker registers with
+  multiprocessing's resource tracker (the worker's default context is 'spawn'): a SIGKILLed trainer left them
+  there, and the tracker warned 'There appear to be 3 leaked semaphore objects to clean up at shutdown' when the
+  controller exited. A thread queue has no semaphore to leak."""
+
+  def close(self) -> None:  # the one call tensorboardX makes beside put and get (at its writer's close)
+    pass
+
+
+_THREAD_QUEUES = types.SimpleNamespace(Queue=_EventQueue)  # tensorboardX's `multiprocessing`, as it uses it
 
 # Whether tensorboardX has met a full disk in this process, and whether that has been said.
 _TENSORBOARD_DISK = {'full': False, 'said': False}
@@ -146,6 +161,8 @@ class MetricsLogger:
     try:
       with _torch_hidden():
         from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+        from tensorboardX import event_file_writer  # pylint: disable=g-import-not-at-top
+      event_file_writer.multiprocessing = _THREAD_QUEUES  # its event queue, a thread queue (`_EventQueue`)
       self._tb = SummaryWriter(os.path.join(run_dir, 'tb'), flush_secs=10)
       quiet_tensorboard_on_a_full_disk()
     except ImportError:  # optional: a notebook without tensorboardX still logs JSONL
