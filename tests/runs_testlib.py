@@ -1,5 +1,5 @@
 """Shared pieces of the run tests (tests/rollout, tests/controller, the command-line ones): the tiny MJX run
-config, the check that a run consumed each of its segments once, and the check that a finished process run left
+config and the tiny native pendulum config, the check that a run consumed each of its segments once, and the check that a finished process run left
 no worker and no shared memory."""
 import json
 import os
@@ -24,6 +24,28 @@ def tiny_mjx_config(run_dir=None, unroll_length=None, **schedule_kw) -> config_l
                                                     episode_length=40),
                            algo=config_lib.AlgoConfig(batch_size=8, num_minibatches=2, **algo),
                            schedule=config_lib.ScheduleConfig(**schedule))
+
+
+def tiny_pendulum_config(run_dir, sim_kw=None, algo_kw=None, **schedule_kw) -> config_lib.Config:
+  """inverted_pendulum on native MuJoCo with 32 envs (8 eval envs, 1 thread), a batch of 32 in 8 minibatches, in
+  `run_dir`, no compilation cache, no progress bar, no telemetry; 2560 env steps over 2 evaluations unless
+  `schedule_kw` says otherwise (and `sim_kw`/`algo_kw` on top): the fused CPU run the checkpoint tests write."""
+  schedule = {
+      'num_timesteps': 2560,
+      'num_evals': 2,
+      'compilation_cache_dir': '',
+      'progress_bar': False,
+      'run_dir': str(run_dir),
+      **schedule_kw
+  }
+  return config_lib.Config(sim=config_lib.SimConfig(task='inverted_pendulum',
+                                                    num_envs=32,
+                                                    num_eval_envs=8,
+                                                    num_threads=1,
+                                                    **(sim_kw or {})),
+                           algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8, **(algo_kw or {})),
+                           schedule=config_lib.ScheduleConfig(**schedule),
+                           resources=config_lib.ResourceConfig(telemetry_period_s=0))
 
 
 def assert_each_segment_once(summary, env_steps: int, segments: int, max_staleness=None) -> dict:

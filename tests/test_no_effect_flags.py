@@ -18,6 +18,8 @@ from ebrl_jax.generation import stages as gen_stages
 from ebrl_jax.generation import normalization
 from ebrl_jax.trainer import checkpoint_values
 
+import runs_testlib  # pylint: disable=g-bad-import-order
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ('--task=inverted_pendulum', '--num_envs=32', '--batch_size=32', '--num_minibatches=8', '--num_eval_envs=8',
         '--num_threads=1', '--compilation_cache_dir=', '--noprogress_bar', '--telemetry_period_s=0')
@@ -93,17 +95,7 @@ def test_the_statistics_say_whether_the_checkpoint_normalised():
 
 def test_a_resume_across_nonormalize_observations_is_refused_naming_the_flag(tmp_path):
   run_dir = tmp_path / 'run'
-  cfg = config_lib.Config(sim=config_lib.SimConfig(task='inverted_pendulum',
-                                                   num_envs=32,
-                                                   num_eval_envs=8,
-                                                   num_threads=1),
-                          algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
-                          schedule=config_lib.ScheduleConfig(run_dir=str(run_dir),
-                                                             compilation_cache_dir='',
-                                                             progress_bar=False,
-                                                             num_timesteps=1280,
-                                                             num_evals=1),
-                          resources=config_lib.ResourceConfig(telemetry_period_s=0))
+  cfg = runs_testlib.tiny_pendulum_config(run_dir, num_timesteps=1280, num_evals=1)
   assert controller.run(cfg).iterations == 1
   result = _main(*TINY, '--num_timesteps=2560', '--resume', '--nonormalize_observations', f'--run_dir={run_dir}')
   lines = [l for l in result.stderr.splitlines() if l.strip()]

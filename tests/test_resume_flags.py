@@ -17,10 +17,11 @@ import jax
 import numpy as np
 import pytest
 
-from ebrl_jax import config as config_lib
 from ebrl_jax import controller
 from ebrl_jax.controller import resume_check
 from ebrl_jax.trainer import checkpoint
+
+import runs_testlib  # pylint: disable=g-bad-import-order
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ('--task=inverted_pendulum', '--num_envs=32', '--batch_size=32', '--num_minibatches=8', '--num_eval_envs=8',
@@ -28,19 +29,12 @@ TINY = ('--task=inverted_pendulum', '--num_envs=32', '--batch_size=32', '--num_m
 
 
 def _config(run_dir, resume=False, group_size=1, **kw):
-  return config_lib.Config(sim=config_lib.SimConfig(task='inverted_pendulum',
-                                                    num_envs=32,
-                                                    num_eval_envs=8,
-                                                    num_threads=1,
-                                                    group_size=group_size),
-                           algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8, **kw),
-                           schedule=config_lib.ScheduleConfig(run_dir=str(run_dir),
-                                                              compilation_cache_dir='',
-                                                              progress_bar=False,
-                                                              num_timesteps=1280,
-                                                              num_evals=1,
-                                                              resume=resume),
-                           resources=config_lib.ResourceConfig(telemetry_period_s=0))
+  return runs_testlib.tiny_pendulum_config(run_dir,
+                                           sim_kw={'group_size': group_size},
+                                           algo_kw=kw,
+                                           num_timesteps=1280,
+                                           num_evals=1,
+                                           resume=resume)
 
 
 def _main(*args):

@@ -12,8 +12,9 @@ import sys
 
 import pytest
 
-from ebrl_jax import config as config_lib
 from ebrl_jax import controller
+
+import runs_testlib  # pylint: disable=g-bad-import-order
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ('--task=inverted_pendulum', '--num_envs=32', '--batch_size=32', '--num_minibatches=8', '--num_eval_envs=8',
@@ -39,17 +40,7 @@ def _one_fatal_line(result):
 
 
 def _config(run_dir, **schedule):
-  schedule = {'num_timesteps': 2560, 'num_evals': 2, **schedule}
-  return config_lib.Config(sim=config_lib.SimConfig(task='inverted_pendulum',
-                                                    num_envs=32,
-                                                    num_eval_envs=8,
-                                                    num_threads=1),
-                           algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
-                           schedule=config_lib.ScheduleConfig(run_dir=str(run_dir),
-                                                              compilation_cache_dir='',
-                                                              progress_bar=False,
-                                                              **schedule),
-                           resources=config_lib.ResourceConfig(telemetry_period_s=0))
+  return runs_testlib.tiny_pendulum_config(run_dir, **schedule)
 
 
 def _snapshot(run_dir):

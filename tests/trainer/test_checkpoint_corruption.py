@@ -15,11 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ebrl_jax import config as config_lib
 from ebrl_jax import controller
 from ebrl_jax.controller import runner
 from ebrl_jax.trainer import checkpoint
 from ebrl_jax.trainer import checkpoint_values
+
+import runs_testlib  # pylint: disable=g-bad-import-order
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ('--task=inverted_pendulum', '--num_envs=32', '--batch_size=32', '--num_minibatches=8', '--num_eval_envs=8',
@@ -27,18 +28,7 @@ TINY = ('--task=inverted_pendulum', '--num_envs=32', '--batch_size=32', '--num_m
 
 
 def _config(run_dir, **schedule):
-  return config_lib.Config(sim=config_lib.SimConfig(task='inverted_pendulum',
-                                                    num_envs=32,
-                                                    num_eval_envs=8,
-                                                    num_threads=1),
-                           algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
-                           schedule=config_lib.ScheduleConfig(run_dir=str(run_dir),
-                                                              compilation_cache_dir='',
-                                                              progress_bar=False,
-                                                              num_timesteps=2560,
-                                                              num_evals=2,
-                                                              **schedule),
-                           resources=config_lib.ResourceConfig(telemetry_period_s=0))
+  return runs_testlib.tiny_pendulum_config(run_dir, **schedule)
 
 
 @pytest.fixture(scope='module')
