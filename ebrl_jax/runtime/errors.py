@@ -18,6 +18,8 @@ import signal
 import threading
 from typing import Any, Callable, Dict, NamedTuple, Optional, Type
 
+from ebrl_jax.runtime import storage
+
 
 class RunError(RuntimeError):
   """The run stopped for a reason the user must act on (a dead trainer, say); the message says what to do."""
@@ -79,18 +81,14 @@ OUT_OF_MEMORY_FIX = (
     '--num_minibatches, of --unroll_length steps), the policy\'s size or, with pixels, --image_size or '
     '--frame_stack (runs sharing a GPU: XLA_PYTHON_CLIENT_MEM_FRACTION)')
 
-# tensorstore (under orbax) reports a write to a full disk as RESOURCE_EXHAUSTED too: that is no allocation.
-_DISK_FULL_TEXTS = ('No space left on device', 'Disk quota exceeded', "os_error_code='28'")
-
 
 def out_of_memory(error: BaseException) -> Optional[str]:
   """XLA's line for an allocation that failed (`RESOURCE_EXHAUSTED: Out of memory allocating N bytes.`, a JAX
   runtime error on any platform), or None when `error` is something else (a checkpoint write that found the disk
   full, which tensorstore also names RESOURCE_EXHAUSTED)."""
-  text = str(error)
-  if any(marker in text for marker in _DISK_FULL_TEXTS):
+  if storage.disk_full(error) is not None:  # tensorstore (under orbax) names a full disk RESOURCE_EXHAUSTED too
     return None
-  for line in text.splitlines():
+  for line in str(error).splitlines():
     if 'RESOURCE_EXHAUSTED' in line:
       return line.strip()[:300]
   return None

@@ -13,7 +13,7 @@ import stat
 from typing import Any, Optional
 
 _CODES = {errno.ENOSPC: 'No space left on device', errno.EDQUOT: 'Disk quota exceeded'}
-_TEXTS = tuple(_CODES.values())
+_TEXTS = (*_CODES.values(), f"os_error_code='{errno.ENOSPC}'")  # the last: tensorstore's words for ENOSPC
 
 
 def disk_full(exc: Optional[BaseException]) -> Optional[str]:
