@@ -196,7 +196,7 @@ def _start_and_watch(cfg: config_lib.Config,
   """Starts the workers and watches them until the trainer has ended. Returns (None, None), or what stopped the
   run after the trainer had its chance to send its summary so far: the signal (SIGTERM, SIGINT), or the failure
   of a worker beside the trainer (its `stopped` set)."""
-  with supervisor_lib.sigterm_as_interrupt():
+  with lifecycle.stop_signals_as_interrupt():
     try:
       workers.start_all()
       workers.watch()

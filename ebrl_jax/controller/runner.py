@@ -21,11 +21,11 @@ from ebrl_jax.controller import cells as cells_lib
 from ebrl_jax.controller import fused
 from ebrl_jax.controller import pipeline
 from ebrl_jax.controller import resume_check
-from ebrl_jax.controller import supervisor
 from ebrl_jax.resources import mps
 from ebrl_jax.resources import telemetry as telemetry_lib
 from ebrl_jax.runtime import distributed
 from ebrl_jax.runtime import errors
+from ebrl_jax.runtime import lifecycle
 from ebrl_jax.runtime import metrics
 from ebrl_jax.runtime import run_clock
 from ebrl_jax.runtime import startup
@@ -192,13 +192,6 @@ def _check_gpu_sharing(cfg: config_lib.Config) -> None:
                      'the driver.')
 
 
-# What --resume continues from, checked before any worker starts (controller/resume_check.py; tests name these).
-check_checkpoints = resume_check.check_checkpoints
-_state_template = resume_check.state_template
-_written_by = resume_check.written_by
-STATE_FLAGS = resume_check.STATE_FLAGS
-
-
 def check_before_start(cfg: config_lib.Config) -> Optional[dict]:
   """Every check a run can fail on that needs no worker, before any file of the run directory changes: the
   run directory, files named by flags, GPU sharing, the checkpoints against --resume. Raises ValueError (one
@@ -208,7 +201,7 @@ def check_before_start(cfg: config_lib.Config) -> Optional[dict]:
   check_run_dir_path(cfg.schedule.run_dir)
   _check_files(cfg)
   _check_gpu_sharing(cfg)
-  return check_checkpoints(cfg)
+  return resume_check.check_checkpoints(cfg)
 
 
 def run(cfg: config_lib.Config, start_unix: Optional[float] = None) -> driver.RunSummary:
@@ -219,7 +212,7 @@ def run(cfg: config_lib.Config, start_unix: Optional[float] = None) -> driver.Ru
   Every time of the run counts from `start_unix` (`time.time()` at process start: main.py passes it; None: from
   this call)."""
   start = run_clock.StartClock(start_unix or time.time()).mark('imports')  # interpreter, flags, controller imports
-  with supervisor.sigterm_as_interrupt():
+  with lifecycle.stop_signals_as_interrupt():
     spec = cells_lib.resolve(cfg)  # the cells of the run: flags, else JAX_* / SLURM's environment
     resumed = check_before_start(cfg)  # nothing is started or written before this
     if resumed is not None:  # its files look whole; its data is read by the trainer, which names the step it restores

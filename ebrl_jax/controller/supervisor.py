@@ -355,7 +355,3 @@ class Supervisor:
           w.join(timeout=2.0)
         if w.is_alive():  # in an uninterruptible wait (a driver call): the kernel ends it when that returns
           logging.error('%s (pid %d) survived SIGKILL for 2 s; leaving it to the kernel.', w.name, w.pid)
-
-
-# SIGTERM as Ctrl-C, neither swallowed by a callback (runtime/lifecycle.py; controller/runner.py uses it too).
-sigterm_as_interrupt = lifecycle.stop_signals_as_interrupt

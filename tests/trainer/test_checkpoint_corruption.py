@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from ebrl_jax import controller
-from ebrl_jax.controller import runner
+from ebrl_jax.controller import resume_check
 from ebrl_jax.trainer import checkpoint
 from ebrl_jax.trainer import checkpoint_values
 
@@ -40,7 +40,7 @@ def finished_run(tmp_path_factory):
 
 
 def _template(run_dir):
-  return jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), runner._state_template(_config(run_dir)))  # pylint: disable=protected-access
+  return jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), resume_check.state_template(_config(run_dir)))
 
 
 def _overwrite_data(directory, step):

@@ -9,7 +9,7 @@ import pytest
 
 from ebrl_jax import config as config_lib
 from ebrl_jax.config import AlgoConfig, PolicyConfig
-from ebrl_jax.controller import runner
+from ebrl_jax.controller import resume_check
 from ebrl_jax.generation import policies
 from ebrl_jax.trainer import checkpoint
 from ebrl_jax.trainer import stages
@@ -113,7 +113,7 @@ def test_the_refusal_names_the_critic_a_checkpoint_was_written_with(tmp_path, sa
   cfg = config_lib.Config(sim=config_lib.SimConfig(task='ant'),
                           policy=PolicyConfig(kind='transformer'),
                           schedule=config_lib.ScheduleConfig(run_dir=str(tmp_path)))
-  text = runner._written_by(cfg, 1)  # pylint: disable=protected-access
+  text = resume_check.written_by(cfg, 1)
   assert text.startswith('for --task=ant --policy=transformer (this run: --task=ant --policy=transformer)')
   assert (named in text) if named else '--critic' not in text
 
@@ -130,12 +130,12 @@ def test_a_popart_difference_is_named_by_its_flag(tmp_path, saved_rate, resume_r
                              schedule=config_lib.ScheduleConfig(run_dir=str(tmp_path), resume=resume))
 
   saved = cfg(saved_rate, False)
-  state = jax.tree_util.tree_map(lambda x: np.zeros(x.shape, x.dtype), runner._state_template(saved))  # pylint: disable=protected-access
+  state = jax.tree_util.tree_map(lambda x: np.zeros(x.shape, x.dtype), resume_check.state_template(saved))
   with checkpoint.Checkpointer(str(tmp_path / 'checkpoints')) as ckpt:
     run = {'task': 'inverted_pendulum', 'policy': 'mlp', 'normalize_observations': True}  # zeros: a count of 0
     ckpt.save(1, state, {'env_steps': 100, 'iterations': 1, 'run': run})
-  assert runner.check_checkpoints(cfg(saved_rate, True))['step'] == 1
+  assert resume_check.check_checkpoints(cfg(saved_rate, True))['step'] == 1
   with pytest.raises(ValueError,
                      match=r"value_stats\.\w+ only in (this run|the checkpoint).*\(value_stats is "
                      r"--value_norm_rate's state, set in one run and not the other\)"):
-    runner.check_checkpoints(cfg(resume_rate, True))
+    resume_check.check_checkpoints(cfg(resume_rate, True))
