@@ -117,8 +117,8 @@ def _end(procs: Sequence[subprocess.Popen], sig: Optional[int], grace_s: float, 
   deadline = asked + grace_s + (stop_grace.save_allowance(checkpoints) if checkpoints else 0.0)
   while any(p.poll() is None for p in procs):
     now = time.time()
-    if checkpoints and stop_grace.saving_since(checkpoints, asked - 1.0):
-      deadline = min(asked + grace_s + stop_grace.SAVE_CAP_S, max(deadline, now + grace_s))
+    if checkpoints:
+      deadline = stop_grace.moved_deadline(deadline, asked, grace_s, now, checkpoints)
     if now >= deadline:
       break
     time.sleep(min(0.1, max(0.0, deadline - now)))

@@ -68,6 +68,14 @@ def saving_since(directory: str, since_unix: float) -> bool:
   return False
 
 
+def moved_deadline(deadline: float, asked: float, base_s: float, now: float, directory: str) -> float:
+  """`deadline` of a stop asked for at `asked`, kept `base_s` ahead of `now` while the stop's save is written in
+  `directory` (an uncommitted step made since), up to `base_s` plus SAVE_CAP_S after `asked`."""
+  if not saving_since(directory, asked - 1.0):  # (-1 s: file times are coarser than the clock)
+    return deadline
+  return min(asked + base_s + SAVE_CAP_S, max(deadline, now + base_s))
+
+
 def base_grace(floor_s: float, period_s: float) -> float:
   """The time to reach the next iteration boundary: `floor_s`, or two of the trainer's recent iterations
   (`period_s`, its feedback's mean; 0 unknown) where those are longer."""
@@ -84,7 +92,6 @@ class StopGrace:
     self.asked = clock()
     self.allowance = save_allowance(checkpoint_dir)
     self.deadline = self.asked + base_s + self.allowance
-    self._last = self.asked + base_s + SAVE_CAP_S  # however long the save goes on
     self.terminated = False
     self._cancelled = threading.Event()
     self._thread: Optional[threading.Thread] = None
@@ -105,8 +112,7 @@ class StopGrace:
     if not self._trainer.is_alive():
       return True
     now = self._clock()
-    if saving_since(self._dir, self.asked - 1.0):  # (-1 s: file times are coarser than the clock)
-      self.deadline = min(self._last, max(self.deadline, now + self._base))
+    self.deadline = moved_deadline(self.deadline, self.asked, self._base, now, self._dir)
     if now < self.deadline:
       return False
     logging.warning(
