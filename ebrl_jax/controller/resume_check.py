@@ -99,17 +99,19 @@ def run_change(cfg: config_lib.Config, directory: str, step: int) -> Optional[st
     return (f'{where} was written by a run with --algo={run["algo"]} (this run: --algo={mine}): its policy and '
             f'optimizer state were trained with {run["algo"]}\'s loss, and --resume continues a run with its own '
             f'algorithm. Resume with --algo={run["algo"]}, or start a new run in another --run_dir.')
-  normalised, evidence = run.get('normalize_observations'), 'its metadata records it'
-  if normalised is None:  # a checkpoint from before the record: its statistics' count says (as the trainer reads it)
+  normalise, change = cfg.policy.normalize_observations, None
+  known = run.get('normalize_observations') is not None
+  if known:
+    change = checkpoint_values.normalization_words(bool(run['normalize_observations']), normalise,
+                                                   'its metadata records it')
+  else:  # a checkpoint from before the record: its statistics' count says (as the trainer reads it)
     seen = read_scalar(directory, step, ('params', 'normalizer', 'count'))
-    normalised = None if seen is None or seen < 0 else seen > 0
-    evidence = f'its statistics have seen {seen:.0f}' if normalised else 'its observation statistics are empty'
-  if normalised is not None:
-    change = checkpoint_values.normalization_words(bool(normalised), cfg.policy.normalize_observations, evidence)
-    if change is not None:
-      return f'{where} {change}, or start a new run in another --run_dir.'
+    known = seen is not None and seen >= 0
+    change = checkpoint_values.count_change(seen, normalise) if known else None
+  if change is not None:
+    return f'{where} {change}, or start a new run in another --run_dir.'
   unknown = ['--algo'] if 'algo' not in run else []
-  unknown += ['--normalize_observations'] if normalised is None else []
+  unknown += ['--normalize_observations'] if not known else []
   if unknown:
     logging.warning(
         'checkpoint %d in %s records no %s (it predates that record), so --resume cannot check that '

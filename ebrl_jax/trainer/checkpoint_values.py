@@ -73,5 +73,11 @@ def normalization_change(restored, template) -> Optional[str]:
   that did not. (The controller checks the flag the checkpoint's metadata records before any worker starts; this
   guards a driver run on its own and checkpoints from before the metadata recorded it.)"""
   seen = float(np.asarray(jax.device_get(restored.params.normalizer.count)))
+  return count_change(seen, bool(template.params.normalize_observations))
+
+
+def count_change(seen: float, normalise: bool) -> Optional[str]:
+  """`normalization_words` for a checkpoint whose observation statistics have seen `seen` observations (> 0: a run
+  that normalised wrote it; 0: one that did not), resumed by a run that does (`normalise`) or does not."""
   evidence = f'its statistics have seen {seen:.0f}' if seen else 'its observation statistics are empty'
-  return normalization_words(bool(seen), bool(template.params.normalize_observations), evidence)
+  return normalization_words(bool(seen), normalise, evidence)
