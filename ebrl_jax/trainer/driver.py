@@ -152,8 +152,13 @@ def _disk_full_said_once():
       sys.unraisablehook = previous
 
 
+def _saved_already(cfg, checkpointer, progress: cadence.Progress) -> bool:
+  """Whether there is nothing to save: no checkpoints in this run, or the iteration reached is saved."""
+  return checkpointer is None or not cfg.schedule.checkpoint_every or progress.iterations <= progress.last_saved
+
+
 def _save(cfg, checkpointer, train_state, progress: cadence.Progress, spec) -> None:
-  if checkpointer is None or not cfg.schedule.checkpoint_every or progress.iterations <= progress.last_saved:
+  if _saved_already(cfg, checkpointer, progress):
     return
   critic = config_generation.critic_of(cfg.policy, bool(spec.pixel_shape))
   run = dict(task=cfg.sim.task, policy=cfg.policy.kind, obs_dim=spec.obs_dim, action_dim=spec.action_dim, critic=critic)
@@ -181,7 +186,7 @@ def _save_at_stop(cfg, checkpointer, state, progress: cadence.Progress, spec) ->
   of `state` where it is that iteration's whole state; a state a stop caught mid-update is not saved (the newest
   checkpoint stays). Best effort: a write that fails (a full disk) is one warning and the stop goes on to its
   summary, whose `extra.last_checkpoint` names the checkpoint there is."""
-  if checkpointer is None or not cfg.schedule.checkpoint_every or progress.iterations <= progress.last_saved:
+  if _saved_already(cfg, checkpointer, progress):
     return
   advice = storage.checkpoint_advice(os.path.abspath(cfg.checkpoint_run_dir or cfg.process.run_dir))
   if not _is_state_of(state, progress.iterations):
