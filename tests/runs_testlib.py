@@ -1,8 +1,11 @@
 """Shared pieces of the run tests (tests/rollout, tests/controller, the command-line ones): the tiny MJX run
-config and the tiny native pendulum config, the check that a run consumed each of its segments once, and the check that a finished process run left
-no worker and no shared memory."""
+config and the tiny native pendulum config, the check that a run consumed each of its segments once, the check
+that a finished process run left no worker and no shared memory, and whether a small tmpfs can be mounted (the
+full-disk tests)."""
 import json
 import os
+import shutil
+import subprocess
 import time
 
 from ebrl_jax import config as config_lib
@@ -68,3 +71,15 @@ def assert_nothing_left(run_dir, wait_s: float = 10.0) -> None:
     time.sleep(0.2)
   assert not [p for p in workers['workers'].values() if lifecycle.pid_alive(p)]
   assert not [n for n in os.listdir('/dev/shm') if n.startswith(f'ebrl_{workers["controller"]}_')]
+
+
+def can_mount_a_tmpfs() -> bool:
+  """Whether this machine lets a user namespace mount a tmpfs (`unshare -rm`): the full-disk tests' small disk."""
+  if not shutil.which('unshare'):
+    return False
+  probe = subprocess.run(
+      ['unshare', '-rm', 'sh', '-c', 'd=$(mktemp -d) && mount -t tmpfs -o size=1m tmpfs "$d" '
+       '&& umount "$d"'],
+      capture_output=True,
+      timeout=30)
+  return probe.returncode == 0

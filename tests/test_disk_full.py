@@ -4,13 +4,14 @@ worker process or shared-memory segment left. The disk is a real one: a 64 MiB t
 import errno
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
 from ebrl_jax.runtime import storage
+
+import runs_testlib  # pylint: disable=g-bad-import-order
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,17 +39,6 @@ cp "$D/run/summary.json" "$OUT/summary.json" 2>/dev/null
 umount "$D"
 echo "$first $second" > "$OUT/exits"
 '''
-
-
-def _can_mount_a_tmpfs():
-  if not shutil.which('unshare'):
-    return False
-  probe = subprocess.run(
-      ['unshare', '-rm', 'sh', '-c', 'd=$(mktemp -d) && mount -t tmpfs -o size=1m tmpfs "$d" '
-       '&& umount "$d"'],
-      capture_output=True,
-      timeout=30)
-  return probe.returncode == 0
 
 
 def test_disk_full_is_recognised_from_the_os_error_and_through_wrappers():
@@ -93,7 +83,7 @@ def test_checkpoint_advice_says_truthfully_whether_there_is_a_checkpoint(tmp_pat
 
 @pytest.mark.parametrize('flags', ['', '--schedule=async --num_groups=2'], ids=['fused', 'async_processes'])
 def test_a_full_disk_stops_the_run_clearly_and_resume_continues(tmp_path, flags):
-  if not _can_mount_a_tmpfs():
+  if not runs_testlib.can_mount_a_tmpfs():
     pytest.skip('cannot mount a tmpfs in a private namespace here (unshare -rm)')
   env = dict(os.environ, PY=sys.executable, FLAGS=flags, OUT=str(tmp_path), PYTHONPATH=ROOT)
   proc = subprocess.run(['unshare', '-rm', 'bash', '-c', SCRIPT],

@@ -4,13 +4,14 @@ cannot be written, and an OS error that no writer of the run named. Each is one 
 directory and what is wrong, no traceback, the exit code the README gives (3 for a full disk), no worker started
 and no shared memory left."""
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 
 from ebrl_jax.runtime import errors
+
+import runs_testlib  # pylint: disable=g-bad-import-order
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,19 +36,8 @@ umount "$D"
 '''
 
 
-def _can_mount_a_tmpfs():
-  if not shutil.which('unshare'):
-    return False
-  probe = subprocess.run(
-      ['unshare', '-rm', 'sh', '-c', 'd=$(mktemp -d) && mount -t tmpfs -o size=1m tmpfs "$d" '
-       '&& umount "$d"'],
-      capture_output=True,
-      timeout=30)
-  return probe.returncode == 0
-
-
 def _run_on_a_full_disk(tmp_path, free_pages, flags=''):
-  if not _can_mount_a_tmpfs():
+  if not runs_testlib.can_mount_a_tmpfs():
     pytest.skip('cannot mount a tmpfs in a private namespace here (unshare -rm)')
   env = dict(os.environ,
              PY=sys.executable,
