@@ -334,18 +334,28 @@ class Config:
       steps, _ = planned_iterations(self.schedule.num_timesteps, self.env_steps_per_iteration, self.schedule.num_evals)
       updates = steps * self.algo.num_updates_per_batch * self.algo.num_minibatches
       object.__setattr__(self, 'algo', dataclasses.replace(self.algo, learning_rate_decay_updates=updates))
-    if self.algo.unroll_length % self.policy.action_chunk:
-      raise ValueError(f'--unroll_length={self.algo.unroll_length} must be a multiple of '
-                       f'--action_chunk={self.policy.action_chunk}.')
     if self.algo.episodic:
       check_grpo_run(self)
       return
+    if self.algo.unroll_length % self.policy.action_chunk:
+      raise ValueError(f'--unroll_length={self.algo.unroll_length} must be a multiple of '
+                       f'--action_chunk={self.policy.action_chunk}.')
     seg = self.algo.segments_per_iteration
     if seg % self.sim.num_envs:
       raise ValueError(
           f'--batch_size={self.algo.batch_size} x --num_minibatches={self.algo.num_minibatches} = {seg} segments '
           f'per iteration must be a multiple of --num_envs={self.sim.num_envs} (each env contributes whole '
           f'segments of --unroll_length={self.algo.unroll_length} steps).')
+
+  @property
+  def timed_unroll_steps(self) -> int:
+    """Policy steps of the one sim and generation call a calibration times (resources.calibrate): a PPO segment's;
+    GRPO, whose segment is a whole episode, times --unroll_length's worth (within the episode) rounded down to whole
+    action chunks, at least one."""
+    k = self.policy.action_chunk
+    if self.algo.episodic:
+      return max(1, min(self.algo.unroll_length, self.sim.episode_length) // k)
+    return self.algo.unroll_length // k
 
   @property
   def collect_spec(self) -> CollectSpec:

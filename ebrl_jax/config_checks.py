@@ -60,7 +60,23 @@ def no_effect(cfg) -> List[str]:
   if schedule.name == 'fused' and schedule.num_groups != default_of(schedule, 'num_groups'):
     out.append(f'--num_groups={schedule.num_groups} has no effect with --schedule=fused (one program steps every '
                'env); it sizes the env groups of the process schedules.')
+  if cfg.algo.episodic:
+    for field, what in GRPO_UNREAD:
+      value = getattr(cfg.algo, field)
+      if value != default_of(cfg.algo, field):
+        out.append(f'--{field}={value} has no effect with --algo=grpo, which {what}; it is read by --algo=ppo.')
   return out
+
+
+# PPO's flags that GRPO's training does not read (a flagfile written for PPO may carry them into a GRPO run), with
+# why. --unroll_length is not among them: GRPO's calibrations time unrolls of its length (Config.timed_unroll_steps).
+GRPO_UNREAD = (
+    ('discount', 'scores each episode by its undiscounted return'),
+    ('gae_lambda', 'estimates no advantages from a critic'),
+    ('reward_scaling', 'normalises returns within each group'),
+    ('normalize_advantage', 'normalises returns within each group'),
+    ('batch_size', 'collects one whole episode per env and splits the envs into --num_minibatches'),
+)
 
 
 def check_range(field: str, value: float, lo: float, hi: float) -> None:

@@ -1,6 +1,7 @@
 """Flags that cannot take effect are not accepted silently: GRPO's --grad_clip_scope=per_network and --value_cost
 (GRPO trains no critic) and an --episode_length past what the envs can count are errors naming the flag; --num_groups
-with --schedule=fused, which other tools read beside a fused flagfile, is one warning line; a --resume across
+with --schedule=fused, which other tools read beside a fused flagfile, and PPO's flags that GRPO does not read (a
+PPO flagfile under --algo=grpo) are one warning line each; a --resume across
 --nonormalize_observations is refused naming the flag (the restored statistics say which run wrote the checkpoint).
 Beside them: --platform's error lists no empty value, and --help / --helpfull exit 0."""
 import os
@@ -60,6 +61,45 @@ def test_num_groups_with_fused_is_a_warning_only_away_from_its_default():
       'the process schedules.'
   ]
   assert config_checks.no_effect(fused()) == [] and config_checks.no_effect(fused(name='sync', num_groups=4)) == []
+
+
+def _grpo(algo=None, **policy):
+  return config_lib.Config(sim=config_lib.SimConfig(num_envs=32, episode_length=40, group_size=4),
+                           policy=config_lib.PolicyConfig(kind='transformer', **policy),
+                           algo=config_lib.AlgoConfig(name='grpo', **(algo or {})))
+
+
+def test_grpo_warns_of_each_ppo_flag_it_does_not_read_and_ppo_of_none():
+  changed = dict(discount=0.99, gae_lambda=0.9, reward_scaling=1.0, normalize_advantage=False, batch_size=64)
+  assert config_checks.no_effect(_grpo(changed)) == [
+      '--discount=0.99 has no effect with --algo=grpo, which scores each episode by its undiscounted return; it is '
+      'read by --algo=ppo.',
+      '--gae_lambda=0.9 has no effect with --algo=grpo, which estimates no advantages from a critic; it is read by '
+      '--algo=ppo.',
+      '--reward_scaling=1.0 has no effect with --algo=grpo, which normalises returns within each group; it is read '
+      'by --algo=ppo.',
+      '--normalize_advantage=False has no effect with --algo=grpo, which normalises returns within each group; it '
+      'is read by --algo=ppo.',
+      '--batch_size=64 has no effect with --algo=grpo, which collects one whole episode per env and splits the envs '
+      'into --num_minibatches; it is read by --algo=ppo.',
+  ]
+  assert config_checks.no_effect(_grpo()) == []
+  assert config_checks.no_effect(config_lib.Config(algo=config_lib.AlgoConfig(**changed))) == []
+
+
+def test_grpo_takes_an_action_chunk_that_does_not_divide_the_unroll_length_it_does_not_collect():
+  """GRPO collects whole episodes; PPO's segments of --unroll_length steps must hold whole chunks. The calibration
+  times GRPO in unrolls of --unroll_length rounded down to whole chunks."""
+  assert _grpo(action_chunk=4).segment_shape == (1, 10)  # the default --unroll_length=5 is no multiple of 4
+  assert _grpo(action_chunk=4).timed_unroll_steps == 1
+  assert _grpo(dict(unroll_length=13), action_chunk=4).timed_unroll_steps == 3
+  assert _grpo(dict(unroll_length=100), action_chunk=4).timed_unroll_steps == 10  # within the 40-step episode
+  assert _grpo(dict(unroll_length=2), action_chunk=4).timed_unroll_steps == 1  # at least one chunk
+  with pytest.raises(ValueError, match='--unroll_length=5 must be a multiple of --action_chunk=4'):
+    config_lib.Config(sim=config_lib.SimConfig(num_envs=32),
+                      policy=config_lib.PolicyConfig(kind='transformer', action_chunk=4))
+  ppo = config_lib.Config(policy=config_lib.PolicyConfig(kind='transformer', action_chunk=5))
+  assert ppo.timed_unroll_steps == 1 and ppo.segment_shape[1] == 1
 
 
 def test_the_platform_error_lists_the_values_and_no_empty_one():

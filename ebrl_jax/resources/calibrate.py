@@ -1,7 +1,7 @@
 """Stage calibration: each stage timed alone, compile excluded, at given batch sizes, in this process.
 
 What is timed (one "call" of each stage, the unit the pipeline hands around):
-  sim         one unroll (unroll_length env steps) of a group of E envs with fixed random actions:
+  sim         one unroll (`Config.timed_unroll_steps` policy steps) of a group of E envs with fixed random actions:
               MJX: one jitted scan of `sim.stages.step_chunk`; native MuJoCo: `CpuEnvPool.step` per policy step;
   generation  the policy for the same unroll on E observations: one jitted scan of `generation.stages.act`
               (MJX), or `generation.stages.make_act` per policy step with host<->device copies (native MuJoCo);
@@ -11,7 +11,7 @@ With camera observations (`--obs=pixels`) the sim stage renders as the run's doe
 `rollout.cpu.make_pool`; the MJX-Warp env of `rollout.mjx.make_env`, whose step renders), generation and training
 take the `types.PixelObs` it ended on.
 
-`per_env_step` divides each by the env steps it stands for (E * unroll_length for sim and generation, the
+`per_env_step` divides each by the env steps it stands for (E * the unroll's env steps for sim and generation, the
 iteration's env steps for train): t_sim, t_gen, t_train of docs/benchmarks.md. Sequential floor 1 / (t_sim + t_gen +
 t_train) and perfect-overlap ceiling 1 / max(...) follow. Each call is run `repeats` times after one warm-up
 call (which compiles); the median is kept, and every sample is returned for the profile store.
@@ -130,7 +130,7 @@ def _mjx_sim_gen(cfg, network, params, state, repeats: int, env) -> dict:
   `types.PixelObs` with a camera: the sim stage renders), from `state` (E envs just reset)."""
   from ebrl_jax.sim import stages as sim_stages  # lazy: brax and MJX load only when a calibration runs
   k = cfg.policy.action_chunk
-  steps = cfg.algo.unroll_length // k
+  steps = cfg.timed_unroll_steps
   envs = state.episode_return.shape[0]
   action_dim = env.action_size
   actions = jax.random.uniform(jax.random.PRNGKey(1), (steps, envs, k, action_dim), minval=-1.0, maxval=1.0)
@@ -172,7 +172,7 @@ def _cpu_sim_gen(cfg, act, params, envs: int, repeats: int, threads: int) -> dic
   """As `_mjx_sim_gen`, for native MuJoCo: the pool's steps (rendering with a camera, as the run's pool does:
   `rollout.cpu.make_pool`), then the policy on its last observations."""
   k = cfg.policy.action_chunk
-  steps = cfg.algo.unroll_length // k
+  steps = cfg.timed_unroll_steps
   rng = np.random.default_rng(0)
   sim = dataclasses.replace(cfg.sim, num_threads=threads or cfg.sim.num_threads)
   with cpu_rollout.make_pool(sim, envs, seed=0, auto_reset=True) as pool:
@@ -315,7 +315,7 @@ def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5, all_gro
                                                 cfg.policy.normalize_observations, spec.pixel_shape,
                                                 cfg.algo.value_norm_rate is not None)
   act = gen_stages.make_act(network, cfg.policy.min_std)
-  unroll_steps = cfg.algo.unroll_length * cfg.sim.action_repeat  # env steps per env in one sim/gen call
+  unroll_steps = cfg.timed_unroll_steps * cfg.policy.action_chunk * cfg.sim.action_repeat  # per env, one call
   iteration_steps = cfg.env_steps_per_iteration
 
   out = {
