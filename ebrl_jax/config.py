@@ -348,16 +348,6 @@ class Config:
           f'segments of --unroll_length={self.algo.unroll_length} steps).')
 
   @property
-  def timed_unroll_steps(self) -> int:
-    """Policy steps of the one sim and generation call a calibration times (resources.calibrate): a PPO segment's;
-    GRPO, whose segment is a whole episode, times --unroll_length's worth (within the episode) rounded down to whole
-    action chunks, at least one."""
-    k = self.policy.action_chunk
-    if self.algo.episodic:
-      return max(1, min(self.algo.unroll_length, self.sim.episode_length) // k)
-    return self.algo.unroll_length // k
-
-  @property
   def collect_spec(self) -> CollectSpec:
     unrolls, steps = self.segment_shape
     return CollectSpec(episodic=self.algo.episodic,

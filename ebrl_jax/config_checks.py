@@ -69,7 +69,8 @@ def no_effect(cfg) -> List[str]:
 
 
 # PPO's flags that GRPO's training does not read (a flagfile written for PPO may carry them into a GRPO run), with
-# why. --unroll_length is not among them: GRPO's calibrations time unrolls of its length (Config.timed_unroll_steps).
+# why. --unroll_length is not among them: GRPO's calibrations time unrolls of its length
+# (resources.calibrate.timed_unroll_steps).
 GRPO_UNREAD = (
     ('discount', 'scores each episode by its undiscounted return'),
     ('gae_lambda', 'estimates no advantages from a critic'),

@@ -17,6 +17,7 @@ from ebrl_jax import config_checks
 from ebrl_jax import controller
 from ebrl_jax.generation import stages as gen_stages
 from ebrl_jax.generation import normalization
+from ebrl_jax.resources import calibrate
 from ebrl_jax.trainer import checkpoint_values
 
 import runs_testlib  # pylint: disable=g-bad-import-order
@@ -91,15 +92,15 @@ def test_grpo_takes_an_action_chunk_that_does_not_divide_the_unroll_length_it_do
   """GRPO collects whole episodes; PPO's segments of --unroll_length steps must hold whole chunks. The calibration
   times GRPO in unrolls of --unroll_length rounded down to whole chunks."""
   assert _grpo(action_chunk=4).segment_shape == (1, 10)  # the default --unroll_length=5 is no multiple of 4
-  assert _grpo(action_chunk=4).timed_unroll_steps == 1
-  assert _grpo(dict(unroll_length=13), action_chunk=4).timed_unroll_steps == 3
-  assert _grpo(dict(unroll_length=100), action_chunk=4).timed_unroll_steps == 10  # within the 40-step episode
-  assert _grpo(dict(unroll_length=2), action_chunk=4).timed_unroll_steps == 1  # at least one chunk
+  assert calibrate.timed_unroll_steps(_grpo(action_chunk=4)) == 1
+  assert calibrate.timed_unroll_steps(_grpo(dict(unroll_length=13), action_chunk=4)) == 3
+  assert calibrate.timed_unroll_steps(_grpo(dict(unroll_length=100), action_chunk=4)) == 10  # within the episode
+  assert calibrate.timed_unroll_steps(_grpo(dict(unroll_length=2), action_chunk=4)) == 1  # at least one chunk
   with pytest.raises(ValueError, match='--unroll_length=5 must be a multiple of --action_chunk=4'):
     config_lib.Config(sim=config_lib.SimConfig(num_envs=32),
                       policy=config_lib.PolicyConfig(kind='transformer', action_chunk=4))
   ppo = config_lib.Config(policy=config_lib.PolicyConfig(kind='transformer', action_chunk=5))
-  assert ppo.timed_unroll_steps == 1 and ppo.segment_shape[1] == 1
+  assert calibrate.timed_unroll_steps(ppo) == 1 and ppo.segment_shape[1] == 1
 
 
 def test_the_platform_error_lists_the_values_and_no_empty_one():

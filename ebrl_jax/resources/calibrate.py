@@ -1,7 +1,7 @@
 """Stage calibration: each stage timed alone, compile excluded, at given batch sizes, in this process.
 
 What is timed (one "call" of each stage, the unit the pipeline hands around):
-  sim         one unroll (`Config.timed_unroll_steps` policy steps) of a group of E envs with fixed random actions:
+  sim         one unroll (`timed_unroll_steps` policy steps) of a group of E envs with fixed random actions:
               MJX: one jitted scan of `sim.stages.step_chunk`; native MuJoCo: `CpuEnvPool.step` per policy step;
   generation  the policy for the same unroll on E observations: one jitted scan of `generation.stages.act`
               (MJX), or `generation.stages.make_act` per policy step with host<->device copies (native MuJoCo);
@@ -125,12 +125,22 @@ def _mjx_reset(cfg, env, sizes: Sequence[int]):
   return lambda e: reset(env, jax.random.PRNGKey(0), e, cfg.sim.group_size)
 
 
+def timed_unroll_steps(cfg) -> int:
+  """Policy steps of the one sim and generation call timed here (`cfg` a `config.Config`): a PPO segment's; GRPO,
+  whose segment is a whole episode, times --unroll_length's worth (within the episode) rounded down to whole action
+  chunks, at least one."""
+  k = cfg.policy.action_chunk
+  if cfg.algo.episodic:
+    return max(1, min(cfg.algo.unroll_length, cfg.sim.episode_length) // k)
+  return cfg.algo.unroll_length // k
+
+
 def _mjx_sim_gen(cfg, network, params, state, repeats: int, env) -> dict:
   """{'sim': Timed, 'generation': Timed, 'obs': the observations of E envs the last timed unroll ended on (a
   `types.PixelObs` with a camera: the sim stage renders), from `state` (E envs just reset)."""
   from ebrl_jax.sim import stages as sim_stages  # lazy: brax and MJX load only when a calibration runs
   k = cfg.policy.action_chunk
-  steps = cfg.timed_unroll_steps
+  steps = timed_unroll_steps(cfg)
   envs = state.episode_return.shape[0]
   action_dim = env.action_size
   actions = jax.random.uniform(jax.random.PRNGKey(1), (steps, envs, k, action_dim), minval=-1.0, maxval=1.0)
@@ -172,7 +182,7 @@ def _cpu_sim_gen(cfg, act, params, envs: int, repeats: int, threads: int) -> dic
   """As `_mjx_sim_gen`, for native MuJoCo: the pool's steps (rendering with a camera, as the run's pool does:
   `rollout.cpu.make_pool`), then the policy on its last observations."""
   k = cfg.policy.action_chunk
-  steps = cfg.timed_unroll_steps
+  steps = timed_unroll_steps(cfg)
   rng = np.random.default_rng(0)
   sim = dataclasses.replace(cfg.sim, num_threads=threads or cfg.sim.num_threads)
   with cpu_rollout.make_pool(sim, envs, seed=0, auto_reset=True) as pool:
@@ -315,7 +325,7 @@ def profile_stages(cfg, envs_per_group: Sequence[int], repeats: int = 5, all_gro
                                                 cfg.policy.normalize_observations, spec.pixel_shape,
                                                 cfg.algo.value_norm_rate is not None)
   act = gen_stages.make_act(network, cfg.policy.min_std)
-  unroll_steps = cfg.timed_unroll_steps * cfg.policy.action_chunk * cfg.sim.action_repeat  # per env, one call
+  unroll_steps = timed_unroll_steps(cfg) * cfg.policy.action_chunk * cfg.sim.action_repeat  # per env, one call
   iteration_steps = cfg.env_steps_per_iteration
 
   out = {
