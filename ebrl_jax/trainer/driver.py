@@ -305,7 +305,12 @@ def _loop(cfg, source, train_state, root_key, progress: cadence.Progress, logger
       if progress.last_saved < cfg.schedule.first_checkpoint_iteration <= progress.iterations:  # a run stopped
         _save(cfg, checkpointer, train_state, progress, spec)  # early has a checkpoint to resume
   except errors.StopRequested as stop:  # the source saw a stop (a signal, the controller's): save where it stopped
-    _save_at_stop(cfg, checkpointer, train_state if stop.state is None else stop.state, progress, spec)
+    state = train_state if stop.state is None else stop.state
+    _save_at_stop(cfg, checkpointer, state, progress, spec)
+    if stop.reason in BUDGETS and progress.evaluated is not None and progress.evaluated < progress.iterations:
+      # cells' ranks agreed on their budget (trainer.ranks): the final policy's evaluation, as one run's budget has;
+      # every rank evaluates the same parameters with the same keys, so they stay in lockstep
+      _evaluate_or_submit(cfg, source, state, root_key, progress, logger, clock, off_path, False)
     raise
 
 

@@ -78,6 +78,9 @@ def test_two_cells_stop_together_on_max_wall_s_with_a_checkpoint_and_the_allredu
   print(f'2 fused cells to --max_wall_s=20: {time.monotonic() - t0:.1f} s, stopped together at iteration '
         f'{rank0["iterations"]} (start-up {rank0["compile_s"]:.1f} s)')
   assert rank0['env_steps'] < 100000000
+  rank1 = _summaries(run_dir)[1]  # the budget's final evaluation, of the policy both ranks stopped with
+  assert rank0['eval_curve'][-1]['env_steps'] == rank1['eval_curve'][-1]['env_steps'] == rank0['env_steps']
+  assert rank0['final_eval_return'] == rank1['final_eval_return'] is not None
   assert not any(lifecycle.pid_alive(p) for p in cells_testlib.cell_pids(run.stderr))
   # The all-reduce of the gradients' size, timed alone over the two ranks (gloo), beside the train step's time.
   assert 0 < cells['allreduce_s'] < 5 and 0 < cells['train_step_s'] < 5 and cells['allreduce_timings'] >= 1

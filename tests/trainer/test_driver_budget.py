@@ -34,8 +34,9 @@ class _Source:
   """Iterations of ITERATION_S each; records the size of every call. `stop_after`: raises a stop request (as the
   trainer's channel source does) once that many iterations are done."""
 
-  def __init__(self, stop_after=None, signal_at=None, stop_at_eval=None, stale_stop=False):
+  def __init__(self, stop_after=None, signal_at=None, stop_at_eval=None, stale_stop=False, stop_reason='SIGINT'):
     self.calls, self.done, self.stop_after, self.signal_at = [], 0, stop_after, signal_at
+    self.stop_reason = stop_reason
     self.evals, self.stop_at_eval, self.stale_stop = 0, stop_at_eval, stale_stop
 
   def compile(self, state, n):
@@ -54,7 +55,7 @@ class _Source:
     before = state
     for i in range(n):
       if self.stop_after is not None and self.done >= self.stop_after:  # `stale_stop`: not this iteration's state
-        raise errors.StopRequested('SIGINT', i, before if self.stale_stop else state, {})
+        raise errors.StopRequested(self.stop_reason, i, before if self.stale_stop else state, {})
       time.sleep(ITERATION_S)
       state = _trained(state)
       self.done += 1
@@ -87,6 +88,19 @@ def test_max_wall_s_stops_at_the_iteration_boundary_that_reaches_it(tmp_path):
   assert 1.3 <= summary.wall_s < 1.3 + ITERATION_S + 0.5
   assert [e['env_steps'] for e in summary.eval_curve] == [0, 80, summary.env_steps]  # the final one at the stop
   assert summary.final_eval_return == float(summary.iterations)  # the stand-in returns the iterations it ran
+
+
+@pytest.mark.parametrize('reason', ['max_wall_s', 'SIGTERM'])
+def test_a_budget_stop_the_source_reports_evaluates_the_final_policy_and_a_signal_does_not(tmp_path, reason):
+  """Cells' ranks agree on --max_wall_s in their train step (`trainer.ranks`), so the stop comes up from the source
+  part-way through a chunk: the budget's final evaluation follows its checkpoint, as for one run's budget."""
+  source = _Source(stop_after=6, stop_reason=reason)
+  summary = driver.run_training(_trainer(tmp_path, checkpoint_every=1), lambda *args: source)
+  assert summary.stopped == reason and summary.iterations == 6 and summary.extra['last_checkpoint'] == 6
+  steps = [e['env_steps'] for e in summary.eval_curve]
+  assert steps == ([0, 80, 120] if reason == 'max_wall_s' else [0, 80])
+  if reason == 'max_wall_s':
+    assert summary.final_eval_return == 6.0  # the stand-in returns the iterations it ran
 
 
 @pytest.mark.parametrize('resumed', [False, True], ids=['no_first_checkpoint', 'resumed'])
