@@ -36,6 +36,7 @@ from ebrl_jax.resources import calibration_procs
 from ebrl_jax.resources import cpus
 from ebrl_jax.resources import generation_choice
 from ebrl_jax.resources import planner
+from ebrl_jax.resources import profile_keys
 from ebrl_jax.resources import profiles
 from ebrl_jax.resources import schedule_choice
 from ebrl_jax.resources import telemetry
@@ -66,20 +67,8 @@ def machine_key(gpu_name: Optional[str] = None) -> str:
 def load_store(cfg: config_lib.Config, path: Optional[str] = None) -> profiles.ProfileStore:
   """This machine's store for `cfg`'s workload at `path` (None: under --profile_dir), told its GPU driver."""
   name, driver = _nvml_gpu()  # one NVML query for the key and the driver
-  machine, workload = machine_key(name), workload_key(cfg)
+  machine, workload = machine_key(name), profile_keys.workload_key(cfg)
   return profiles.ProfileStore.load(path or store_path(cfg, machine, workload), machine, workload, driver)
-
-
-def workload_key(cfg: config_lib.Config) -> str:
-  """Everything that changes a stage's time at a given batch size and quota, and nothing else: task, backend,
-  envs, the policy's shape, and the training batch and epochs."""
-  p, a, s = cfg.policy, cfg.algo, cfg.sim
-  policy = (f'{p.kind}:d{p.d_model}x{p.num_layers}h{p.num_heads}m{p.mlp_ratio}t{p.obs_token_size}k{p.action_chunk}'
-            if p.kind == 'transformer' else
-            f'{p.kind}:{"x".join(map(str, p.policy_hidden_sizes))}/{"x".join(map(str, p.value_hidden_sizes))}')
-  policy += (f';algo={a.name},seg={a.segments_per_iteration},unroll={a.unroll_length},mb={a.num_minibatches},'
-             f'epochs={a.num_updates_per_batch};repeat={s.action_repeat};threads={s.num_threads}')
-  return profiles.workload_id(s.task, s.backend, s.num_envs, policy)
 
 
 def store_path(cfg: config_lib.Config, machine: str, workload: str) -> str:

@@ -10,6 +10,7 @@ from ebrl_jax import config as config_lib
 from ebrl_jax import controller
 from ebrl_jax.controller import replan
 from ebrl_jax.resources import autoplan
+from ebrl_jax.resources import profile_keys
 from ebrl_jax.resources import mps
 from ebrl_jax.resources import planner
 from ebrl_jax.resources import profiles
@@ -135,7 +136,7 @@ def test_a_standby_that_dies_before_it_is_ready_keeps_the_old_worker(tmp_path, c
 
 def _store(cfg):
   """Sim saturates at 80 % of the SMs, training at 50 %; generation is cheap (hand-made samples)."""
-  store = profiles.ProfileStore(autoplan.machine_key(), autoplan.workload_key(cfg))
+  store = profiles.ProfileStore(autoplan.machine_key(), profile_keys.workload_key(cfg))
   for name, per_env, q_sat in (('sim', 2e-6, 80.0), ('generation', 1e-8, 1.0)):
     for e in (16, 32):
       for q in (20, 100):

@@ -6,6 +6,7 @@ from ebrl_jax import config as config_lib
 from ebrl_jax import controller
 from ebrl_jax.controller import group_replan
 from ebrl_jax.resources import autoplan
+from ebrl_jax.resources import profile_keys
 from ebrl_jax.resources import profiles
 
 
@@ -88,7 +89,7 @@ def test_replan_groups_errors_name_the_flag(tmp_path, schedule, resources, words
 def test_the_trigger_reads_the_plan_store_where_the_run_was_planned_else_measures_in_the_run(tmp_path):
   cfg = _config(tmp_path)
   path = str(tmp_path / 'store.json')
-  store = profiles.ProfileStore(autoplan.machine_key(), autoplan.workload_key(cfg))
+  store = profiles.ProfileStore(autoplan.machine_key(), profile_keys.workload_key(cfg))
   for name in ('sim', 'train'):
     store.profile(name).add_sample(8, 100, 0.01)
   store.save(path)

@@ -7,6 +7,7 @@ import pytest
 from ebrl_jax import config as config_lib
 from ebrl_jax import controller
 from ebrl_jax.resources import autoplan
+from ebrl_jax.resources import profile_keys
 from ebrl_jax.resources import calibration_procs
 from ebrl_jax.resources import profiles
 from ebrl_jax.runtime import errors
@@ -37,7 +38,7 @@ def _cfg(tmp_path, schedule='async', sm_quotas='', **resources):
 def _fill(cfg, sim_s, gen_s, train_s):
   """A store where every stage is linear in the batch and saturates at q_sat (samples at two sizes and at each
   default --calibration_quotas, so a run with MPS finds every quota it would calibrate)."""
-  machine, workload = autoplan.machine_key(), autoplan.workload_key(cfg)
+  machine, workload = autoplan.machine_key(), profile_keys.workload_key(cfg)
   store = profiles.ProfileStore(machine, workload)
   for name, (per_env, q_sat) in (('sim', sim_s), ('generation', gen_s)):
     for e in (8, 32):
@@ -94,8 +95,45 @@ def test_workload_key_changes_with_what_changes_stage_times(tmp_path):
   bigger = dataclasses.replace(cfg, sim=dataclasses.replace(cfg.sim, num_envs=64))
   epochs = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, num_updates_per_batch=8))
   seed = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, seed=7))
-  keys = {autoplan.workload_key(c) for c in (cfg, bigger, epochs)}
-  assert len(keys) == 3 and autoplan.workload_key(seed) == autoplan.workload_key(cfg)
+  keys = {profile_keys.workload_key(c) for c in (cfg, bigger, epochs)}
+  assert len(keys) == 3 and profile_keys.workload_key(seed) == profile_keys.workload_key(cfg)
+  # A run that sets none of the later settings keeps the key it had before they were added (stored profiles hold).
+  assert profile_keys.workload_key(cfg) == (
+      'task=inverted_pendulum;backend=mujoco_cpu;num_envs=32;policy=mlp:32x32x32x32/'
+      '256x256x256x256x256;algo=ppo,seg=256,unroll=5,mb=8,epochs=4;repeat=1;threads=1')
+
+
+def _replaced(cfg, **sections):
+  return dataclasses.replace(cfg, **{k: dataclasses.replace(getattr(cfg, k), **v) for k, v in sections.items()})
+
+
+def test_workload_key_tells_apart_the_trunk_pixels_solver_and_grpo_episodes(tmp_path):
+  cfg = _replaced(_cfg(tmp_path), sim=dict(task='push_cube'), policy=dict(kind='transformer'))
+  pixels = _replaced(cfg, sim=dict(obs='pixels'))
+  variants = [
+      cfg,
+      _replaced(cfg, policy=dict(compute_dtype='bfloat16')),
+      _replaced(cfg, policy=dict(critic='mlp')),
+      _replaced(cfg, policy=dict(kind='token')),
+      _replaced(cfg, policy=dict(kind='token', num_bins=64)),
+      _replaced(cfg, sim=dict(ls_iterations=8)),
+      _replaced(cfg, sim=dict(randomize='friction=0.8:1.2')),
+      pixels,
+      _replaced(pixels, sim=dict(image_size=32)),
+      _replaced(pixels, sim=dict(frame_stack=3)),
+      _replaced(pixels, policy=dict(cnn_channels=(8, 16))),
+      _replaced(pixels, policy=dict(vision_encoder='patches')),
+  ]
+  keys = [profile_keys.workload_key(c) for c in variants]
+  assert len(set(keys)) == len(keys), keys
+  assert keys[1].endswith(';compute_dtype=bfloat16') and keys[10].endswith(';obs=pixels;cnn_channels=8,16')
+  # Camera settings do not enter the key of a run without a camera (they take no effect there).
+  assert profile_keys.workload_key(_replaced(cfg, sim=dict(image_size=32))) == keys[0]
+  grpo = _replaced(cfg, sim=dict(group_size=4, episode_length=40), algo=dict(name='grpo'))
+  longer = _replaced(grpo, sim=dict(episode_length=80))
+  assert ';algo=grpo,episode=40,group=4,unroll=5,' in profile_keys.workload_key(grpo)
+  assert profile_keys.workload_key(longer) != profile_keys.workload_key(grpo)  # GRPO's batch is the whole episode
+  assert profile_keys.workload_key(_replaced(grpo, algo=dict(batch_size=64))) == profile_keys.workload_key(grpo)
 
 
 def test_plan_needs_a_process_schedule(tmp_path):
@@ -264,9 +302,9 @@ def _timed_calibration(monkeypatch, calls, process_s, fail_at=None):
 
 
 def _stored_quotas(cfg):
-  path = autoplan.store_path(cfg, autoplan.machine_key(), autoplan.workload_key(cfg))
-  return autoplan.calibrated_quotas(profiles.ProfileStore.load(path, autoplan.machine_key(),
-                                                               autoplan.workload_key(cfg)))
+  path = autoplan.store_path(cfg, autoplan.machine_key(), profile_keys.workload_key(cfg))
+  return autoplan.calibrated_quotas(
+      profiles.ProfileStore.load(path, autoplan.machine_key(), profile_keys.workload_key(cfg)))
 
 
 def test_calibration_deadline_is_the_budget_flag_else_a_third_of_max_wall_s(tmp_path):
