@@ -46,9 +46,13 @@ def _main(*args):
                         timeout=300)
 
 
-def _one_fatal_line(result):
+def _one_fatal_line(result, warned=()):
+  """The run's one line (after one warning line containing each of `warned`, in order), exit 2."""
   lines = [l for l in result.stderr.splitlines() if l.strip()]
   assert result.returncode == 2, result.stderr[-3000:]
+  for words in warned:
+    assert lines and lines[0].startswith('W') and words in lines[0], (words, result.stderr[-3000:])
+    lines.pop(0)
   assert len(lines) == 1 and lines[0].startswith('FATAL: '), result.stderr[-3000:]
   assert 'Traceback' not in result.stderr + result.stdout
   return lines[0]
@@ -80,8 +84,10 @@ def test_the_checkpoint_records_what_its_layout_does_not_show(finished_run):
 def test_another_algo_is_refused_before_any_worker_naming_the_flag(tmp_path, finished_run):
   run_dir = _copy(finished_run, tmp_path)
   before = _files(run_dir)
-  line = _one_fatal_line(
-      _main('--num_timesteps=2560', '--resume', '--algo=grpo', '--group_size=4', f'--run_dir={run_dir}'))
+  line = _one_fatal_line(_main('--num_timesteps=2560', '--resume', '--algo=grpo', '--group_size=4',
+                               f'--run_dir={run_dir}'),
+                         warned=['--batch_size=32 has no effect with --algo=grpo'
+                                ])  # the PPO run's flags, kept for the resume
   assert line == (f'FATAL: --resume: checkpoint 1 in {run_dir}/checkpoints was written by a run with --algo=ppo '
                   '(this run: --algo=grpo): its policy and optimizer state were trained with ppo\'s loss, and '
                   '--resume continues a run with its own algorithm. Resume with --algo=ppo, or start a new run in '
