@@ -14,8 +14,9 @@ A step can still be damaged after its commit (a file truncated or deleted by han
 `shape_mismatch` read a step's metadata files as plain JSON, without orbax and without changing anything (the
 controller checks a run's checkpoints with them before any worker starts), and `restore_newest_intact` falls
 back from a damaged step to the newest intact one, naming each step it skipped by path and why. A data file
-changed on disk shows only when it is read: `restore` raises `DamagedStep` when orbax cannot decode it, or when a
-value comes back NaN, infinite or implausibly large (`checkpoint_values`).
+changed on disk shows only when it is read: `restore` raises `DamagedStep` when orbax cannot decode it, when a
+value comes back NaN, infinite or implausibly large, or when an array's fingerprint differs from the one its save
+recorded in the step's metadata (`checkpoint_values`).
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import jax
 import orbax.checkpoint as ocp
 
-from ebrl_jax.trainer.checkpoint_values import DamagedStep, implausible_leaf, normalization_change, root_cause
+from ebrl_jax.trainer.checkpoint_values import (FINGERPRINTS, DamagedStep, changed_leaf, fingerprints, implausible_leaf,
+                                                normalization_change, root_cause)
 from ebrl_jax.trainer.stages import TrainState
 
 _ITEMS = ('state', 'extra')
@@ -189,6 +191,7 @@ class Checkpointer:
     extra = dict(extra or {})
     try:
       json.dumps(extra)
+      extra[FINGERPRINTS] = fingerprints(state)  # what `restore` checks the data against
     except TypeError as e:
       raise ValueError(f'Checkpoint metadata `extra` must be JSON-serialisable: {e}') from e
     self._manager.wait_until_finished()  # one save in flight at most; surfaces a failed async save
@@ -247,8 +250,9 @@ class Checkpointer:
   def restore(self, template_state: TrainState, step: Optional[int] = None) -> Tuple[TrainState, Dict[str, Any], int]:
     """Restores (state, extra, step); `step=None` takes the newest. `template_state` fixes the pytree
     structure, dtypes and placement (e.g. a freshly initialised TrainState). Raises `DamagedStep` when the
-    step's data does not read back (orbax fails, or a value comes back NaN, infinite or implausibly large:
-    `checkpoint_values.implausible_leaf`)."""
+    step's data does not read back (orbax fails, a value comes back NaN, infinite or implausibly large:
+    `checkpoint_values.implausible_leaf`, or an array differs from its saved fingerprint: `changed_leaf`). The
+    returned `extra` is what `save` was given."""
     if step is None:
       step = self.latest_step()
       if step is None:
@@ -268,8 +272,13 @@ class Checkpointer:
     if bad is not None:
       raise DamagedStep(step, path,
                         f'its data reads back with values no run saves ({bad}): a data file was changed on disk')
+    extra = dict(restored.extra or {})
+    changed = changed_leaf(restored.state, extra.pop(FINGERPRINTS, None))
+    if changed is not None:
+      raise DamagedStep(step, path, f'its data reads back other than it was saved ({changed}): a data file was '
+                        'changed on disk')
     state = jax.device_put(restored.state) if multi else restored.state
-    return state, dict(restored.extra or {}), int(step)
+    return state, extra, int(step)
 
   def restore_newest_intact(self, template_state: TrainState):
     """Restores the newest step that restores whole, skipping (with a warning naming its path and why) every

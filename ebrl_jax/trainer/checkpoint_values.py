@@ -1,10 +1,11 @@
 """What a restored checkpoint step is checked for, and the error a restore raises for a step whose data does not
-read back whole (`DamagedStep`). A saved state is finite (a run that diverges saves no checkpoint), but orbax keeps
-no checksum: bytes changed in a data file either fail zstd's decoding or decode without error into other values,
-mostly NaN or values with random exponents (17 of 19 places of 256 0xFF bytes in a pendulum run's largest data
-file; the other two decoded to values within the arrays' own range). `implausible_leaf` finds those by their
-values; changed values that look plausible go unseen."""
-from typing import Optional
+read back whole (`DamagedStep`). Orbax keeps no checksum of the data: bytes changed in a data file either fail
+zstd's decoding or decode without error into other values, mostly NaN or values with random exponents (17 of 19
+places of 256 0xFF bytes in a pendulum run's largest data file; the other two decoded to values within the arrays'
+own range). A saved state is finite (a run that diverges saves no checkpoint): `implausible_leaf` finds most such
+values by themselves, and the fingerprints the save records beside the data (`fingerprints`, one 32-bit word per
+array, computed on the device) find the rest: `changed_leaf` names an array whose values differ from those saved."""
+from typing import Dict, Optional
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,52 @@ def implausible_leaf(state) -> Optional[str]:
     if bad:
       name = jax.tree_util.keystr(path, simple=True, separator='.')
       return f'{name}: {bad} of {magnitudes.size} values are NaN, infinite or beyond +-{IMPLAUSIBLE:g}'
+  return None
+
+
+FINGERPRINTS = 'fingerprints'  # the key of a save's metadata (`extra`) that holds them
+
+
+def _words(leaf):
+  """A leaf's bits as a flat uint32 vector (typed PRNG keys: their key data; 1- and 2-byte types widened)."""
+  if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+    leaf = jax.random.key_data(leaf)
+  size = leaf.dtype.itemsize
+  if size in (1, 2):
+    as_uint = jnp.uint8 if size == 1 else jnp.uint16
+    leaf = leaf.astype(jnp.uint8) if leaf.dtype == jnp.bool_ else jax.lax.bitcast_convert_type(leaf, as_uint)
+    return leaf.astype(jnp.uint32).reshape(-1)
+  return jax.lax.bitcast_convert_type(leaf, jnp.uint32).reshape(-1)  # 8-byte types: two words each
+
+
+@jax.jit
+def _fingerprint_words(leaves):
+  """One word per leaf: the sum (mod 2**32) of each word times an odd weight drawn from its position, so a change
+  of any one word changes it (an odd weight is invertible mod 2**32), as does a swap of two."""
+  out = []
+  for leaf in leaves:
+    words = _words(leaf)
+    position = jnp.arange(words.shape[0], dtype=jnp.uint32)
+    weights = (position * jnp.uint32(2654435761) + jnp.uint32(0x9E3779B9)) | jnp.uint32(1)
+    out.append(jnp.sum(words * weights, dtype=jnp.uint32))
+  return out
+
+
+def fingerprints(state) -> Dict[str, int]:
+  """{array path: its 32-bit fingerprint} of a state (host or device arrays), for a save's metadata."""
+  flat = jax.tree_util.tree_flatten_with_path(state)[0]
+  values = jax.device_get(_fingerprint_words([jnp.asarray(leaf) for _, leaf in flat]))
+  return {jax.tree_util.keystr(p, simple=True, separator='.'): int(v) for (p, _), v in zip(flat, values)}
+
+
+def changed_leaf(state, saved: Optional[Dict[str, int]]) -> Optional[str]:
+  """The first array of a restored `state` whose fingerprint differs from the one its save recorded (`saved`;
+  None or {}: a checkpoint from before fingerprints were recorded, unchecked), as 'path: ...', else None."""
+  if not saved:
+    return None
+  for name, value in fingerprints(state).items():
+    if name in saved and saved[name] != value:
+      return f'{name}: its values differ from those saved (fingerprint {value:#010x}, saved {saved[name]:#010x})'
   return None
 
 

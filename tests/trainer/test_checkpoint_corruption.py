@@ -1,9 +1,11 @@
 """A checkpoint whose data files were changed on disk after its commit: orbax keeps no checksum, so 0xFF bytes
 written into a data file mostly restore without error, as NaN or values near 1e38. The restore checks every float
-value (NaN, infinite, beyond +-1e30), a resume falls back from such a step to the newest intact one, naming the
+value (NaN, infinite, beyond +-1e30) and every array against the fingerprint its save recorded (data that reads
+back as plausible values of another state), a resume falls back from such a step to the newest intact one, naming the
 step and the first bad array, and a run with no intact step left is one FATAL line instead of resuming into a
 'divergence'."""
 import glob
+import json
 import os
 import re
 import shutil
@@ -79,6 +81,61 @@ def test_the_check_names_the_first_bad_leaf_of_params_optimizer_or_normalizer():
   broken = dict(state, params=dict(state['params'], normalizer=dict(normalizer, mean=jnp.full(4, jnp.inf))))
   assert checkpoint_values.implausible_leaf(broken).startswith('params.normalizer.mean: 4 of 4 values')
   assert checkpoint_values.implausible_leaf({'big': jnp.float32(-1e29), 'n': jnp.int32(2**31 - 1)}) is None
+
+
+def test_a_fingerprint_changes_with_any_one_word_a_swap_or_a_dtype_of_any_width():
+  leaves = {
+      'f32': jnp.linspace(-1.0, 1.0, 1000, dtype=jnp.float32),
+      'bf16': jnp.linspace(-1.0, 1.0, 64).astype(jnp.bfloat16),
+      'i32': jnp.arange(7, dtype=jnp.int32),
+      'flag': jnp.array([True, False, True]),
+      'key': jax.random.key(3),
+      'scalar': jnp.float32(2.5),
+  }
+  base = checkpoint_values.fingerprints(leaves)
+  assert sorted(base) == sorted(leaves) and all(0 <= v < 2**32 for v in base.values())
+  assert checkpoint_values.fingerprints(jax.device_get(leaves)) == base  # host arrays as a multi-rank save gives
+  bits = np.asarray(leaves['f32']).view(np.uint32).copy()
+  for i in (0, 499, 999):
+    for flip in (1, 1 << 31):
+      one = bits.copy()
+      one[i] ^= flip
+      changed = dict(leaves, f32=jnp.asarray(one.view(np.float32)))
+      assert checkpoint_values.fingerprints(changed)['f32'] != base['f32'], (i, flip)
+  swapped = np.asarray(leaves['f32']).copy()
+  swapped[[10, 11]] = swapped[[11, 10]]
+  assert checkpoint_values.fingerprints(dict(leaves, f32=jnp.asarray(swapped)))['f32'] != base['f32']
+  others = dict(leaves,
+                bf16=-leaves['bf16'],
+                i32=leaves['i32'] + 1,
+                flag=~leaves['flag'],
+                key=jax.random.key(4),
+                scalar=jnp.float32(2.25))
+  assert all(checkpoint_values.fingerprints(others)[k] != base[k] for k in others if k != 'f32')
+  assert checkpoint_values.changed_leaf(leaves, base) is None and checkpoint_values.changed_leaf(leaves, {}) is None
+  assert checkpoint_values.changed_leaf(others, base).startswith('bf16: its values differ from those saved')
+
+
+def test_data_that_reads_back_as_another_saved_state_is_named_by_its_fingerprint(tmp_path, finished_run):
+  """Step 1's data files under step 2's metadata: every value is one a run saved (no implausible value), but not
+  the values step 2 saved; the resume falls back past it."""
+  directory = str(tmp_path / 'checkpoints')
+  shutil.copytree(finished_run / 'checkpoints', directory)
+  shutil.rmtree(os.path.join(directory, '2', 'state'))
+  shutil.copytree(os.path.join(directory, '1', 'state'), os.path.join(directory, '2', 'state'))
+  with checkpoint.Checkpointer(directory) as ckpt:
+    state, extra, step = ckpt.restore(_template(directory), 1)  # intact; the fingerprints are not handed back
+    assert step == 1 and checkpoint_values.FINGERPRINTS not in extra and extra['iterations'] == 1
+    assert checkpoint_values.implausible_leaf(state) is None
+    with pytest.raises(checkpoint.DamagedStep,
+                       match=rf'^checkpoint 2 \({directory}/2\) is damaged: its data reads back other than it was '
+                       r'saved \([\w.]+: its values differ from those saved \(fingerprint 0x[0-9a-f]{8}, saved '
+                       r'0x[0-9a-f]{8}\)\): a data file was changed on disk$'):
+      ckpt.restore(_template(directory), 2)
+    _, _, step, skipped = ckpt.restore_newest_intact(_template(directory))
+  assert step == 1 and [s for s, _ in skipped] == [2]
+  with open(os.path.join(directory, '1', 'extra', 'metadata')) as f:
+    assert len(json.load(f)[checkpoint_values.FINGERPRINTS]) == len(jax.tree_util.tree_leaves(state))
 
 
 def test_changed_data_is_named_and_the_resume_falls_back_to_the_step_before(tmp_path, finished_run, caplog):
