@@ -24,6 +24,9 @@ FLAGS = ('--task=inverted_pendulum', '--num_envs=32', '--batch_size=32', '--num_
 # The command line (`python -m ebrl_jax.main`), with a gc callback that sends the SIGINT once, from the main thread,
 # and makes a Python call inside the callback so that the handler runs there; a main thread that collects nothing
 # past the delay (the controller idle in its watch while the workers start) gets it from a thread 1 s later.
+# Neither sends before ebrl_jax.main's first lines have taken the signals over: until then the interpreter runs no
+# gc callback of the run's (JAX is not imported yet) and this wrapper's own would swallow the interrupt (a loaded
+# CI machine took longer than 0.5 s to get there).
 WRAPPER = r'''
 import gc, os, runpy, signal, sys, threading, time
 start, delay, marker = time.monotonic(), float(sys.argv[1]), sys.argv[2]
@@ -35,12 +38,18 @@ def send(way):
     f.write(f'{way} {time.monotonic() - start:.2f}')
   os.killpg(os.getpgid(0), signal.SIGINT)
   return True
+armed = []
 def callback(phase, info):
-  if phase == 'start' and threading.current_thread() is threading.main_thread() and time.monotonic() - start >= delay:
+  if not armed and signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    armed.append(True)  # ebrl_jax.main's first lines took the signals over
+  if (armed and phase == 'start' and threading.current_thread() is threading.main_thread() and
+      time.monotonic() - start >= delay):
     if send('gc'):
       (lambda: None)()
 def fallback():
   time.sleep(delay + 1.0)
+  while not armed:
+    time.sleep(0.05)
   send('thread')
 gc.callbacks.append(callback)
 threading.Thread(target=fallback, daemon=True).start()
