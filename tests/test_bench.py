@@ -614,6 +614,34 @@ def test_steady_pace_is_taken_between_the_second_and_the_last_evaluation():
   assert steady_env_steps_per_s({'eval_curve': curve[:2]}) is None
 
 
+def test_steady_pace_runs_between_the_versions_reached_not_their_evaluations_ends():
+  """An evaluator process that lags at the second evaluated version (its compile) ends it late: the pace runs from
+  when training reached each version, as the curve records it (`reached_s`); its SM window too."""
+  from experiments.bench import figures
+  curve = [
+      {
+          'env_steps': 0,
+          'wall_s': 40.0,
+          'reached_s': 40.0
+      },
+      {
+          'env_steps': 1000,
+          'wall_s': 65.0,
+          'reached_s': 50.0
+      },  # 15 s late
+      {
+          'env_steps': 4000,
+          'wall_s': 71.0,
+          'reached_s': 70.0
+      }
+  ]
+  assert figures.steady_env_steps_per_s({'eval_curve': curve}) == pytest.approx(3000 / 20.0)  # not 3000 / 6
+  exact = [dict(p, unix=2000.0 + p['wall_s']) for p in curve]
+  assert figures.steady_window({'summary': {'eval_curve': exact}}) == (2050.0, 2070.0, 'exact')
+  kept = {'end_unix': 1072.0, 'summary': {'wall_s': 72.0, 'eval_curve': curve}}  # its clock started at 1000
+  assert figures.steady_window(kept) == (1050.0, 1070.0, 'end-anchored')
+
+
 def test_end_to_end_is_not_averaged_across_its_two_definitions():
   from experiments.bench import figures
   old = {'env_steps_per_s': 70.0, 'extra': {'segments_consumed': 8}}  # a process run kept before 29df545

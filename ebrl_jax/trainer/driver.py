@@ -102,9 +102,17 @@ def run_training(cfg: TrainerConfig, make_source, remote=None) -> RunSummary:
 
 def _evaluate(cfg, source, train_state, root_key, progress: cadence.Progress, logger,
               clock: run_clock.RunClock) -> float:
+  reached_s = clock.now()  # in line: training waits for this evaluation, which counts against its pace
   eval_metrics = source.evaluate(train_state.params, keys.eval_key(root_key, progress.iterations))
-  return evaluations.record(progress, logger, cfg.schedule.target_return, eval_metrics, progress.env_steps, clock.now(),
-                            progress.train_wall, progress.iterations)
+  return evaluations.record(progress,
+                            logger,
+                            cfg.schedule.target_return,
+                            eval_metrics,
+                            progress.env_steps,
+                            clock.now(),
+                            progress.train_wall,
+                            progress.iterations,
+                            reached_s=reached_s)
 
 
 class _DiskFullNoise(logging.logging.Filter):
@@ -253,7 +261,7 @@ def _evaluate_or_submit(cfg, source, train_state, root_key, progress: cadence.Pr
     return _evaluate(cfg, source, train_state, root_key, progress, logger, clock)
   eval_return = off_path.poll(progress, logger, clock.now)
   if progress.target_hit is None:
-    off_path.submit(source, train_state.params, keys.eval_key(root_key, progress.iterations), progress)
+    off_path.submit(source, train_state.params, keys.eval_key(root_key, progress.iterations), progress, clock.now())
   return eval_return
 
 

@@ -26,15 +26,19 @@ def record(progress,
            wall_s: float,
            train_s: float,
            version: int,
-           unix: Optional[float] = None) -> float:
+           unix: Optional[float] = None,
+           reached_s: Optional[float] = None) -> float:
   """Appends the evaluation of policy `version` to `progress.eval_curve` (and `progress.target_hit` once `target`
   is reached); logs it at `env_steps`. `wall_s` (run clock) and `unix` (`time.time()`, default now) say when it
-  finished. Returns the evaluation's return."""
+  finished, `reached_s` (run clock, default `wall_s`) when training had reached the version and asked for its
+  evaluation: the pace of training is read between those (an evaluation off the path finishes late, by how far
+  its evaluator lags). Returns the evaluation's return."""
   eval_return = eval_metrics['eval/episode_return']
   progress.eval_curve.append({
       'version': int(version),
       'env_steps': env_steps,
       'wall_s': round(wall_s, 3),
+      'reached_s': round(wall_s if reached_s is None else reached_s, 3),
       'train_s': round(train_s, 3),
       'return': eval_return,
       'unix': round(time.time() if unix is None else unix, 3)
@@ -59,19 +63,28 @@ class OffPath:
   def __init__(self, target: Optional[float]):
     self._target = target
     self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='evaluate')
-    self._pending: List[Tuple[concurrent.futures.Future, int, int, float]] = []
+    self._pending: List[Tuple[concurrent.futures.Future, int, int, float, Optional[float]]] = []
 
-  def submit(self, source, params, key, progress) -> None:
-    """`source.evaluate(params, key)` in the background, for the point at `progress`'s step counts now."""
+  def submit(self, source, params, key, progress, reached_s: Optional[float] = None) -> None:
+    """`source.evaluate(params, key)` in the background, for the point at `progress`'s step counts now
+    (`reached_s`: the run clock now)."""
     future = self._executor.submit(source.evaluate, device_copy(params), key)
-    self._pending.append((future, progress.iterations, progress.env_steps, progress.train_wall))
+    self._pending.append((future, progress.iterations, progress.env_steps, progress.train_wall, reached_s))
 
   def poll(self, progress, logger, now: Callable[[], float]) -> Optional[float]:
     """Waits for every pending evaluation and records it; returns the last return (None: none pending)."""
     eval_return = None
     while self._pending:
-      future, version, env_steps, train_s = self._pending.pop(0)
-      eval_return = record(progress, logger, self._target, future.result(), env_steps, now(), train_s, version)
+      future, version, env_steps, train_s, reached_s = self._pending.pop(0)
+      eval_return = record(progress,
+                           logger,
+                           self._target,
+                           future.result(),
+                           env_steps,
+                           now(),
+                           train_s,
+                           version,
+                           reached_s=reached_s)
     return eval_return
 
   finish = poll  # at the run's end: the same wait

@@ -46,6 +46,7 @@ class _Asked(NamedTuple):
   train_s: float
   unix: float  # when it was asked for
   params: Any  # the host copy, until it is published (then None)
+  reached_s: Optional[float] = None  # the run clock when it was asked for
 
 
 class RemoteEvaluations:
@@ -118,9 +119,10 @@ class RemoteEvaluations:
       if flag.is_set():
         raise errors.StopRequested(reason)
 
-  def submit(self, source, params, key, progress) -> None:
+  def submit(self, source, params, key, progress, reached_s: Optional[float] = None) -> None:
     """Asks for the evaluation of version `progress.iterations` (`params`); the evaluator derives the same key
-    (`rollout.keys.eval_key` of the version), so `source` and `key` are not needed."""
+    (`rollout.keys.eval_key` of the version), so `source` and `key` are not needed; `reached_s`: the run clock now
+    (None: read off `now` when recorded, from the time it was asked for)."""
     del source, key
     host = jax.tree.map(np.asarray, jax.device_get(params))
     t0 = time.monotonic()
@@ -130,7 +132,8 @@ class RemoteEvaluations:
     self.counts['wait_s'] += time.monotonic() - t0
     with self._lock:
       self._asked.append(
-          _Asked(int(progress.iterations), int(progress.env_steps), float(progress.train_wall), time.time(), host))
+          _Asked(int(progress.iterations), int(progress.env_steps), float(progress.train_wall), time.time(), host,
+                 reached_s))
 
   def poll(self, progress, logger, now: Callable[[], float]) -> Optional[float]:
     """Records every point that has come in, in version order; returns the last return (None: none came)."""
@@ -148,8 +151,9 @@ class RemoteEvaluations:
           'eval/episode_return': float(report.episode_return),
           'eval/episode_length': float(report.episode_length)
       }
+      reached_s = asked.reached_s if asked.reached_s is not None else now() - max(0.0, time.time() - asked.unix)
       eval_return = evaluations.record(progress, logger, self._target, metrics, asked.env_steps, wall_s, asked.train_s,
-                                       asked.version, float(report.unix))
+                                       asked.version, float(report.unix), reached_s)
       self.counts['evaluations'] += 1
       self.counts['eval_s'] += float(report.seconds)
       self.counts['max_lag_s'] = max(self.counts['max_lag_s'], float(report.unix) - asked.unix)

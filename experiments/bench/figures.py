@@ -10,15 +10,26 @@ def read_jsonl(path: str) -> list:
     return [json.loads(line) for line in f if line.strip()]
 
 
+def _reached(point: dict) -> float:
+  """When training reached an evaluated version (run clock): `reached_s` where the run recorded it, else when its
+  evaluation finished (runs before it was recorded; the same moment for an evaluation in line)."""
+  return point.get('reached_s', point['wall_s'])
+
+
 def steady_env_steps_per_s(summary: dict):
-  """Env steps per wall-clock second from the second to the last evaluation (evaluations included): the pace
-  once start-up is over. Start-up (worker compiles, the first evaluation) is inside a process schedule's
-  end-to-end figure, which dominates short runs. None with fewer than three evaluations."""
+  """Env steps per wall-clock second from the moment training reached the second evaluated version to the moment
+  it reached the last (`_reached`): the pace once start-up is over, with the evaluations that training waits for
+  (in line: `fused`, `--evaluator=trainer`) inside it and those of an evaluator process beside it. Until the curve
+  recorded `reached_s`, the window ran between the evaluations' ends, which an evaluator lagging at the second
+  one shortened (W2 async on an H100: 153 k env steps/s "steady" beside 88 k end to end). Start-up (worker
+  compiles, the first evaluation) is inside a process schedule's end-to-end figure, which dominates short runs.
+  None with fewer than three evaluations."""
   curve = summary.get('eval_curve') or []
   if len(curve) < 3:
     return None
   a, b = curve[1], curve[-1]
-  return (b['env_steps'] - a['env_steps']) / (b['wall_s'] - a['wall_s']) if b['wall_s'] > a['wall_s'] else None
+  span = _reached(b) - _reached(a)
+  return (b['env_steps'] - a['env_steps']) / span if span > 0 else None
 
 
 def rollout_env_steps_per_s(summary: dict):
@@ -61,7 +72,7 @@ def end_to_end(summaries: list) -> dict:
 
 
 def steady_window(run: dict):
-  """(start, end, how) in Unix seconds: the window of `steady_env_steps_per_s` (second to last evaluation) of a
+  """(start, end, how) in Unix seconds: the window of `steady_env_steps_per_s` (second to last evaluated version) of a
   finished harness run, for the device's SM activity over the same stretch. `how` is 'exact' where the
   evaluations carry their Unix time (`unix`, since this commit), else 'end-anchored': the run's clock is taken to
   have started `wall_s` before its process ended, which places the window late by the process's exit time
@@ -71,12 +82,12 @@ def steady_window(run: dict):
   if len(curve) < 3:
     return None
   a, b = curve[1], curve[-1]
-  if 'unix' in a and 'unix' in b:
-    return a['unix'], b['unix'], 'exact'
+  if 'unix' in a and 'unix' in b:  # a point's `unix` is its `wall_s` on the Unix clock
+    return a['unix'] - a['wall_s'] + _reached(a), b['unix'] - b['wall_s'] + _reached(b), 'exact'
   if 'end_unix' not in run or 'wall_s' not in summary:
     return None
   t0 = run['end_unix'] - summary['wall_s']
-  return t0 + a['wall_s'], t0 + b['wall_s'], 'end-anchored'
+  return t0 + _reached(a), t0 + _reached(b), 'end-anchored'
 
 
 def window_mean(records: list, start: float, end: float, key: str = 'sm_activity_pct'):

@@ -101,7 +101,7 @@ def test_reports_are_recorded_in_version_order_one_in_flight_repeats_dropped_and
   try:
     for version in (0, 5):  # two asked for: only the first goes into the store until it is reported
       progress.iterations, progress.env_steps = version, version * 100
-      remote.submit(None, {'w': np.full((3,), version, np.float32)}, None, progress)
+      remote.submit(None, {'w': np.full((3,), version, np.float32)}, None, progress, reached_s=0.1 * version)
     assert lifecycle.wait_for_version(link.store, 0, threading.Event())
     time.sleep(0.2)
     assert link.store.version() == 0  # one in flight
@@ -114,6 +114,9 @@ def test_reports_are_recorded_in_version_order_one_in_flight_repeats_dropped_and
     link.reports.put(_report(5, 60.0))
     remote.finish(progress, logger, now=lambda: 1.0)
     assert [(e['version'], e['env_steps'], e['return']) for e in progress.eval_curve] == [(0, 0, 10.0), (5, 500, 60.0)]
+    # when each was asked for (the pace is read there), and when it came in
+    assert [e['reached_s'] for e in progress.eval_curve] == [0.0, 0.5]
+    assert all(0.5 < e['wall_s'] <= 1.0 for e in progress.eval_curve)  # the report's time on the run clock
     assert progress.target_hit[0] == 500  # reached by version 5's point (the trainer has gone further since)
     assert remote.counts['duplicates'] == 1 and remote.counts['evaluations'] == 2
     progress.iterations = 10

@@ -191,6 +191,9 @@ def test_a_stop_request_mid_chunk_keeps_the_finished_iterations_and_the_clock_st
   assert summary.wall_s >= 5.0 + 6 * ITERATION_S
   first = summary.eval_curve[0]
   assert first['wall_s'] >= 5.0 and first['unix'] - first['wall_s'] == pytest.approx(start.unix, abs=0.05)
+  # in line: each evaluation was asked for when its version was reached, and training waited for it
+  assert all(5.0 <= e['reached_s'] <= e['wall_s'] for e in summary.eval_curve)
+  assert [e['reached_s'] for e in summary.eval_curve] == sorted(e['reached_s'] for e in summary.eval_curve)
   with open(tmp_path / 'metrics.jsonl') as f:  # metrics.jsonl keeps the same clock as the summary
     evals = [r for r in map(json.loads, f) if 'eval/episode_return' in r]
   assert [r['wall_s'] for r in evals] == pytest.approx([e['wall_s'] for e in summary.eval_curve], abs=0.05)
