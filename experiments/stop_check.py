@@ -5,6 +5,10 @@ ends (`errors.deferred_stops`):
 
   python -m experiments.stop_check --after_s=20 --out=experiments/results/stop_check_h200.json -- \
       --flagfile=experiments/w1_ant.flags --num_timesteps=50000000 --run_dir=/tmp/stop_check
+
+With `--resume_train_s=S` the same command then runs again with `--resume --max_train_s=S`, and the record says
+whether it continued at the stop's checkpoint (the trainer's restore checks every array against the fingerprint
+its save recorded) and how it ended.
 """
 from __future__ import annotations
 
@@ -55,24 +59,66 @@ def run(flags: list, after_s: float, timeout_s: float) -> dict:
   }
 
 
+def _summary(run_dir):
+  """What the run's summary.json says of how it ended (None without one)."""
+  path = os.path.join(run_dir, 'summary.json') if run_dir else None
+  if not path or not os.path.exists(path):
+    return None
+  with open(path) as f:
+    s = json.load(f)
+  out = {
+      k: s.get(k) for k in ('stopped', 'env_steps', 'iterations', 'env_steps_per_s', 'compile_s', 'wall_s', 'device',
+                           'backend', 'compile_breakdown', 'final_eval_return')
+  }
+  out['last_checkpoint'] = s.get('extra', {}).get('last_checkpoint')
+  out['resumed_from'] = s.get('extra', {}).get('resumed_from')
+  return out
+
+
+def _resume(flags: list, timeout_s: float) -> dict:
+  """Runs main with `flags` (a --resume) to its end."""
+  started = time.time()
+  try:
+    proc = subprocess.run([sys.executable, '-u', '-m', 'ebrl_jax.main', *flags],
+                          stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT,
+                          text=True,
+                          timeout=timeout_s)
+    code, out = proc.returncode, proc.stdout
+  except subprocess.TimeoutExpired as e:
+    code, out = None, e.stdout if isinstance(e.stdout, str) else (e.stdout or b'').decode(errors='replace')
+  lines = out.splitlines()
+  return {
+      'flags': flags,
+      'returncode': code,
+      'wall_s': round(time.time() - started, 3),
+      'resume_lines': [l.strip() for l in lines if 'esum' in l and ('checkpoint' in l or 'Resum' in l)][:6],
+      'output_tail': '\n'.join(lines[-15:]),
+  }
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--after_s', type=float, default=20.0, help='seconds after the first training line')
   parser.add_argument('--timeout_s', type=float, default=600.0)
   parser.add_argument('--out', required=True)
+  parser.add_argument('--resume_train_s',
+                      type=float,
+                      default=0.0,
+                      help='then resume with --max_train_s of this (0: no resume)')
   parser.add_argument('flags', nargs='+', help='flags for ebrl_jax.main (after --)')
   args = parser.parse_args(argv)
   result = run(args.flags, args.after_s, args.timeout_s)
   run_dir = next((f.split('=', 1)[1] for f in args.flags if f.startswith('--run_dir=')), None)
-  summary_path = os.path.join(run_dir, 'summary.json') if run_dir else None
-  if summary_path and os.path.exists(summary_path):
-    with open(summary_path) as f:
-      s = json.load(f)
-    result['summary'] = {
-        k: s.get(k) for k in ('stopped', 'env_steps', 'iterations', 'env_steps_per_s', 'compile_s', 'wall_s', 'device',
-                             'backend', 'compile_breakdown')
-    }
-    result['summary']['last_checkpoint'] = s.get('extra', {}).get('last_checkpoint')
+  result['summary'] = _summary(run_dir)
+  if args.resume_train_s > 0:
+    flags = args.flags + ['--resume', f'--max_train_s={args.resume_train_s:g}']
+    resumed = _resume(flags, args.timeout_s)
+    resumed['summary'] = _summary(run_dir)
+    stopped_at = (result['summary'] or {}).get('last_checkpoint')
+    resumed['continued_at_the_stop'] = stopped_at is not None and ((resumed['summary'] or {}).get('resumed_from') or
+                                                                   {}).get('step') == stopped_at
+    result['resume'] = resumed
   with open(args.out, 'w') as f:
     json.dump(result, f, indent=1)
   print(json.dumps({k: v for k, v in result.items() if k != 'output_tail'}, indent=1))
