@@ -191,9 +191,9 @@ class Checkpointer:
     extra = dict(extra or {})
     try:
       json.dumps(extra)
-      extra[FINGERPRINTS] = fingerprints(state)  # what `restore` checks the data against
     except TypeError as e:
       raise ValueError(f'Checkpoint metadata `extra` must be JSON-serialisable: {e}') from e
+    extra[FINGERPRINTS] = fingerprints(state)  # what `restore` checks the data against
     self._manager.wait_until_finished()  # one save in flight at most; surfaces a failed async save
     threads_before = set(threading.enumerate())
     if jax.process_count() > 1:  # a rank's arrays are local to it; orbax saves only global ones or numpy

@@ -265,6 +265,12 @@ def _evaluate_or_submit(cfg, source, train_state, root_key, progress: cadence.Pr
   return eval_return
 
 
+def _evaluate_the_stop(cfg, source, train_state, root_key, progress: cadence.Progress, logger, clock, off_path):
+  """A budget's stop: the policy it stopped at is evaluated, unless that iteration just was."""
+  if progress.evaluated is not None and progress.evaluated < progress.iterations:
+    _evaluate_or_submit(cfg, source, train_state, root_key, progress, logger, clock, off_path, False)
+
+
 def _loop(cfg, source, train_state, root_key, progress: cadence.Progress, logger, clock, checkpointer, spec,
           off_path) -> str:
   """Evaluates, checkpoints and trains until the run is done; returns why it stopped (see RunSummary.stopped).
@@ -285,8 +291,7 @@ def _loop(cfg, source, train_state, root_key, progress: cadence.Progress, logger
           _save_at_stop(cfg, checkpointer, train_state, progress, spec)
           return stop
         _save(cfg, checkpointer, train_state, progress, spec)
-        if progress.evaluated is not None and progress.evaluated < progress.iterations:
-          _evaluate_or_submit(cfg, source, train_state, root_key, progress, logger, clock, off_path, False)
+        _evaluate_the_stop(cfg, source, train_state, root_key, progress, logger, clock, off_path)
         return stop
       if first or progress.iterations % per_eval == 0 or progress.iterations >= total:
         in_line = off_path is None or (first and off_path.in_line_first)
@@ -315,10 +320,10 @@ def _loop(cfg, source, train_state, root_key, progress: cadence.Progress, logger
   except errors.StopRequested as stop:  # the source saw a stop (a signal, the controller's): save where it stopped
     state = train_state if stop.state is None else stop.state
     _save_at_stop(cfg, checkpointer, state, progress, spec)
-    if stop.reason in BUDGETS and progress.evaluated is not None and progress.evaluated < progress.iterations:
-      # cells' ranks agreed on their budget (trainer.ranks): the final policy's evaluation, as one run's budget has;
-      # every rank evaluates the same parameters with the same keys, so they stay in lockstep
-      _evaluate_or_submit(cfg, source, state, root_key, progress, logger, clock, off_path, False)
+    if stop.reason in BUDGETS:
+      # cells' ranks agreed on their budget (trainer.ranks); every rank evaluates the same parameters with the
+      # same keys, so they stay in lockstep
+      _evaluate_the_stop(cfg, source, state, root_key, progress, logger, clock, off_path)
     raise
 
 

@@ -27,10 +27,11 @@ def record(progress,
            train_s: float,
            version: int,
            unix: Optional[float] = None,
-           reached_s: Optional[float] = None) -> float:
+           *,
+           reached_s: float) -> float:
   """Appends the evaluation of policy `version` to `progress.eval_curve` (and `progress.target_hit` once `target`
   is reached); logs it at `env_steps`. `wall_s` (run clock) and `unix` (`time.time()`, default now) say when it
-  finished, `reached_s` (run clock, default `wall_s`) when training had reached the version and asked for its
+  finished, `reached_s` (run clock) when training had reached the version and asked for its
   evaluation: the pace of training is read between those (an evaluation off the path finishes late, by how far
   its evaluator lags). Returns the evaluation's return."""
   eval_return = eval_metrics['eval/episode_return']
@@ -38,7 +39,7 @@ def record(progress,
       'version': int(version),
       'env_steps': env_steps,
       'wall_s': round(wall_s, 3),
-      'reached_s': round(wall_s if reached_s is None else reached_s, 3),
+      'reached_s': round(reached_s, 3),
       'train_s': round(train_s, 3),
       'return': eval_return,
       'unix': round(time.time() if unix is None else unix, 3)
@@ -63,9 +64,9 @@ class OffPath:
   def __init__(self, target: Optional[float]):
     self._target = target
     self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='evaluate')
-    self._pending: List[Tuple[concurrent.futures.Future, int, int, float, Optional[float]]] = []
+    self._pending: List[Tuple[concurrent.futures.Future, int, int, float, float]] = []
 
-  def submit(self, source, params, key, progress, reached_s: Optional[float] = None) -> None:
+  def submit(self, source, params, key, progress, reached_s: float) -> None:
     """`source.evaluate(params, key)` in the background, for the point at `progress`'s step counts now
     (`reached_s`: the run clock now)."""
     future = self._executor.submit(source.evaluate, device_copy(params), key)

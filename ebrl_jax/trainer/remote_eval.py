@@ -46,7 +46,7 @@ class _Asked(NamedTuple):
   train_s: float
   unix: float  # when it was asked for
   params: Any  # the host copy, until it is published (then None)
-  reached_s: Optional[float] = None  # the run clock when it was asked for
+  reached_s: float  # the run clock when it was asked for
 
 
 class RemoteEvaluations:
@@ -119,10 +119,9 @@ class RemoteEvaluations:
       if flag.is_set():
         raise errors.StopRequested(reason)
 
-  def submit(self, source, params, key, progress, reached_s: Optional[float] = None) -> None:
+  def submit(self, source, params, key, progress, reached_s: float) -> None:
     """Asks for the evaluation of version `progress.iterations` (`params`); the evaluator derives the same key
-    (`rollout.keys.eval_key` of the version), so `source` and `key` are not needed; `reached_s`: the run clock now
-    (None: read off `now` when recorded, from the time it was asked for)."""
+    (`rollout.keys.eval_key` of the version), so `source` and `key` are not needed; `reached_s`: the run clock now."""
     del source, key
     host = jax.tree.map(np.asarray, jax.device_get(params))
     t0 = time.monotonic()
@@ -151,9 +150,16 @@ class RemoteEvaluations:
           'eval/episode_return': float(report.episode_return),
           'eval/episode_length': float(report.episode_length)
       }
-      reached_s = asked.reached_s if asked.reached_s is not None else now() - max(0.0, time.time() - asked.unix)
-      eval_return = evaluations.record(progress, logger, self._target, metrics, asked.env_steps, wall_s, asked.train_s,
-                                       asked.version, float(report.unix), reached_s)
+      eval_return = evaluations.record(progress,
+                                       logger,
+                                       self._target,
+                                       metrics,
+                                       asked.env_steps,
+                                       wall_s,
+                                       asked.train_s,
+                                       asked.version,
+                                       float(report.unix),
+                                       reached_s=asked.reached_s)
       self.counts['evaluations'] += 1
       self.counts['eval_s'] += float(report.seconds)
       self.counts['max_lag_s'] = max(self.counts['max_lag_s'], float(report.unix) - asked.unix)

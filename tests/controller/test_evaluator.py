@@ -120,7 +120,7 @@ def test_reports_are_recorded_in_version_order_one_in_flight_repeats_dropped_and
     assert progress.target_hit[0] == 500  # reached by version 5's point (the trainer has gone further since)
     assert remote.counts['duplicates'] == 1 and remote.counts['evaluations'] == 2
     progress.iterations = 10
-    remote.submit(None, {'w': np.zeros((3,), np.float32)}, None, progress)
+    remote.submit(None, {'w': np.zeros((3,), np.float32)}, None, progress, reached_s=1.5)
     remote.finish(progress, logger, now=lambda: 2.0)  # never reported: left out after wait_s, counted
     assert remote.counts['missing'] == 1 and len(progress.eval_curve) == 2
   finally:
