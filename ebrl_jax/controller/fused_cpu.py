@@ -29,6 +29,8 @@ from ebrl_jax.trainer import stages as trainer_stages
 class CpuFusedLoop:
   """Steps `num_envs` native MuJoCo envs; PPO collects U unrolls per env, GRPO one whole episode per env."""
 
+  stops_each_iteration = True  # fused_steps checks a held signal after every iteration (driver.BatchSource)
+
   def __init__(self, cfg: config_lib.Config, spec: types.EnvSpec, network, optimizer, cell=None, vote=None):
     self._cfg, self._spec = cfg, spec
     collect = cfg.collect_spec

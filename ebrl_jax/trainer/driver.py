@@ -65,7 +65,8 @@ def network_and_optimizer(sim_cfg: config_lib.SimConfig, policy: config_lib.Poli
 
 class BatchSource(Protocol):
   """What produces training iterations for `train`. Optional: `take_startup_s() -> Optional[float]` (a process
-  schedule's first iteration, counted as start-up) and `summary_extra() -> dict`."""
+  schedule's first iteration, counted as start-up), `summary_extra() -> dict` and `stops_each_iteration = True` (it
+  checks a held signal after every iteration itself, so its chunks need not fit `errors.STOP_LATENCY_S`)."""
 
   def compile(self, train_state, num_iterations: int) -> float:
     """Compiles ahead of time; returns the seconds it took."""
@@ -312,7 +313,8 @@ def _loop(cfg, source, train_state, root_key, progress: cadence.Progress, logger
         clock.mark('other')
         progress.compile_s = sum(clock.parts.values())
         logger.log(progress.env_steps, {'time/compile_s': progress.compile_s})
-      held_latency_s = errors.STOP_LATENCY_S if errors.stops_deferred() else None
+      held = errors.stops_deferred() and not getattr(source, 'stops_each_iteration', False)
+      held_latency_s = errors.STOP_LATENCY_S if held else None
       num = cadence.chunk_size(cfg.schedule, progress, per_eval, total, clock.now(), held_latency_s)
       train_state = _train_chunk(source, train_state, num, per_iteration, progress, logger, eval_return, clock)
       if progress.last_saved < cfg.schedule.first_checkpoint_iteration <= progress.iterations:  # a run stopped

@@ -176,6 +176,32 @@ def test_a_held_signal_stops_at_the_next_chunk_boundary_with_a_checkpoint(tmp_pa
   assert max(int(n) for n in os.listdir(tmp_path / 'checkpoints') if n.isdigit()) == 5  # the stop's own
 
 
+class _StopsEachIteration(_Source):
+  """As native MuJoCo's fused loop (`fused_steps`): checks a held signal after every iteration itself."""
+  stops_each_iteration = True
+
+  def run_iterations(self, state, n):
+    self.calls.append(n)
+    for i in range(n):
+      state, _ = super().run_iterations(state, 1)
+      self.calls.pop()
+      if errors.pending_stop():
+        raise errors.StopRequested(errors.pending_stop(), i + 1, state, {})
+    return state, {}
+
+
+def test_a_source_that_stops_each_iteration_runs_whole_chunks_while_signals_are_held(tmp_path, monkeypatch):
+  """Its chunks are not cut to STOP_LATENCY_S (0.5 s): after the timed first iteration, the 19 to the next
+  evaluation in one call; SIGTERM during iteration 5 stops it there, saved and named."""
+  monkeypatch.setattr(errors, 'STOP_LATENCY_S', 0.5)
+  source = _StopsEachIteration(signal_at=5)
+  with errors.deferred_stops():
+    summary = driver.run_training(_trainer(tmp_path, num_evals=2, checkpoint_every=1), lambda *args: source)
+  assert source.calls == [1, 19]
+  assert summary.stopped == 'SIGTERM' and summary.iterations == 5 == source.done
+  assert max(int(n) for n in os.listdir(tmp_path / 'checkpoints') if n.isdigit()) == 5
+
+
 def test_deferred_stops_inactive_or_off_the_main_thread_change_nothing():
   before = signal.getsignal(signal.SIGTERM)
   with errors.deferred_stops(active=False):
