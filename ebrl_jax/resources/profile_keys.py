@@ -10,7 +10,8 @@ def workload_key(cfg: config_lib.Config) -> str:
   """Everything that changes a stage's time at a given batch size and quota, and nothing else: task, backend,
   envs, the policy's shape, the training batch and epochs; then, each only where it is away from its default
   (so a key of a run that sets none of them is what it was before they were added), the trunk's dtype and critic,
-  camera observations and their encoder, the solver caps and domain randomisation (`_SETTINGS`)."""
+  camera observations and their encoder, the solver caps, domain randomisation, the observation normaliser, PopArt
+  and the KL guard (`_SETTINGS`)."""
   p, a, s = cfg.policy, cfg.algo, cfg.sim
   if p.kind == 'mlp':
     policy = f'{p.kind}:{"x".join(map(str, p.policy_hidden_sizes))}/{"x".join(map(str, p.value_hidden_sizes))}'
@@ -48,4 +49,7 @@ _SETTINGS = (
     ('sim', 'solver_iterations', False),
     ('sim', 'ls_iterations', False),
     ('sim', 'randomize', False),
+    ('policy', 'normalize_observations', False),
+    ('algo', 'value_norm_rate', False),
+    ('algo', 'max_update_kl', False),
 )

@@ -107,7 +107,7 @@ def _replaced(cfg, **sections):
   return dataclasses.replace(cfg, **{k: dataclasses.replace(getattr(cfg, k), **v) for k, v in sections.items()})
 
 
-def test_workload_key_tells_apart_the_trunk_pixels_solver_and_grpo_episodes(tmp_path):
+def test_workload_key_tells_apart_the_trunk_pixels_solver_training_extras_and_grpo_episodes(tmp_path):
   cfg = _replaced(_cfg(tmp_path), sim=dict(task='push_cube'), policy=dict(kind='transformer'))
   pixels = _replaced(cfg, sim=dict(obs='pixels'))
   variants = [
@@ -118,6 +118,9 @@ def test_workload_key_tells_apart_the_trunk_pixels_solver_and_grpo_episodes(tmp_
       _replaced(cfg, policy=dict(kind='token', num_bins=64)),
       _replaced(cfg, sim=dict(ls_iterations=8)),
       _replaced(cfg, sim=dict(randomize='friction=0.8:1.2')),
+      _replaced(cfg, policy=dict(normalize_observations=False)),
+      _replaced(cfg, algo=dict(value_norm_rate=0.05)),
+      _replaced(cfg, algo=dict(max_update_kl=0.02)),
       pixels,
       _replaced(pixels, sim=dict(image_size=32)),
       _replaced(pixels, sim=dict(frame_stack=3)),
@@ -126,7 +129,7 @@ def test_workload_key_tells_apart_the_trunk_pixels_solver_and_grpo_episodes(tmp_
   ]
   keys = [profile_keys.workload_key(c) for c in variants]
   assert len(set(keys)) == len(keys), keys
-  assert keys[1].endswith(';compute_dtype=bfloat16') and keys[10].endswith(';obs=pixels;cnn_channels=8,16')
+  assert keys[1].endswith(';compute_dtype=bfloat16') and keys[13].endswith(';obs=pixels;cnn_channels=8,16')
   # Camera settings do not enter the key of a run without a camera (they take no effect there).
   assert profile_keys.workload_key(_replaced(cfg, sim=dict(image_size=32))) == keys[0]
   grpo = _replaced(cfg, sim=dict(group_size=4, episode_length=40), algo=dict(name='grpo'))
