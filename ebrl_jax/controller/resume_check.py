@@ -72,7 +72,7 @@ def check_checkpoints(cfg: config_lib.Config) -> Optional[dict]:
     if 'opt_state.' in mismatch:
       hints += [optimizer_change(cfg, directory, step) or _OPTIMIZER_FLAGS]
     by = written_by(cfg, step)
-    by = '' if by == written_by(cfg, step, mine=True) else f' it was written {by} and'  # the same: it says nothing
+    by = by and f' it was written {by} and'
     raise ValueError(
         f'--resume: checkpoint {step} in {directory} is intact, but{by} it does not fit this run\'s train state: '
         f'{mismatch}{"".join(f" ({h})" for h in hints)}. It stays loadable by a run with its own flags: resume '
@@ -231,16 +231,19 @@ def _saved_run(cfg: config_lib.Config, step: int) -> Optional[dict]:
     return None
 
 
-def written_by(cfg: config_lib.Config, step: int, mine: bool = False) -> str:
-  """'for --task=... --policy=...' of the run that wrote `step` beside this run's ('by another run' when unknown);
-  `mine`: the words the same call gives when that run had this run's task, policy and critic."""
+def written_by(cfg: config_lib.Config, step: int) -> str:
+  """'for --task=... --policy=... (this run: ...)' of the run that wrote `step` ('by another run' when unknown), with
+  its critic where that differs; '' where its task, policy and critic are this run's (the words would say
+  nothing)."""
   critic = config_generation.critic_of(cfg.policy, cfg.sim.obs == 'pixels')
-  run = {'task': cfg.sim.task, 'policy': cfg.policy.kind, 'critic': critic} if mine else _saved_run(cfg, step)
+  run = _saved_run(cfg, step)
   if run is None:
     return 'by another run'
+  theirs = run.get('critic') or ('shared (checkpoints from before --critic)' if run.get('policy') != 'mlp' else critic)
+  if (run.get('task'), run.get('policy'), theirs) == (cfg.sim.task, cfg.policy.kind, critic):
+    return ''
   text = (f'for --task={run.get("task")} --policy={run.get("policy")} (this run: --task={cfg.sim.task} '
           f'--policy={cfg.policy.kind})')
-  theirs = run.get('critic') or ('shared (checkpoints from before --critic)' if run.get('policy') != 'mlp' else critic)
   return text if theirs == critic else f'{text} with --critic={theirs} (this run: {critic})'
 
 

@@ -1,6 +1,7 @@
 """A damaged checkpoint step (a metadata file truncated or deleted after its commit) is named by path and step,
 and a resume falls back to the newest intact step; a checkpoint of another task is refused by its array shapes,
 read from its metadata without orbax (the controller's check)."""
+import dataclasses
 import os
 
 import jax
@@ -114,8 +115,14 @@ def test_the_refusal_names_the_critic_a_checkpoint_was_written_with(tmp_path, sa
                           policy=PolicyConfig(kind='transformer'),
                           schedule=config_lib.ScheduleConfig(run_dir=str(tmp_path)))
   text = resume_check.written_by(cfg, 1)
-  assert text.startswith('for --task=ant --policy=transformer (this run: --task=ant --policy=transformer)')
-  assert (named in text) if named else '--critic' not in text
+  if named:
+    assert text.startswith('for --task=ant --policy=transformer (this run: --task=ant --policy=transformer)')
+    assert named in text
+  else:  # its task, policy and critic are this run's: nothing to say
+    assert text == ''
+  other = dataclasses.replace(cfg, sim=config_lib.SimConfig(task='humanoid'))
+  assert resume_check.written_by(other, 1).startswith('for --task=ant --policy=transformer (this run: '
+                                                      '--task=humanoid --policy=transformer)')
 
 
 @pytest.mark.parametrize('saved_rate,resume_rate', [(None, 0.05), (0.05, None)])
