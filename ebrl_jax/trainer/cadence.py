@@ -1,6 +1,6 @@
 """The training driver's cadence (`trainer.driver`): what it counts as the run goes on (`Progress`), the run's
-iterations and those between two evaluations (`iteration_plan`), the iterations a chunk ran (`account`), and how
-many iterations its next chunk runs (`chunk_size`).
+iterations and those between two evaluations (`iteration_plan`), the iterations a chunk ran (`account`), whether
+a checkpoint is due (`checkpoint_due`), and how many iterations its next chunk runs (`chunk_size`).
 
 A chunk runs up to the next evaluation, cut at --first_checkpoint_iteration, at half of what the rest of
 --max_wall_s (and of --max_train_s) holds at the latest iteration rate (so chunks shrink towards a budget, the last
@@ -29,7 +29,6 @@ class Progress:
   compile_s: Optional[float] = None  # start-up, once it is over
   startup_s: Optional[float] = None  # a process schedule's first iteration, moved into compile_s
   s_per_iteration: Optional[float] = None  # of the latest chunk, start-up included (sizes a chunk to the budget)
-  eval_index: int = 0
   evaluated: Optional[int] = None  # the iteration whose evaluation was asked for last (None: none yet)
   target_hit: Optional[Tuple[int, float, float]] = None  # (env steps, wall s, train s) when the target was hit
   failure: Optional[str] = None  # what stopped a DIVERGED or OUT_OF_MEMORY run: no checkpoint is saved after it
@@ -64,6 +63,14 @@ def iteration_plan(schedule, env_steps_per_iteration: int) -> Tuple[int, int, in
   total, per_eval = config_checks.planned_iterations(schedule.num_timesteps, env_steps_per_iteration,
                                                      schedule.num_evals)
   return env_steps_per_iteration, total, per_eval
+
+
+def checkpoint_due(progress: Progress, per_eval: int, every: int, total: int) -> bool:
+  """Whether the evaluation at the iteration reached is one of the --checkpoint_every cadence (every `every`
+  evaluation intervals, counted from iteration 0, so a resumed run keeps an uninterrupted run's cadence), the run's
+  last or the target's."""
+  on_cadence = progress.iterations % per_eval == 0 and (progress.iterations // per_eval) % every == 0
+  return on_cadence or progress.iterations >= total or progress.target_hit is not None
 
 
 def _fit(n: int, room: float, s_per_iteration: Optional[float]) -> int:

@@ -300,10 +300,9 @@ def _loop(cfg, source, train_state, root_key, progress: cadence.Progress, logger
         eval_return = eval_return if came is None else came
         if first:
           clock.mark('first_eval')
-        every = cfg.schedule.checkpoint_every  # the cadence: every `every` evaluations, and at the run's end
-        if every and (progress.eval_index % every == 0 or progress.iterations >= total or progress.target_hit):
+        every = cfg.schedule.checkpoint_every  # every `every` evaluation intervals, and at the run's end
+        if every and cadence.checkpoint_due(progress, per_eval, every, total):
           _save(cfg, checkpointer, train_state, progress, spec)
-        progress.eval_index += 1
       first = False
       if progress.target_hit is not None:
         return 'target_return'

@@ -283,3 +283,24 @@ def test_a_full_disk_at_the_stops_checkpoint_is_one_warning_and_the_stop_goes_on
   warnings = [r.getMessage() for r in caplog.records if 'without its checkpoint' in r.getMessage()]
   assert len(warnings) == 1 and 'the save failed (the disk is full: No space left on device: ' in warnings[0], warnings
   assert f'Its checkpoint 4 in {tmp_path}/checkpoints stays loadable' in warnings[0]
+
+
+def test_a_resumed_run_keeps_the_checkpoint_cadence_of_an_uninterrupted_one(tmp_path, monkeypatch):
+  """--checkpoint_every=2 with an evaluation every 4 iterations saves at 8, 16, ..., 40. A run stopped at
+  iteration 6 (between evaluations) and resumed saves at the same iterations: the cadence counts evaluation
+  intervals from iteration 0, not the evaluations of a session (the resumed run's first is at 6)."""
+  schedule, saves, save = dict(checkpoint_every=2, first_checkpoint_iteration=0), [], checkpoint_lib.Checkpointer.save
+
+  def recorded(self, step, *args, **kwargs):
+    saves.append(step)
+    return save(self, step, *args, **kwargs)
+
+  monkeypatch.setattr(checkpoint_lib.Checkpointer, 'save', recorded)
+  driver.run_training(_trainer(tmp_path / 'whole', **schedule), lambda *args: _Source())
+  assert saves == [8, 16, 24, 32, 40]
+  saves.clear()
+  stopped = driver.run_training(_trainer(tmp_path / 'cut', **schedule),
+                                lambda *args: _Source(stop_after=6, stop_reason='SIGTERM'))
+  assert stopped.stopped == 'SIGTERM' and saves == [6]
+  resumed = driver.run_training(_trainer(tmp_path / 'cut', resume=True, **schedule), lambda *args: _Source())
+  assert resumed.iterations == 40 and saves == [6, 8, 16, 24, 32, 40]
