@@ -14,7 +14,7 @@ from ebrl_jax.config_cells import LAUNCHERS, CellConfig, check_run_cells
 from ebrl_jax.config_checks import check_choice as _check_choice, check_positive as _check_positive
 from ebrl_jax.config_checks import check_episode_length, check_playground_sim, check_solver_caps
 from ebrl_jax.config_checks import check_env_slices, check_host_rollout_quotas, check_range as _check_range, check_seed
-from ebrl_jax.config_checks import check_grpo_run, check_optimizer, check_schedule_options, planned_iterations
+from ebrl_jax.config_checks import check_grpo_run, check_optimizer, check_schedule_options, decay_filled
 from ebrl_jax.config_checks import GRAD_CLIP_SCOPES, parse_group_schedule
 from ebrl_jax.config_generation import CRITICS, GENERATION_TRANSPORTS, check_critic, check_generation
 from ebrl_jax.config_generation import check_grad_clip_critic
@@ -182,7 +182,7 @@ class AlgoConfig:
       _check_positive('max_grad_norm', self.max_grad_norm)
     for name in ('unroll_length', 'batch_size', 'num_minibatches', 'num_updates_per_batch'):
       _check_positive(name, getattr(self, name))
-    if self.max_behaviour_ratio < 1.0:
+    if not self.max_behaviour_ratio >= 1.0:  # NaN too
       raise ValueError(f'--max_behaviour_ratio={self.max_behaviour_ratio} must be >= 1.')
 
   @property
@@ -330,10 +330,7 @@ class Config:
     check_run_pixels(self)
     check_run_cells(self, self.cells.num_processes)
     check_host_rollout_quotas(self)
-    if self.algo.learning_rate_end is not None and not self.algo.learning_rate_decay_updates:
-      steps, _ = planned_iterations(self.schedule.num_timesteps, self.env_steps_per_iteration, self.schedule.num_evals)
-      updates = steps * self.algo.num_updates_per_batch * self.algo.num_minibatches
-      object.__setattr__(self, 'algo', dataclasses.replace(self.algo, learning_rate_decay_updates=updates))
+    object.__setattr__(self, 'algo', decay_filled(self.algo, self.schedule, self.env_steps_per_iteration))
     if self.algo.episodic:
       check_grpo_run(self)
       return

@@ -287,3 +287,25 @@ def planned_iterations(num_timesteps: int, env_steps_per_iteration: int, num_eva
   total = max(1, math.ceil(num_timesteps / env_steps_per_iteration))
   per_eval = max(1, math.ceil(total / max(1, num_evals)))
   return math.ceil(total / per_eval) * per_eval, per_eval
+
+
+def run_gradient_steps(algo, schedule, env_steps_per_iteration: int) -> int:
+  """The optimizer steps of a run's planned iterations (`planned_iterations`) at `env_steps_per_iteration`."""
+  iterations, _ = planned_iterations(schedule.num_timesteps, env_steps_per_iteration, schedule.num_evals)
+  return iterations * algo.num_updates_per_batch * algo.num_minibatches
+
+
+def decay_filled(algo, schedule, env_steps_per_iteration: int, planned_for=None):
+  """`algo` (a `config.AlgoConfig`) whose --learning_rate_end decay spans the run's gradient steps where its
+  length is unset (0), or is the one filled in for `planned_for` ((schedule, env steps per iteration) of the plan
+  before a cell's or a resume's change of the iteration's size: `controller.cells`); then the warm-up must end
+  before the decay, refused here rather than when the optimizer is built."""
+  if algo.learning_rate_end is None:
+    return algo
+  decay = algo.learning_rate_decay_updates
+  if not decay or (planned_for is not None and decay == run_gradient_steps(algo, *planned_for)):
+    decay = run_gradient_steps(algo, schedule, env_steps_per_iteration)
+  if algo.learning_rate_warmup_updates >= decay:
+    raise ValueError(f'--learning_rate_warmup_updates={algo.learning_rate_warmup_updates} must be below the decay\'s '
+                     f'length, {decay} gradient steps (--learning_rate_decay_updates, or the run\'s own where unset).')
+  return dataclasses.replace(algo, learning_rate_decay_updates=decay)

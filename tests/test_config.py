@@ -1,4 +1,5 @@
 """Contract tests for config validation: every bad value names its flag and the allowed values."""
+import dataclasses
 import re
 
 import pytest
@@ -167,3 +168,22 @@ def test_token_policy_and_compute_dtype_fields_validate_and_name_their_flags():
                            algo=config_lib.AlgoConfig(batch_size=4, num_minibatches=1)).policy == mlp_bf16
   with pytest.raises(ValueError, match='--unroll_length=5 must be a multiple of --action_chunk=2'):
     config_lib.Config(policy=token, algo=config_lib.AlgoConfig(unroll_length=5))
+
+
+def test_every_float_setting_refuses_nan():
+  """A NaN passes a check written `value < bound` (NaN compares False): every float field of every section is
+  refused with NaN, before a run starts (--max_behaviour_ratio=nan made every loss NaN)."""
+  cfg, accepted, checked = config_lib.Config(), [], 0
+  for section in dataclasses.fields(cfg):
+    part = getattr(cfg, section.name)
+    if not dataclasses.is_dataclass(part):
+      continue
+    for field in dataclasses.fields(part):
+      if isinstance(getattr(part, field.name), float) or 'float' in str(field.type):
+        checked += 1
+        try:
+          config_lib.Config(**{section.name: dataclasses.replace(part, **{field.name: float('nan')})})
+          accepted.append(f'{section.name}.{field.name}')
+        except ValueError:
+          pass
+  assert checked >= 20 and not accepted, accepted

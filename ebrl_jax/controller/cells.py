@@ -28,6 +28,7 @@ import os
 from typing import Optional
 
 from ebrl_jax import config as config_lib
+from ebrl_jax import config_checks
 from ebrl_jax.runtime import distributed
 from ebrl_jax.runtime import errors
 from ebrl_jax.trainer import checkpoint
@@ -76,7 +77,9 @@ def join(cfg: config_lib.Config, spec: Optional[distributed.DistributedSpec] = N
 
 def trainer_of_cell(trainer: driver.TrainerConfig, cell: Cell, resume: bool) -> driver.TrainerConfig:
   """The trainer's part for this cell: an iteration is every cell's batch, --resume reads rank 0's checkpoints,
-  the ranks to join (`ranks`); with --resume, rebased on the checkpoint's iteration size (`rebased`)."""
+  the ranks to join (`ranks`); with --resume, rebased on the checkpoint's iteration size (`rebased`); a
+  --learning_rate_end decay of the whole run's length spans the iterations this trainer runs."""
+  planned_for = (trainer.schedule, trainer.env_steps_per_iteration)
   if cell.multi:
     trainer = dataclasses.replace(trainer,
                                   env_steps_per_iteration=cell.count * trainer.env_steps_per_iteration,
@@ -84,7 +87,9 @@ def trainer_of_cell(trainer: driver.TrainerConfig, cell: Cell, resume: bool) -> 
                                   ranks=cell.spec)
   if resume:
     trainer = rebased(trainer, cell.run_dir or trainer.process.run_dir)
-  return trainer
+  # --learning_rate_end's decay spans the iterations this trainer runs (Config filled it in for one cell's)
+  algo = config_checks.decay_filled(trainer.algo, trainer.schedule, trainer.env_steps_per_iteration, planned_for)
+  return dataclasses.replace(trainer, algo=algo)
 
 
 def rebased(trainer: driver.TrainerConfig, run_dir: str) -> driver.TrainerConfig:

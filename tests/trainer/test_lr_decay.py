@@ -1,10 +1,15 @@
-"""--learning_rate_end: the decay's length filled in from the run, its validation, and Adam's step following it."""
+"""--learning_rate_end: the decay's length filled in from the run (a cell of several: from the iterations it runs),
+its validation, and Adam's step following it."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import main
+from ebrl_jax.controller import cells
+from ebrl_jax.runtime import startup
+from ebrl_jax.trainer import cadence
+from ebrl_jax.trainer import driver
 from ebrl_jax.trainer import stages
 
 
@@ -95,3 +100,26 @@ def test_warmup_errors_name_the_flag():
   with pytest.raises(ValueError, match='--learning_rate_warmup_updates=10 must be below'):
     stages.make_optimizer(
         config_lib.AlgoConfig(learning_rate_end=0.0, learning_rate_decay_updates=10, learning_rate_warmup_updates=10))
+
+
+def test_a_warmup_past_the_runs_decay_is_refused_by_the_config():
+  """Before any work (main writes config.json only after a Config is made): 90 gradient steps in the run."""
+  with pytest.raises(ValueError, match=r'--learning_rate_warmup_updates=90 must be below the decay\'s length, 90 '):
+    _config(learning_rate_end=0.0, num_updates_per_batch=3, learning_rate_warmup_updates=90)
+
+
+@pytest.mark.parametrize('count', [2, 4])
+def test_a_cell_of_several_decays_over_the_iterations_it_runs(tmp_path, count):
+  """An iteration of `count` cells is every cell's batch, so the run has 1/count of one cell's iterations: the
+  whole run's decay (filled in by Config for one cell) spans those, and ends at the last step; a length the user
+  set stays as set."""
+  cfg = _config(learning_rate_end=0.0, num_updates_per_batch=3)
+  trainer = driver.trainer_config(cfg, startup.ProcessConfig(run_dir=str(tmp_path)))
+  cell = cells.Cell(rank=0, count=count, run_dir=str(tmp_path))
+  mine = cells.trainer_of_cell(trainer, cell, resume=False)
+  _, total, _ = cadence.iteration_plan(mine.schedule, mine.env_steps_per_iteration)
+  assert mine.algo.learning_rate_decay_updates == total * 3 * 2 < cfg.algo.learning_rate_decay_updates
+  assert float(stages.learning_rate_schedule(mine.algo)(total * 3 * 2)) == 0.0
+  set_by_hand = driver.trainer_config(_config(learning_rate_end=0.0, learning_rate_decay_updates=7),
+                                      startup.ProcessConfig(run_dir=str(tmp_path)))
+  assert cells.trainer_of_cell(set_by_hand, cell, resume=False).algo.learning_rate_decay_updates == 7
