@@ -30,8 +30,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import jax
 import orbax.checkpoint as ocp
 
-from ebrl_jax.trainer.checkpoint_values import (FINGERPRINTS, DamagedStep, changed_leaf, fingerprints, implausible_leaf,
-                                                normalization_change, root_cause)
+from ebrl_jax.trainer.checkpoint_values import (FINGERPRINTS, SCHEME, DamagedStep, changed_leaf, fingerprints,
+                                                implausible_leaf, normalization_change, root_cause)
 from ebrl_jax.trainer.stages import TrainState
 
 _ITEMS = ('state', 'extra')
@@ -193,7 +193,7 @@ class Checkpointer:
       json.dumps(extra)
     except TypeError as e:
       raise ValueError(f'Checkpoint metadata `extra` must be JSON-serialisable: {e}') from e
-    extra[FINGERPRINTS] = fingerprints(state)  # what `restore` checks the data against
+    extra[FINGERPRINTS], extra[SCHEME] = fingerprints(state), 2  # what `restore` checks the data against
     self._manager.wait_until_finished()  # one save in flight at most; surfaces a failed async save
     threads_before = set(threading.enumerate())
     if jax.process_count() > 1:  # a rank's arrays are local to it; orbax saves only global ones or numpy
@@ -273,7 +273,7 @@ class Checkpointer:
       raise DamagedStep(step, path,
                         f'its data reads back with values no run saves ({bad}): a data file was changed on disk')
     extra = dict(restored.extra or {})
-    changed = changed_leaf(restored.state, extra.pop(FINGERPRINTS, None))
+    changed = changed_leaf(restored.state, extra.pop(FINGERPRINTS, None), extra.pop(SCHEME, 1))
     if changed is not None:
       raise DamagedStep(step, path, f'its data reads back other than it was saved ({changed}): a data file was '
                         'changed on disk')

@@ -5,6 +5,7 @@ places of 256 0xFF bytes in a pendulum run's largest data file; the other two de
 own range). A saved state is finite (a run that diverges saves no checkpoint): `implausible_leaf` finds most such
 values by themselves, and the fingerprints the save records beside the data (`fingerprints`, one 32-bit word per
 array, computed on the device) find the rest: `changed_leaf` names an array whose values differ from those saved."""
+import functools
 from typing import Dict, Optional
 
 import jax
@@ -43,6 +44,7 @@ def implausible_leaf(state) -> Optional[str]:
 
 
 FINGERPRINTS = 'fingerprints'  # the key of a save's metadata (`extra`) that holds them
+SCHEME = 'fingerprint_scheme'  # and how they were computed (absent: 1, the first saves' linear sum)
 
 
 def _words(leaf):
@@ -57,32 +59,47 @@ def _words(leaf):
   return jax.lax.bitcast_convert_type(leaf, jnp.uint32).reshape(-1)  # 8-byte types: two words each
 
 
-@jax.jit
-def _fingerprint_words(leaves):
-  """One word per leaf: the sum (mod 2**32) of each word times an odd weight drawn from its position, so a change
-  of any one word changes it (an odd weight is invertible mod 2**32), as does a swap of two."""
+def _mixed(words, position):
+  """Scheme 2: each word XOR a hash of its position, through MurmurHash3's 32-bit finaliser: for a fixed position a
+  bijection of the word (so any one changed word changes the sum), and non-linear, so the changes of a swap do
+  not cancel as they could under scheme 1's odd weights (+1.0 and -1.0 differ by 2**31, whose multiples by two
+  odd weights agree mod 2**32)."""
+  x = words ^ (position * jnp.uint32(0x9E3779B1) + jnp.uint32(0x7F4A7C15))
+  x = (x ^ (x >> 16)) * jnp.uint32(0x85EBCA6B)
+  x = (x ^ (x >> 13)) * jnp.uint32(0xC2B2AE35)
+  return x ^ (x >> 16)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _fingerprint_words(leaves, scheme: int):
+  """One word per leaf: the sum (mod 2**32) of its words, mixed with their positions (`_mixed`; scheme 1, of saves
+  made before scheme 2: each word times an odd weight drawn from its position)."""
   out = []
   for leaf in leaves:
     words = _words(leaf)
     position = jnp.arange(words.shape[0], dtype=jnp.uint32)
-    weights = (position * jnp.uint32(2654435761) + jnp.uint32(0x9E3779B9)) | jnp.uint32(1)
-    out.append(jnp.sum(words * weights, dtype=jnp.uint32))
+    if scheme == 1:
+      words = words * ((position * jnp.uint32(2654435761) + jnp.uint32(0x9E3779B9)) | jnp.uint32(1))
+    else:
+      words = _mixed(words, position)
+    out.append(jnp.sum(words, dtype=jnp.uint32))
   return out
 
 
-def fingerprints(state) -> Dict[str, int]:
+def fingerprints(state, scheme: int = 2) -> Dict[str, int]:
   """{array path: its 32-bit fingerprint} of a state (host or device arrays), for a save's metadata."""
   flat = jax.tree_util.tree_flatten_with_path(state)[0]
-  values = jax.device_get(_fingerprint_words([jnp.asarray(leaf) for _, leaf in flat]))
+  values = jax.device_get(_fingerprint_words([jnp.asarray(leaf) for _, leaf in flat], scheme))
   return {jax.tree_util.keystr(p, simple=True, separator='.'): int(v) for (p, _), v in zip(flat, values)}
 
 
-def changed_leaf(state, saved: Optional[Dict[str, int]]) -> Optional[str]:
-  """The first array of a restored `state` whose fingerprint differs from the one its save recorded (`saved`;
-  None or {}: a checkpoint from before fingerprints were recorded, unchecked), as 'path: ...', else None."""
+def changed_leaf(state, saved: Optional[Dict[str, int]], scheme: int = 2) -> Optional[str]:
+  """The first array of a restored `state` whose fingerprint differs from the one its save recorded (`saved`, by
+  `scheme`; None or {}: a checkpoint from before fingerprints were recorded, unchecked), as 'path: ...', else
+  None."""
   if not saved:
     return None
-  for name, value in fingerprints(state).items():
+  for name, value in fingerprints(state, scheme).items():
     if name in saved and saved[name] != value:
       return f'{name}: its values differ from those saved (fingerprint {value:#010x}, saved {saved[name]:#010x})'
   return None

@@ -105,6 +105,11 @@ def test_a_fingerprint_changes_with_any_one_word_a_swap_or_a_dtype_of_any_width(
   swapped = np.asarray(leaves['f32']).copy()
   swapped[[10, 11]] = swapped[[11, 10]]
   assert checkpoint_values.fingerprints(dict(leaves, f32=jnp.asarray(swapped)))['f32'] != base['f32']
+  # +1.0 and -1.0 differ by 2**31: under scheme 1's odd weights a swap of them two places apart cancels
+  signs = {'w': jnp.array([1.0, 0.5, -1.0, 0.25])}
+  swap = {'w': jnp.array([-1.0, 0.5, 1.0, 0.25])}
+  assert checkpoint_values.fingerprints(swap, 1) == checkpoint_values.fingerprints(signs, 1)
+  assert checkpoint_values.changed_leaf(swap, checkpoint_values.fingerprints(signs)).startswith('w: ')
   others = dict(leaves,
                 bf16=-leaves['bf16'],
                 i32=leaves['i32'] + 1,
@@ -171,3 +176,26 @@ def test_no_intact_step_left_is_one_fatal_line_naming_each_step_not_a_divergence
       'No older step is kept to fall back to; start a new run', lines[-1]), lines[-1]
   assert 'Traceback' not in result.stderr and 'diverged' not in result.stderr
   assert len(lines) == 4, lines  # the controller's 'Resuming ...', a warning per step, then the FATAL line
+
+
+def test_a_checkpoint_fingerprinted_by_the_first_scheme_is_checked_by_it(tmp_path, finished_run):
+  """Saves from before scheme 2 record no scheme: their fingerprints are scheme 1's, checked as such (intact:
+  restores; step 1's data under them: damaged)."""
+  directory = str(tmp_path / 'checkpoints')
+  shutil.copytree(finished_run / 'checkpoints', directory)
+  with checkpoint.Checkpointer(directory) as ckpt:
+    state, _, _ = ckpt.restore(_template(directory), 2)
+    first, _, _ = ckpt.restore(_template(directory), 1)
+  for step, fingerprinted in ((2, state), (1, state)):
+    name = os.path.join(directory, str(step), 'extra', 'metadata')
+    with open(name) as f:
+      extra = json.load(f)
+    assert extra.pop(checkpoint_values.SCHEME) == 2
+    extra[checkpoint_values.FINGERPRINTS] = checkpoint_values.fingerprints(fingerprinted, 1)
+    with open(name, 'w') as f:
+      json.dump(extra, f)
+  assert checkpoint_values.fingerprints(first, 1) != checkpoint_values.fingerprints(state, 1)
+  with checkpoint.Checkpointer(directory) as ckpt:
+    assert ckpt.restore(_template(directory), 2)[2] == 2
+    with pytest.raises(checkpoint.DamagedStep, match='its data reads back other than it was saved'):
+      ckpt.restore(_template(directory), 1)
