@@ -121,6 +121,8 @@ def test_workload_key_tells_apart_the_trunk_pixels_solver_training_extras_and_gr
       _replaced(cfg, policy=dict(normalize_observations=False)),
       _replaced(cfg, algo=dict(value_norm_rate=0.05)),
       _replaced(cfg, algo=dict(max_update_kl=0.02)),
+      _replaced(cfg, policy=dict(value_hidden_sizes=(64, 64))),  # state: the transformer's critic is an MLP
+      _replaced(cfg, policy=dict(kind='token', num_bins=64, value_hidden_sizes=(64, 64))),
       pixels,
       _replaced(pixels, sim=dict(image_size=32)),
       _replaced(pixels, sim=dict(frame_stack=3)),
@@ -129,7 +131,16 @@ def test_workload_key_tells_apart_the_trunk_pixels_solver_training_extras_and_gr
   ]
   keys = [profile_keys.workload_key(c) for c in variants]
   assert len(set(keys)) == len(keys), keys
-  assert keys[1].endswith(';compute_dtype=bfloat16') and keys[13].endswith(';obs=pixels;cnn_channels=8,16')
+  assert keys[1].endswith(';compute_dtype=bfloat16') and keys[15].endswith(';obs=pixels;cnn_channels=8,16')
+  # The MLP policy's CNN features are --d_model wide; without a camera --d_model is not read by it.
+  mlp_pixels = _replaced(pixels, policy=dict(kind='mlp'))
+  assert profile_keys.workload_key(_replaced(mlp_pixels, policy=dict(d_model=256))).endswith(';obs=pixels;d_model=256')
+  mlp = _replaced(cfg, policy=dict(kind='mlp'))
+  assert profile_keys.workload_key(_replaced(mlp, policy=dict(d_model=256))) == profile_keys.workload_key(mlp)
+  # A shared critic (the trunk's value head) reads no --value_hidden_sizes.
+  shared = _replaced(cfg, policy=dict(critic='shared'))
+  assert profile_keys.workload_key(_replaced(
+      shared, policy=dict(value_hidden_sizes=(64,)))) == (profile_keys.workload_key(shared))
   # Camera settings do not enter the key of a run without a camera (they take no effect there).
   assert profile_keys.workload_key(_replaced(cfg, sim=dict(image_size=32))) == keys[0]
   grpo = _replaced(cfg, sim=dict(group_size=4, episode_length=40), algo=dict(name='grpo'))
