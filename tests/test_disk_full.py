@@ -1,6 +1,7 @@
 """A full disk: a clear error naming it, exit code 3, the last checkpoint intact and `--resume` continuing, no
 worker process or shared-memory segment left. The disk is a real one: a 64 MiB tmpfs in a private mount namespace
-(`unshare -rm`), filled with `dd` once the run has committed its first checkpoint."""
+(`unshare -rm`), filled with `dd` once the run has committed its first checkpoint. A full disk the trainer thread
+reports (--transport=thread) is the same error."""
 import errno
 import json
 import os
@@ -9,7 +10,11 @@ import sys
 
 import pytest
 
+from ebrl_jax import config as config_lib
+from ebrl_jax import controller
+from ebrl_jax.runtime import errors
 from ebrl_jax.runtime import storage
+from ebrl_jax.trainer import driver
 
 import runs_testlib  # pylint: disable=g-bad-import-order
 
@@ -116,3 +121,28 @@ def test_a_full_disk_stops_the_run_clearly_and_resume_continues(tmp_path, flags)
   assert second == 0, (tmp_path / 'second.log').read_text()[-3000:]
   summary = json.loads((tmp_path / 'summary.json').read_text())
   assert summary['env_steps'] >= 61440 and summary['iterations'] > max(committed)
+
+
+def test_a_full_disk_the_trainer_thread_reports_is_disk_full_naming_the_thread(tmp_path, monkeypatch):
+  """--transport=thread: the trainer is a thread (no pid); its report reaches the controller as the DiskFull it
+  raised, not an AttributeError of formatting a pid."""
+
+  def full(*args, **kwargs):
+    raise OSError(errno.ENOSPC, 'No space left on device', str(tmp_path / 'metrics.jsonl'))
+
+  monkeypatch.setattr(driver, 'train', full)  # run_training turns it into DiskFull, as on a full disk
+  cfg = config_lib.Config(sim=config_lib.SimConfig(task='inverted_pendulum',
+                                                   num_envs=32,
+                                                   num_eval_envs=8,
+                                                   num_threads=1),
+                          algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
+                          schedule=config_lib.ScheduleConfig(name='sync',
+                                                             run_dir=str(tmp_path),
+                                                             compilation_cache_dir='',
+                                                             progress_bar=False,
+                                                             transport='thread',
+                                                             num_timesteps=1280,
+                                                             num_evals=1),
+                          resources=config_lib.ResourceConfig(telemetry_period_s=0))
+  with pytest.raises(errors.DiskFull, match='the trainer thread stopped: '):
+    controller.run(cfg)

@@ -134,7 +134,8 @@ class GroupChanger:
         if not w.is_alive() and (delivered.last_iteration < change.boundary - 1 or not delivered.iterations):
           raise errors.WorkerFailure(f'{role} (pid {getattr(w, "pid", None)}) exited with code '
                                      f'{getattr(w, "exitcode", None)} during the change to {change.new_groups} env '
-                                     f'groups before delivering its iterations below {change.boundary}; stopping.')
+                                     f'groups before delivering its iterations below {change.boundary}; stopping.',
+                                     stopped=errors.WORKER_FAILED)  # the trainer still sends its summary so far
       if all(not w.is_alive() for _, w, _ in change.old):
         change.old_last_t = max(c.feedback.snapshot().last_t for _, _, c in change.old)
         for _, control in change.standbys:

@@ -252,7 +252,8 @@ class Supervisor:
       if message.kind == 'result':
         self.summary = message.payload
       elif message.kind == 'error':
-        errors.raise_report(message.payload, prefix=f'the trainer worker (pid {trainer.pid}) stopped: ')
+        who = f'worker (pid {trainer.pid})' if self._use_processes else 'thread'  # --transport=thread: no pid
+        errors.raise_report(message.payload, prefix=f'the trainer {who} stopped: ')
 
   def watch(self) -> None:
     """Returns when the trainer has finished; handles the other workers' deaths and a dead MPS daemon on the way."""

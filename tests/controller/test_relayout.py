@@ -1,9 +1,14 @@
-"""--group_schedule: the env groups re-laid out while the run goes on, no segment lost or duplicated."""
+"""--group_schedule: the env groups re-laid out while the run goes on, no segment lost or duplicated; a worker that
+dies during a change stops the run with the trainer's own summary."""
+import json
+
 import pytest
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import controller
 from ebrl_jax.controller import topology as topology_lib
+from ebrl_jax.rollout import worker as rollout_worker
+from ebrl_jax.runtime import feedback as feedback_lib
 from test_pipeline import _config  # pylint: disable=g-bad-import-order
 
 
@@ -71,3 +76,29 @@ def test_group_schedule_errors_name_the_flag(tmp_path, change, words):
                           'run_dir': str(tmp_path),
                           **change
                       }))
+
+
+def test_an_old_layout_worker_dying_during_a_change_ends_with_the_trainers_own_summary(tmp_path, monkeypatch):
+  """A worker of the old layout crashes while it delivers its last iterations: the run stops with a WorkerFailure
+  naming the change, and the trainer, alive, is asked for its summary so far (not rebuilt from its metrics log)."""
+  retired = rollout_worker._retired  # pylint: disable=protected-access
+
+  def crashes(control, iteration):
+    if control is not None and control.feedback[feedback_lib.RETIRE_AT] > 0 and control.go is None:
+      raise RuntimeError('an old worker crashed while delivering its last iterations')
+    return retired(control, iteration)
+
+  monkeypatch.setattr(rollout_worker, '_retired', crashes)
+  cfg = _config(tmp_path,
+                'sync',
+                'thread',
+                num_groups=2,
+                num_timesteps=16 * 1280,
+                num_evals=1,
+                evaluator='trainer',
+                group_schedule='3:groups=4')
+  with pytest.raises(controller.RunError, match='during the change to 4 env groups'):
+    controller.run(cfg)
+  with open(tmp_path / 'summary.json') as f:
+    summary = json.load(f)
+  assert summary['stopped'] == 'worker_failed' and 'summary_from' not in summary['extra'], summary['extra']
