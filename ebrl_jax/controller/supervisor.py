@@ -177,11 +177,16 @@ class Supervisor:
         self._write_pids()
     return worker
 
-  def start_rollout(self, group: int, quota: Optional[int] = None, standby: bool = False, rollout_cfg=None):
+  def start_rollout(self,
+                    group: int,
+                    quota: Optional[int] = None,
+                    standby: bool = False,
+                    rollout_cfg=None,
+                    start_iteration: int = 0):
     """Starts group `group`'s rollout worker as the role's next incarnation, at SM quota `quota` (None: the
-    config's), in the layout in force (or `rollout_cfg`'s, a standby for a new layout). A warm standby (`standby`)
-    is not registered: it waits on its control's `go` (controller/replan.py swaps it in). Returns (worker,
-    control)."""
+    config's), in the layout in force (or `rollout_cfg`'s, a standby for a new layout), collecting from iteration
+    `start_iteration` on (or the trainer's version, if later). A warm standby (`standby`) is not registered: it
+    waits on its control's `go` (controller/replan.py swaps it in). Returns (worker, control)."""
     rollout_cfg = rollout_cfg or self.rollout_cfg
     role = f'rollout/{group}'
     env = None
@@ -194,6 +199,7 @@ class Supervisor:
     incarnation = self._incarnations.get(role, -1) + 1
     self._incarnations[role] = incarnation
     control = feedback.make_control(self._use_processes, standby)
+    control.feedback[feedback.START_ITERATION] = start_iteration
     worker = self._start(role,
                          rollout_worker.rollout_main, (rollout_cfg, group, self._rollout_ch, incarnation),
                          env=env,
@@ -335,8 +341,11 @@ class Supervisor:
       self._start_evaluator()
       return
     group = int(role.split('/')[1])  # the group's envs reset; its unfinished segment is lost, never half-sent
-    # A new incarnation: its iteration numbers may repeat the dead one's, its records stay distinct.
-    self.start_rollout(group, quota=self.rollout_quota.get(role))
+    # A new incarnation, after the iteration the dead one delivered last: one it delivered would reach the trainer
+    # twice (the trainer tells incarnations' records apart; the same rollout key would give the same segment).
+    dead = self.controls.get(role)
+    start = dead.feedback.snapshot().next_iteration() if dead is not None else 0
+    self.start_rollout(group, quota=self.rollout_quota.get(role), start_iteration=start)
 
   def stop_all(self) -> None:
     """Sets the stop (a plain store: nothing can block it) and waits a bounded time for every worker; a process

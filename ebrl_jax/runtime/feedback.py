@@ -72,6 +72,11 @@ class FeedbackSnapshot(NamedTuple):
   period_s: float
   retire_at: float = 0.0
 
+  def next_iteration(self) -> int:
+    """The first iteration a worker taking over from this one collects: after the one it delivered last, and not
+    before the START_ITERATION it was given (a restart must not deliver an iteration again)."""
+    return max(int(self.start_iteration), int(self.last_iteration) + 1 if self.iterations else 0)
+
   def stage_s_since(self, earlier: Optional['FeedbackSnapshot']) -> Optional[float]:
     """Mean stage seconds per iteration since `earlier` (None: since the start); None without a new iteration."""
     n = self.iterations - (earlier.iterations if earlier else 0.0)

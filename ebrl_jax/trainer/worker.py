@@ -149,13 +149,15 @@ class ChannelSource:
         record = self._ch.segments.get(timeout=0.5)
       except TimeoutError:
         continue
-      key = (int(record.group[0]), int(record.incarnation[0]), int(record.iteration[0]))
+      # A block's iteration is consumed once, whichever incarnation of its worker delivered it (a restarted one
+      # that re-sends blocks of an iteration its predecessor had partly put repeats those)
+      key = (int(record.group[0]), int(record.iteration[0]))
       if key in self._seen:
         self.counts['segments_duplicated'] += 1
         continue
       self._seen[key] = version
       if self._deterministic:
-        group, iteration = key[0], key[2]
+        group, iteration = key
         if iteration > version and (group, iteration) not in self._ahead:
           self._ahead[(group, iteration)] = record
           continue
