@@ -12,7 +12,9 @@ the store's newest version is always the one being evaluated (or the last one re
 after a death takes it again, and no asked-for version is skipped. At most `max_pending` asked-for versions wait
 for the store (host copies the trainer holds); asking for one more waits for room (the evaluator is that far
 behind), counted in `extra.evaluator.wait_s`. A report of a version already reported (a restarted evaluator repeating the
-last one) is dropped and counted.
+last one) is dropped and counted. With `settle` (--deterministic) each `poll` first waits for every version asked
+for before (counted in `settle_s`), so a --target_return stop comes at the evaluation point after the version that
+reached it whatever the evaluator's pace, as with the overlap schedule's in-trainer evaluations.
 """
 from __future__ import annotations
 
@@ -55,8 +57,15 @@ class RemoteEvaluations:
   wait of the trainer's with `errors.StopRequested(reason)`."""
   in_line_first = False  # the trainer compiles no evaluation: the evaluator does, in its own process
 
-  def __init__(self, link: EvalLink, target: Optional[float], stops=(), wait_s: float = 120.0, max_pending: int = 2):
+  def __init__(self,
+               link: EvalLink,
+               target: Optional[float],
+               stops=(),
+               wait_s: float = 120.0,
+               max_pending: int = 2,
+               settle: bool = False):
     self._link, self._target, self._wait_s, self._max_pending = link, target, wait_s, max_pending
+    self._settle = settle
     self._stops = [(flag, reason) for flag, reason in stops if flag is not None]
     self._lock = threading.Lock()
     self._asked: Deque[_Asked] = collections.deque()  # in version order, oldest first, until recorded
@@ -69,7 +78,8 @@ class RemoteEvaluations:
         'missing': 0,
         'wait_s': 0.0,  # the trainer waiting for room (the evaluator more than max_pending versions behind)
         'eval_s': 0.0,  # the evaluator evaluating
-        'max_lag_s': 0.0  # the longest from a version's submit to the end of its evaluation
+        'max_lag_s': 0.0,  # the longest from a version's submit to the end of its evaluation
+        'settle_s': 0.0  # with `settle`: the trainer waiting at an evaluation point for the versions before
     }
     self._finished = False
     self._closed = threading.Event()
@@ -134,8 +144,27 @@ class RemoteEvaluations:
           _Asked(int(progress.iterations), int(progress.env_steps), float(progress.train_wall), time.time(), host,
                  reached_s))
 
+  def _all_reported(self) -> bool:
+    with self._lock:
+      return all(a.version in self._reports for a in self._asked)
+
   def poll(self, progress, logger, now: Callable[[], float]) -> Optional[float]:
-    """Records every point that has come in, in version order; returns the last return (None: none came)."""
+    """Records every point that has come in, in version order; returns the last return (None: none came). With
+    `settle`, first waits (up to `wait_s`) until every version asked for has come in."""
+    if self._settle and not self._all_reported():
+      t0, deadline = time.monotonic(), time.monotonic() + self._wait_s
+      while not self._all_reported() and time.monotonic() < deadline:
+        self._check()
+        time.sleep(0.01)
+      self.counts['settle_s'] += time.monotonic() - t0
+      if not self._all_reported():
+        logging.warning(
+            '--deterministic: the evaluator did not report versions asked for within %.0f s '
+            '(--evaluator_wait_s); training goes on, so a --target_return stop may come later than '
+            'in a run whose evaluator keeps pace.', self._wait_s)
+    return self._record(progress, logger, now)
+
+  def _record(self, progress, logger, now: Callable[[], float]) -> Optional[float]:
     if self._error is not None:
       raise self._error
     ready = []
@@ -171,13 +200,13 @@ class RemoteEvaluations:
     self._finished = True
     deadline = time.monotonic() + (self._wait_s if timeout is None else timeout)
     while time.monotonic() < deadline:
-      self.poll(progress, logger, now)
+      self._record(progress, logger, now)
       with self._lock:
         if not self._asked:
           return
       self._check()
       time.sleep(0.01)
-    self.poll(progress, logger, now)
+    self._record(progress, logger, now)
     with self._lock:
       missing = [a.version for a in self._asked]
     if missing:
@@ -190,7 +219,7 @@ class RemoteEvaluations:
     """A run that stopped part-way: records what comes in within a short wait, then ends the link thread."""
     try:
       if self._finished:
-        self.poll(progress, logger, now)
+        self._record(progress, logger, now)
       else:
         self.finish(progress, logger, now, timeout=_STOP_WAIT_S)
     except quiet:

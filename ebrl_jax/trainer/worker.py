@@ -292,8 +292,11 @@ def _remote(cfg: driver.TrainerConfig, channels: TrainerChannels) -> Optional[re
     return None
   interrupt = None if cfg.ranks is not None and cfg.ranks.multi else channels.interrupt  # a rank's: a vote
   stops = ((interrupt, 'SIGINT'), (channels.stop, 'stopped by the controller'))
-  return remote_eval.RemoteEvaluations(channels.evaluation, cfg.schedule.target_return, stops,
-                                       cfg.schedule.evaluator_wait_s)
+  return remote_eval.RemoteEvaluations(channels.evaluation,
+                                       cfg.schedule.target_return,
+                                       stops,
+                                       cfg.schedule.evaluator_wait_s,
+                                       settle=cfg.schedule.deterministic)
 
 
 def trainer_main(cfg: driver.TrainerConfig, channels: TrainerChannels, env: Optional[dict] = None) -> None:

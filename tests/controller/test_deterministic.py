@@ -1,4 +1,5 @@
-"""--deterministic: two runs with the same seed give the same curve and parameters whatever the timing."""
+"""--deterministic: two runs with the same seed give the same curve, parameters and target stop whatever the
+timing."""
 import random
 import time
 
@@ -10,6 +11,7 @@ from ebrl_jax import config as config_lib
 from ebrl_jax import controller
 from ebrl_jax import sim
 from ebrl_jax.generation import policies
+from ebrl_jax.rollout import evaluator as evaluator_lib
 from ebrl_jax.rollout import groups
 from ebrl_jax.trainer import checkpoint
 from ebrl_jax.trainer import stages
@@ -30,10 +32,12 @@ def _config(run_dir, transport, **schedule_kw):
                                                               transport=transport,
                                                               num_groups=2,
                                                               max_staleness=2,
-                                                              num_timesteps=6_400,
-                                                              num_evals=2,
                                                               deterministic=DETERMINISTIC,
-                                                              **schedule_kw))
+                                                              **{
+                                                                  'num_timesteps': 6_400,
+                                                                  'num_evals': 2,
+                                                                  **schedule_kw
+                                                              }))
 
 
 class _Jittery:
@@ -80,6 +84,27 @@ def test_deterministic_async_repeats_its_curve_and_parameters_under_different_ti
   same = jax.tree.map(lambda x, y: bool(np.array_equal(x, y)), _final_params(cfg_a, tmp_path / 'a'),
                       _final_params(cfg_b, tmp_path / 'b'))
   assert all(jax.tree_util.tree_leaves(same)), same
+
+
+def test_a_target_stop_comes_at_the_same_iteration_whatever_the_evaluators_pace(tmp_path, monkeypatch):
+  """--target_return with the evaluator process: each evaluation point waits for the versions asked for before,
+  so the stop comes at the point after version 0 reached the target (0.0) in both runs, the second one's
+  evaluator 8 s slower per version (longer than the first iterations' start-up) (without the wait it stopped iterations later there)."""
+  target = dict(num_timesteps=40 * 320, num_evals=20, target_return=0.0)
+  a = controller.run(_config(tmp_path / 'a', 'thread', **target))
+  evaluate = evaluator_lib.evaluate_version
+
+  def slow(*args):
+    time.sleep(8.0)
+    return evaluate(*args)
+
+  monkeypatch.setattr(evaluator_lib, 'evaluate_version', slow)
+  b = controller.run(_config(tmp_path / 'b', 'thread', **target))
+  per_eval = 2  # 40 iterations, 20 evaluations
+  for s in (a, b):
+    assert s.stopped == 'target_return' and s.iterations == per_eval, (s.stopped, s.iterations)
+  assert [e['return'] for e in a.eval_curve] == [e['return'] for e in b.eval_curve]
+  assert b.extra['evaluator']['settle_s'] >= 1.0, (a.extra['evaluator'], b.extra['evaluator'], b.eval_curve)
 
 
 @pytest.mark.parametrize('change, words', [
