@@ -1,6 +1,7 @@
-r"""How a run stops on SIGTERM: starts `python -m ebrl_jax.main` with the given flags, sends SIGTERM a set time
-after its first training metrics line, and records how long the process took to exit, its exit code and what its
-summary says (stopped, env steps, env steps/s, start-up). For the GPU, where signals are held until an MJX chunk
+r"""How a run stops on SIGTERM: starts `python -m ebrl_jax.main` with the given flags (--run_dir among them), sends
+SIGTERM a set time after its first line of training metrics (in --run_dir's metrics.jsonl, for every schedule),
+and records how long the process took to exit, its exit code and what its summary says (stopped, env steps, env
+steps/s, start-up). For the GPU, where signals are held until an MJX chunk
 ends (`errors.deferred_stops`):
 
   python -m experiments.stop_check --after_s=20 --out=experiments/results/stop_check_h200.json -- \
@@ -18,24 +19,48 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
-TRAINING_LINE = 'rollout/env_steps_per_s'  # the driver's line after each chunk of training
+TRAINING_METRIC = '"train/'  # a metrics.jsonl line of the driver's after a chunk of training, in every schedule
+
+
+def _metrics_size(run_dir) -> int:
+  try:
+    return os.path.getsize(os.path.join(run_dir, 'metrics.jsonl'))
+  except OSError:
+    return 0
+
+
+def _trained(run_dir, skip: int) -> bool:
+  """Whether the run's metrics.jsonl (written by the driver, in the trainer's process for every schedule; the
+  process schedules print no metrics to stdout) holds a line of training metrics past its first `skip` bytes (an
+  earlier session's)."""
+  try:
+    with open(os.path.join(run_dir, 'metrics.jsonl')) as f:
+      f.seek(skip)
+      return TRAINING_METRIC in f.read()
+  except OSError:
+    return False
 
 
 def run(flags: list, after_s: float, timeout_s: float) -> dict:
-  """Runs main with `flags`; SIGTERM `after_s` seconds after the first chunk of training was logged."""
-  started = time.time()
+  """Runs main with `flags`; SIGTERM `after_s` seconds after its first chunk of training was logged (its
+  metrics.jsonl in --run_dir)."""
+  run_dir = next(f.split('=', 1)[1] for f in flags if f.startswith('--run_dir='))
+  skip, started = _metrics_size(run_dir), time.time()
   proc = subprocess.Popen([sys.executable, '-u', '-m', 'ebrl_jax.main', *flags],
                           stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT,
                           text=True)
-  lines, first_training, sent = [], None, None
+  lines = []
+  reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+  reader.start()
+  first_training, sent = None, None
   try:
-    for line in proc.stdout:
-      lines.append(line)
+    while proc.poll() is None:
       now = time.time()
-      if first_training is None and TRAINING_LINE in line:
+      if first_training is None and _trained(run_dir, skip):
         first_training = now
       if first_training is not None and sent is None and now - first_training >= after_s:
         proc.send_signal(signal.SIGTERM)
@@ -43,11 +68,13 @@ def run(flags: list, after_s: float, timeout_s: float) -> dict:
       if now - started > timeout_s:
         proc.kill()
         break
+      time.sleep(0.1)
     proc.wait(timeout=60)
   finally:
     if proc.poll() is None:
       proc.kill()
   ended = time.time()
+  reader.join(timeout=10)
   return {
       'flags': flags,
       'returncode': proc.returncode,
@@ -108,6 +135,8 @@ def main(argv=None) -> int:
                       help='then resume with --max_train_s of this (0: no resume)')
   parser.add_argument('flags', nargs='+', help='flags for ebrl_jax.main (after --)')
   args = parser.parse_args(argv)
+  if not any(f.startswith('--run_dir=') for f in args.flags):
+    parser.error('pass --run_dir=DIR among the flags: the check reads its metrics.jsonl and summary.json')
   result = run(args.flags, args.after_s, args.timeout_s)
   run_dir = next((f.split('=', 1)[1] for f in args.flags if f.startswith('--run_dir=')), None)
   result['summary'] = _summary(run_dir)
