@@ -124,6 +124,8 @@ class GroupChanger:
       if any(not w.is_alive() for w, _ in change.standbys):
         logging.warning('a warm standby for %d groups died before it was ready; keeping %d groups.', change.new_groups,
                         change.old_groups)
+        for _, control in change.standbys:  # the others exit now, not at the run's end (their envs, their memory)
+          control.retire.set()
         self.retired += [w for w, _ in change.standbys]
         self._finish(change, failed=True)
       elif all(c.ready.is_set() for _, c in change.standbys):
@@ -138,14 +140,20 @@ class GroupChanger:
                                      stopped=errors.WORKER_FAILED)  # the trainer still sends its summary so far
       if all(not w.is_alive() for _, w, _ in change.old):
         change.old_last_t = max(c.feedback.snapshot().last_t for _, _, c in change.old)
-        for _, control in change.standbys:
+        for control in self._new_controls(change):
           control.feedback[fb.START_ITERATION] = change.boundary
-          control.go.set()
+          if control.go is not None:  # (a standby that died once swapped in was restarted as a plain worker)
+            control.go.set()
         change.phase = 'running'
     elif change.phase == 'running':
-      snaps = [c.feedback.snapshot() for _, c in change.standbys]
+      snaps = [c.feedback.snapshot() for c in self._new_controls(change)]
       if all(s.iterations >= 1 for s in snaps):
         self._finish(change, first_t=min(s.first_t for s in snaps))
+
+  def _new_controls(self, change: _Change) -> list:
+    """The controls of the new layout's roles now: a swapped-in standby's, or its restart's (the watch loop restarts
+    one that died, from its START_ITERATION, the boundary)."""
+    return [self._workers.controls[f'rollout/{g}'] for g in range(change.new_groups)]
 
   def _retire_old(self, change: _Change) -> None:
     """Step 2 of the module's docstring: the boundary, the old workers' RETIRE_AT, the standbys watched."""
@@ -166,6 +174,7 @@ class GroupChanger:
       if int(role.split('/')[1]) >= change.new_groups:
         workers.drop_role(role)
     for g, (w, control) in enumerate(change.standbys):
+      control.feedback[fb.START_ITERATION] = change.boundary  # where a restart of it would start (supervisor)
       workers.swap_in(f'rollout/{g}', w, control)
       if change.quota is not None:
         workers.rollout_quota[f'rollout/{g}'] = change.quota

@@ -48,7 +48,8 @@ class _EitherSet:
 
 def _stand_by(worker, store, control, stop, key, phase) -> bool:
   """A warm standby: builds and compiles with one throw-away collect (the old worker still owns the group),
-  says it is ready, then waits for 'go'. False if the run stopped meanwhile.
+  says it is ready, then waits for 'go'. False if the run stopped meanwhile, or the change it stood by for was
+  given up (its `retire`: controller/relayout.py, after another standby of the change died).
 
   NOTE: with a generation worker the standby does not collect (the group's mailbox slot belongs to the old
   worker until it has exited); it only builds its envs.
@@ -61,7 +62,7 @@ def _stand_by(worker, store, control, stop, key, phase) -> bool:
   control.feedback[feedback_lib.READY_T] = time.time()
   control.ready.set()
   phase('warm standby: ready, waiting for the worker it replaces to retire')
-  while not stop.is_set():
+  while not stop.is_set() and not control.retire.is_set():
     if control.go.wait(timeout=0.2):
       return True
   return False

@@ -1,11 +1,17 @@
 """--group_schedule: the env groups re-laid out while the run goes on, no segment lost or duplicated; a worker that
-dies during a change stops the run with the trainer's own summary."""
+dies during a change stops the run with the trainer's own summary; a standby that dies once swapped in is restarted
+at the change's boundary; a failed change's other standbys exit at once."""
+import collections
 import json
+import threading
+import time
 
 import pytest
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import controller
+from ebrl_jax.controller import relayout as relayout_lib
+from ebrl_jax.controller import supervisor as supervisor_lib
 from ebrl_jax.controller import topology as topology_lib
 from ebrl_jax.rollout import worker as rollout_worker
 from ebrl_jax.runtime import feedback as feedback_lib
@@ -102,3 +108,97 @@ def test_an_old_layout_worker_dying_during_a_change_ends_with_the_trainers_own_s
   with open(tmp_path / 'summary.json') as f:
     summary = json.load(f)
   assert summary['stopped'] == 'worker_failed' and 'summary_from' not in summary['extra'], summary['extra']
+
+
+def _block_deliveries(monkeypatch):
+  """[(block, incarnation, iteration)] of every record put, as the run goes on."""
+  put_all, seen = rollout_worker._put_all, []  # pylint: disable=protected-access
+
+  def spied(channel, records, stop):
+    seen.extend((int(r.group[0]), int(r.incarnation[0]), int(r.iteration[0])) for r in records)
+    return put_all(channel, records, stop)
+
+  monkeypatch.setattr(rollout_worker, '_put_all', spied)
+  return seen
+
+
+def test_a_standby_that_dies_once_swapped_in_is_restarted_at_the_boundary_and_the_change_ends(tmp_path, monkeypatch):
+  """2 -> 4 groups: a new-layout standby dies after it was swapped in, before its `go`. Its restart collects from
+  the change's boundary on (not the iterations the old layout still delivers), and the change finishes."""
+  swapped, died = threading.Event(), []
+  swap_in, stand_by = supervisor_lib.Supervisor.swap_in, rollout_worker._stand_by  # pylint: disable=protected-access
+
+  def spied_swap_in(self, role, worker, control):
+    swap_in(self, role, worker, control)
+    swapped.set()
+
+  def dies_once_swapped_in(worker, store, control, stop, key, phase):
+    if died:
+      return stand_by(worker, store, control, stop, key, phase)
+    died.append(1)
+    control.ready.set()
+    swapped.wait(60)
+    time.sleep(0.05)
+    raise RuntimeError('a standby died after it was swapped in, before go')
+
+  monkeypatch.setattr(supervisor_lib.Supervisor, 'swap_in', spied_swap_in)
+  monkeypatch.setattr(rollout_worker, '_stand_by', dies_once_swapped_in)
+  seen = _block_deliveries(monkeypatch)
+  cfg = _config(tmp_path,
+                'sync',
+                'thread',
+                num_groups=2,
+                num_timesteps=12 * 1280,
+                num_evals=1,
+                evaluator='trainer',
+                group_schedule='3:groups=4')
+  summary = controller.run(cfg)
+  relayout = summary.extra['relayout']
+  assert summary.extra['worker_restarts'] == 1 and relayout['pending'] is None, relayout
+  boundary = relayout['changes'][0]['boundary_iteration']
+  per_block = collections.Counter((block, iteration) for block, _, iteration in seen)
+  assert max(per_block.values()) == 1, [k for k, n in per_block.items() if n > 1]
+  restarted = [iteration for block, incarnation, iteration in seen if incarnation == 2]
+  assert restarted and min(restarted) == boundary  # incarnations: 0 the old layout's, 1 the standby, 2 its restart
+  assert summary.extra['segments_duplicated'] == 0 and summary.extra['segments_dropped_stale'] == 0
+
+
+def test_a_failed_change_stops_its_other_standbys_at_once(tmp_path, monkeypatch):
+  """2 -> 4 groups: one standby dies before it is ready, so the change fails and 2 groups stay; the other three
+  standbys exit then (their `retire`), not at the run's end."""
+  died, standbys = [], []
+  stand_by, finish = rollout_worker._stand_by, relayout_lib.GroupChanger._finish  # pylint: disable=protected-access
+
+  def first_dies(worker, store, control, stop, key, phase):
+    if not died:
+      died.append(1)
+      raise RuntimeError('a standby could not start')
+    return stand_by(worker, store, control, stop, key, phase)
+
+  def spied_finish(self, change, failed=False, first_t=0.0):
+    if failed:
+      standbys.extend(w for w, _ in change.standbys)
+    return finish(self, change, failed, first_t)
+
+  monkeypatch.setattr(rollout_worker, '_stand_by', first_dies)
+  monkeypatch.setattr(relayout_lib.GroupChanger, '_finish', spied_finish)
+  alive_later = []
+  poll = relayout_lib.GroupChanger.poll
+
+  def spied_poll(self):
+    if standbys and not alive_later and self._workers.trainer_feedback.snapshot().iterations >= 12:  # pylint: disable=protected-access
+      alive_later.append([w.is_alive() for w in standbys])
+    return poll(self)
+
+  monkeypatch.setattr(relayout_lib.GroupChanger, 'poll', spied_poll)
+  cfg = _config(tmp_path,
+                'sync',
+                'thread',
+                num_groups=2,
+                num_timesteps=16 * 1280,
+                num_evals=1,
+                evaluator='trainer',
+                group_schedule='2:groups=4')
+  summary = controller.run(cfg)
+  assert summary.extra['relayout']['changes'][0]['failed'] and len(standbys) == 4
+  assert alive_later == [[False, False, False, False]], alive_later
