@@ -43,7 +43,7 @@ def _with_second_seed(result):
               seeds=result['seeds'] + ['1'],
               runs=runs,
               figures=figures,
-              ratios_vs_fused=bench_run.ratios(figures, 'fused'))
+              ratios_vs_fused=bench_run.ratios(figures, 'fused', runs))
 
 
 def test_quick_bench_reports_every_figure(quick_result):
@@ -711,18 +711,23 @@ def test_steady_sm_activity_over_the_steady_window(tmp_path):
   exact = [dict(p, unix=2000.0 + p['wall_s']) for p in curve]
   assert figures.steady_window({'summary': {'eval_curve': exact}}) == (2010.0, 2020.0, 'exact')
   assert figures.steady_window({'summary': {'eval_curve': curve[:2]}}) is None
-  # GPU 0's log: 0 % before the window, 80 % inside it (1011..1021, 11 samples), 0 % after; GPU 1's log says 50 %.
+  # GPU 0's log: 0 % before the window, 80 % inside it, 0 % after; GPU 1's log says 50 %. A sample is the mean
+  # since the one before, so those inside the window 1011..1021 are 1012..1021 (10; 1011's covers 1010..1011).
   tel0 = [{'t': 1000.0 + i, 'sm_activity_pct': 80.0 if 11 <= i <= 21 else 0.0} for i in range(30)]
   tel1 = [{'t': 1000.0 + i, 'sm_activity_pct': 50.0} for i in range(30)]
   for name, records in (('telemetry_gpu0.jsonl', tel0), ('telemetry_gpu1.jsonl', tel1)):
     (tmp_path / name).write_text(''.join(json.dumps(r) + '\n' for r in records))
-  assert figures.window_mean(tel0, 1011.0, 1021.0) == (80.0, 11)
+  assert figures.window_mean(tel0, 1011.0, 1021.0) == (80.0, 10)
+  # 100 % from 2000 on, idle before, sampled every 0.1 s: the window 2000..2002 reads 100 (the sample at 2000 is
+  # of the idle interval before it)
+  busy = [{'t': 1999.0 + 0.1 * i, 'sm_activity_pct': 100.0 if i > 10 else 0.0} for i in range(40)]
+  assert figures.window_mean(busy, 1999.0 + 0.1 * 10, 1999.0 + 0.1 * 30) == (100.0, 20)
   runs = {'async': [dict(kept)]}
   logs = [str(tmp_path / 'telemetry_gpu1.jsonl'), str(tmp_path / 'telemetry_gpu0.jsonl')]
   assert bench_run.backfill_steady_gpm(runs, logs) == 1
   assert runs['async'][0]['gpm_steady'] == {
       'sm_activity_pct': 80.0,
-      'samples': 11,
+      'samples': 10,
       'window_s': 10.0,
       'window': 'end-anchored'
   }
@@ -813,3 +818,74 @@ def test_each_label_gets_its_own_cold_cache_unless_a_flag_says_otherwise():
   cache_args = [a for a in command if a.startswith('--compilation_cache_dir=')]
   assert cache_args == per_label + ['--compilation_cache_dir=/mine']  # the last one (--extra's) wins in absl
   assert command.index('--use_mps') > command.index('--compilation_cache_dir=/mine')
+
+
+def _kept(seed, **summary):
+  return {
+      'command': f'ebrl_jax.main --seed={seed}',
+      'gpm': {},
+      'summary': {
+          'train_wall_s': 10.0,
+          'env_steps_per_s': 1e5,
+          **summary
+      }
+  }
+
+
+def test_time_to_target_speedup_pairs_the_seeds_both_reached():
+  """The base reached the target on seeds 0-2 at 100, 120, 140 s; the other only on seed 0, at 80 s: the speedup
+  is 100 / 80 over seed 0 (not the 120 s mean of three seeds over one seed's 80), and names the seed."""
+  from experiments.bench import run as bench_run
+  runs = {
+      'sync': [_kept(0, wall_s_to_target=100.0),
+               _kept(1, wall_s_to_target=120.0),
+               _kept(2, wall_s_to_target=140.0)],
+      'async': [_kept(0, wall_s_to_target=80.0), _kept(1), _kept(2)],
+      'brax': [_kept(1)],
+  }
+  ratios = bench_run.ratios(bench_run.aggregate(runs), 'sync', runs)
+  assert ratios['async']['wall_s_to_target_speedup'] == pytest.approx(1.25)
+  assert ratios['async']['wall_s_to_target_seeds'] == ['0']
+  assert 'wall_s_to_target_speedup' not in ratios['brax']  # no seed in common that reached it
+
+
+def test_a_run_without_a_counted_iteration_stays_out_of_the_means_whatever_its_exit_code():
+  """`auto` whose calibration took the whole --max_wall_s exits 0 with a summary of no training (rate 0): the
+  harness's means and the report's table both leave it out."""
+  from experiments.bench import figures as figures_lib
+  from experiments.bench import report
+  from experiments.bench import run as bench_run
+  empty = {
+      'command': 'x --seed=1',
+      'returncode': 0,
+      'gpm': {},
+      'summary': {
+          'train_wall_s': 0.0,
+          'env_steps_per_s': 0.0
+      }
+  }
+  runs = {'auto': [_kept(0), empty]}
+  figures = bench_run.aggregate(runs)['auto']
+  assert figures['env_steps_per_s'] == 1e5 and figures['seeds_finished'] == 1
+  md = report.table({'r.json': {'auto': [r['summary'] for r in runs['auto']]}})
+  row = next(line.split(' | ') for line in md.splitlines() if line.startswith('| r.json'))
+  assert row[2] == '1' and row[3] == report._rate_cell(figures_lib.end_to_end([runs['auto'][0]['summary']]), 1)
+
+
+def test_curve_agreement_keys_runs_by_their_seed_not_their_position():
+  """A merged result holds sync's seeds 0 and 1 but overlap's seed 1 only: overlap's run is compared with sync's
+  seed 1 (identical), not with seed 0."""
+  from experiments.bench import curve_agreement
+  same, other = [{'version': 0, 'return': 1.0}, {'version': 5, 'return': 2.0}], [{'version': 0, 'return': 7.0}]
+  result = {
+      'seeds': ['0', '1'],
+      'runs': {
+          'sync': [
+              dict(command='--seed=0', summary={'eval_curve': other}),
+              dict(command='--seed=1', summary={'eval_curve': same})
+          ],
+          'overlap': [dict(command='--seed=1', summary={'eval_curve': same})],
+      }
+  }
+  rows = curve_agreement.agreement(result)
+  assert [(r['seed'], r['identical']) for r in rows] == [(1, True)]

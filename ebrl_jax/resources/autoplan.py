@@ -237,8 +237,9 @@ def choose_generation(cfg: config_lib.Config, store, mps_active: bool, schedule:
   transport = config_generation.resolve_transport(cfg.schedule.generation_transport, cfg.sim.backend,
                                                   cfg.resources.platform, cuda_ipc.host_reason)
   spec = sim.env_spec(cfg.sim.task, cfg.sim.episode_length, cfg.sim.action_repeat)
-  handoff = generation_choice.step_handoff_s(transport, cfg.group_envs, spec.obs_dim, spec.action_dim,
+  per_act = generation_choice.step_handoff_s(transport, cfg.group_envs, spec.obs_dim, spec.action_dim,
                                              cfg.policy.action_chunk)
+  handoff = per_act / (cfg.policy.action_chunk * cfg.sim.action_repeat)  # the model's step: one env step, of K x R
   space = plan_space(cfg, mps_active)
   choice = generation_choice.choose(store, space, schedule, handoff, _pinned(cfg, space, mps_active))
   logging.info('--plan_generation chose %s', choice.reason)
@@ -246,6 +247,7 @@ def choose_generation(cfg: config_lib.Config, store, mps_active: bool, schedule:
       'colocated': choice.colocate,
       'transport': '' if choice.colocate else transport,
       'predicted': choice.predicted,
+      'act_handoff_s': per_act,
       'step_handoff_s': handoff,
       'reason': choice.reason
   }

@@ -5,9 +5,11 @@ Both layouts are predicted with the planner's iteration model (planner.py's docs
   co-located  each rollout process steps its envs and acts on them: step = t_sim(E, q_r) + t_gen(E, q_r);
   separate    one generation process acts for every group; a group's step pays the hand-off both ways:
               step = max(t_sim(E, q_r) + t_gen(E, q_g) + h,  G * t_gen(E, q_g)),
-where h is the per-step hand-off of one group (`step_handoff_s`): one act round trip through the mailbox, plus,
-on the host path, the observations and actions copied device -> host -> device in each process (estimated at the
-run's --num_groups group size for every layout the search tries: the planner takes one hand-off per space). The separate
+where h is the hand-off of one group per env step: one act round trip through the mailbox (`step_handoff_s`),
+plus, on the host path, the observations and actions copied device -> host -> device in each process (estimated
+at the run's --num_groups group size for every layout the search tries: the planner takes one hand-off per space),
+over the K x R env steps one act serves (--action_chunk, --action_repeat; the profiles' t_sim and t_gen are per
+env step). The separate
 layout is chosen only if its prediction beats co-located by more than `margin` (default 5 %): it costs a process
 more (start-up, a GPU context) than the model counts. Without a 'generation' profile the model cannot tell the
 two apart and generation stays co-located.

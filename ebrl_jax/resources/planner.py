@@ -53,7 +53,7 @@ class PlanSpace:
   train_batch: int = 0  # 0: num_envs * steps_per_iteration transitions
   train_calls_per_iteration: int = 1
   iteration_handoff_s: float = 0.0
-  step_handoff_s: float = 0.0
+  step_handoff_s: float = 0.0  # a separate generation process's hand-off per env step of one group
   # False without MPS: no quotas to share out (every process at 100 %), so the sum-to-100 % limit is lifted and
   # every plan is predicted as `shared` (the processes' GPU work added up: time-slicing takes turns).
   quota_limit: bool = True

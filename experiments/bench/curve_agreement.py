@@ -16,13 +16,22 @@ import json
 import sys
 from typing import Dict, List, Optional
 
+from experiments.bench import figures
+
 
 def curves(result: dict) -> Dict[str, Dict[int, Dict[int, float]]]:
-  """label -> seed -> {version: return}, from a harness result (`experiments.bench.run`'s JSON)."""
+  """label -> seed -> {version: return}, from a harness result (`experiments.bench.run`'s JSON). A run's seed is
+  its command's --seed (a merged result holds a label's seeds in the order of its files, not of `seeds`); runs
+  whose command does not say are taken in the order of `seeds`."""
   seeds = result.get('seeds') or [0]
   out = {}
   for label, runs in result['runs'].items():
-    for seed, run in zip(seeds, runs):
+    for i, run in enumerate(runs):
+      named = figures.run_seed(run)
+      if named is None:
+        seed = seeds[i] if i < len(seeds) else i
+      else:
+        seed = int(named) if named.lstrip('-').isdigit() else named
       curve = (run.get('summary') or {}).get('eval_curve') or []
       out.setdefault(label, {})[seed] = {int(c['version']): float(c['return']) for c in curve}
   return out

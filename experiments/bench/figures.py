@@ -1,6 +1,7 @@
 """Figures derived from a run's summary, shared by the harness (run.py) and the report (no plotting here)."""
 import gzip
 import json
+import re
 
 
 def read_jsonl(path: str) -> list:
@@ -8,6 +9,20 @@ def read_jsonl(path: str) -> list:
   opener = gzip.open if path.endswith('.gz') else open
   with opener(path, 'rt') as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+def has_rate(summary: dict) -> bool:
+  """Whether a run counted any training (`train_wall_s` > 0). A run stopped before its first counted iteration has
+  a summary but no rate (its env_steps_per_s is 0), whatever its exit code: by its time limit or a signal, or by
+  --max_wall_s with exit 0 (`auto` whose calibration took the budget). Such a run stays out of every mean."""
+  wall = summary.get('train_wall_s')
+  return bool(summary.get('env_steps_per_s')) if wall is None else wall > 0  # (results kept before train_wall_s)
+
+
+def run_seed(run: dict):
+  """The seed a kept harness run was started with (its command's --seed), None where the command does not say."""
+  found = re.search(r'--seed=(\S+)', run.get('command', ''))
+  return found.group(1) if found else None
 
 
 def _reached(point: dict) -> float:
@@ -91,8 +106,11 @@ def steady_window(run: dict):
 
 
 def window_mean(records: list, start: float, end: float, key: str = 'sm_activity_pct'):
-  """(mean of `key` over the telemetry records with start <= t <= end, their count); (None, 0) if none."""
-  values = [r[key] for r in records if start <= r.get('t', -1.0) <= end and r.get(key) is not None]
+  """(mean of `key` over the telemetry samples whose interval lies in [start, end], their count); (None, 0) if
+  none. A GPM sample at time t is the mean over the interval since the sample before it, so a sample counts when
+  that one was taken at or after `start` (the first sample after `start` covers time before it) and t <= end."""
+  samples = sorted((r['t'], r[key]) for r in records if 't' in r and r.get(key) is not None)
+  values = [v for (before, _), (t, v) in zip(samples, samples[1:]) if before >= start and t <= end]
   return (sum(values) / len(values) if values else None), len(values)
 
 

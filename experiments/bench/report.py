@@ -127,8 +127,9 @@ def table(results: Dict[str, Dict[str, List[dict]]], extras: Dict[str, Dict[str,
       '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |'
   ]
   for path, runs in results.items():
-    for label, seeds in runs.items():
+    for label, kept in runs.items():
       x = extras.get(path, {}).get(label, {})
+      seeds = [s for s in kept if figures.has_rate(s)]  # as the harness's means (a run with no rate: out)
       reached = sum(s.get('env_steps_to_target') is not None for s in seeds)
       lost = _mean([w.get('env_steps_lost') for s in seeds for w in figures.quota_swaps(s)])
       lines.append('| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |'.format(

@@ -371,9 +371,9 @@ def aggregate(runs: Dict[str, List[dict]]) -> Dict[str, dict]:
   and steady rates also with their sample standard deviation over seeds."""
   out = {}
   for schedule, seeds in runs.items():
-    # A run stopped (at its time limit) before its first counted iteration has a summary but no rate: it is
-    # listed (seeds_stopped) and kept out of every mean.
-    counted = [r for r in seeds if 'summary' in r and not ('stopped' in r and not r['summary'].get('train_wall_s'))]
+    # A run stopped before its first counted iteration has a summary but no rate (figures.has_rate): it is kept
+    # out of every mean (seeds_finished counts the others).
+    counted = [r for r in seeds if 'summary' in r and run_figures.has_rate(r['summary'])]
     done = [r['summary'] for r in counted]
     figures = {k: _mean([s.get(k) for s in done]) for k in FIGURES}
     # End to end over the seeds of one definition (runs kept from before start-up was excluded are not averaged
@@ -403,16 +403,31 @@ def aggregate(runs: Dict[str, List[dict]]) -> Dict[str, dict]:
   return out
 
 
-def ratios(figures: Dict[str, dict], base: str) -> Dict[str, dict]:
-  """Throughput ratio (higher is better) and time-to-target ratio (base / schedule: higher is faster)."""
+def _times_to_target(seeds: List[dict]) -> Dict[Optional[str], float]:
+  """{seed: wall_s_to_target} of a label's runs with a rate that reached the target."""
+  return {
+      run_seed(r): r['summary']['wall_s_to_target']
+      for r in seeds
+      if 'summary' in r and run_figures.has_rate(r['summary']) and r['summary'].get('wall_s_to_target') is not None
+  }
+
+
+def ratios(figures: Dict[str, dict], base: str, runs: Dict[str, List[dict]]) -> Dict[str, dict]:
+  """Throughput ratio (higher is better) and time-to-target ratio (base / schedule: higher is faster). The latter
+  pairs seeds: the mean over the seeds both labels reached the target with (`wall_s_to_target_seeds`), not two
+  means over different seeds; absent where they reached it with no seed in common."""
   b = figures[base]
+  base_times = _times_to_target(runs.get(base, []))
   out = {}
   for schedule, f in figures.items():
     entry = {}
     if f['env_steps_per_s'] and b['env_steps_per_s']:
       entry['env_steps_per_s'] = f['env_steps_per_s'] / b['env_steps_per_s']
-    if f['wall_s_to_target'] and b['wall_s_to_target']:
-      entry['wall_s_to_target_speedup'] = b['wall_s_to_target'] / f['wall_s_to_target']
+    times = _times_to_target(runs.get(schedule, []))
+    both = sorted(set(times) & set(base_times), key=str)
+    if both:
+      entry['wall_s_to_target_speedup'] = _mean([base_times[s] for s in both]) / _mean([times[s] for s in both])
+      entry['wall_s_to_target_seeds'] = both
     out[schedule] = entry
   return out
 
@@ -541,10 +556,7 @@ def _why_failed(run: dict) -> str:
   return (telling or lines or [''])[-1]
 
 
-def run_seed(run: dict) -> Optional[str]:
-  """The seed a kept run was started with (its command's --seed), None where the command does not say."""
-  found = re.search(r'--seed=(\S+)', run.get('command', ''))
-  return found.group(1) if found else None
+run_seed = run_figures.run_seed  # (the merge and the tests read it from here)
 
 
 def merge(paths: List[str], telemetry: List[str] = ()) -> dict:
@@ -620,7 +632,7 @@ def merge(paths: List[str], telemetry: List[str] = ()) -> dict:
   out['figures'] = aggregate(out['runs'])
   for key in [k for k in out if k.startswith('ratios_vs_')]:
     del out[key]
-  out['ratios_vs_' + labels[0][0]] = ratios(out['figures'], labels[0][0])
+  out['ratios_vs_' + labels[0][0]] = ratios(out['figures'], labels[0][0], out['runs'])
   if 'stage_profile' in out:
     out['overlap'] = overlap_efficiency(out['figures'], labels, out['stage_profile'])
   out['unfinished'] = [u for r in results for u in r.get('unfinished', [])]
@@ -738,7 +750,7 @@ def main(argv):
       present = [label for label, _, _ in labels if label in result['runs']]
       result['figures'] = aggregate(result['runs'])
       if present:
-        result['ratios_vs_' + present[0]] = ratios(result['figures'], present[0])
+        result['ratios_vs_' + present[0]] = ratios(result['figures'], present[0], result['runs'])
       if 'stage_profile' in result:
         result['overlap'] = overlap_efficiency(result['figures'], [l for l in labels if l[0] in present],
                                                result['stage_profile'])

@@ -77,6 +77,15 @@ def test_plan_generation_applies_the_choice_and_records_why():
   assert record['reason'].startswith('co-located: separate generation is predicted -1.3% (slower)')
   # The hand-off is the host path's at the run's group size (4 groups of 1024; --platform=cpu: no CUDA IPC).
   assert record['step_handoff_s'] == pytest.approx(generation_choice.step_handoff_s('host', 1024, 27, 8))
+  # One act serves --action_chunk x --action_repeat env steps, the model's step: its hand-off is shared by them.
+  chunked = _cfg(colocate_generation=False)
+  chunked = dataclasses.replace(chunked,
+                                policy=dataclasses.replace(chunked.policy, kind='transformer', action_chunk=4),
+                                sim=dataclasses.replace(chunked.sim, action_repeat=2),
+                                algo=dataclasses.replace(chunked.algo, unroll_length=8))
+  _, record = autoplan.choose_generation(chunked, PROFILES, True, 'async')
+  per_act = generation_choice.step_handoff_s('host', 1024, 27, 8, 4)
+  assert record['act_handoff_s'] == pytest.approx(per_act) and record['step_handoff_s'] == pytest.approx(per_act / 8)
   # Not asked for: no choice made.
   assert autoplan.choose_generation(dataclasses.replace(_cfg(), resources=config_lib.ResourceConfig(plan=True)),
                                     PROFILES, True, 'async')[1] is None
