@@ -141,7 +141,16 @@ def test_a_standby_that_dies_once_swapped_in_is_restarted_at_the_boundary_and_th
     time.sleep(0.05)
     raise RuntimeError('a standby died after it was swapped in, before go')
 
+  restarts, start_rollout = [], supervisor_lib.Supervisor.start_rollout
+
+  def spied_start(self, group, quota=None, standby=False, rollout_cfg=None, start_iteration=0):
+    out = start_rollout(self, group, quota, standby, rollout_cfg, start_iteration)
+    if died and not standby:  # the watch loop's restart of the dead standby
+      restarts.append((group, self._incarnations[f'rollout/{group}'], start_iteration))  # pylint: disable=protected-access
+    return out
+
   monkeypatch.setattr(supervisor_lib.Supervisor, 'swap_in', spied_swap_in)
+  monkeypatch.setattr(supervisor_lib.Supervisor, 'start_rollout', spied_start)
   monkeypatch.setattr(rollout_worker, '_stand_by', dies_once_swapped_in)
   seen = _block_deliveries(monkeypatch)
   cfg = _config(tmp_path,
@@ -158,8 +167,9 @@ def test_a_standby_that_dies_once_swapped_in_is_restarted_at_the_boundary_and_th
   boundary = relayout['changes'][0]['boundary_iteration']
   per_block = collections.Counter((block, iteration) for block, _, iteration in seen)
   assert max(per_block.values()) == 1, [k for k, n in per_block.items() if n > 1]
-  restarted = [iteration for block, incarnation, iteration in seen if incarnation == 2]
-  assert restarted and min(restarted) == boundary  # incarnations: 0 the old layout's, 1 the standby, 2 its restart
+  [(group, incarnation, start)] = restarts
+  restarted = [iteration for block, inc, iteration in seen if (block, inc) == (group, incarnation)]  # block = group
+  assert start == boundary and restarted and min(restarted) == boundary, (restarts, boundary, restarted)
   assert summary.extra['segments_duplicated'] == 0 and summary.extra['segments_dropped_stale'] == 0
 
 
