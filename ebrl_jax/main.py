@@ -353,6 +353,9 @@ def _main(argv):
     return ray_launch.run_ray(sys.argv[1:], cfg.cells.num_processes, cfg.resources.platform, cfg.schedule.run_dir,
                               cfg.cells.heartbeat_timeout_s, _pending_stop)
   from ebrl_jax import controller  # lazy: a flag error is reported before JAX and the simulators load
+  # lazy: loaded while stops are held: trimesh (under MJX's and Brax's loaders) wraps its optional imports in
+  # `except BaseException`, which swallowed a Ctrl-C or SIGTERM that came while it loaded later, in start-up
+  import brax.io.mjcf  # pylint: disable=unused-import,g-import-not-at-top
   interrupt = held[signal.SIGINT]  # Python's own KeyboardInterrupt, unless a caller installed another handler
   try:
     # From here on SIGTERM stops the run as Ctrl-C does, and neither is swallowed by a callback (lifecycle).
