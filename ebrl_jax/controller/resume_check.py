@@ -45,7 +45,7 @@ def check_checkpoints(cfg: config_lib.Config) -> Optional[dict]:
   directory = os.path.join(os.path.abspath(run_dir), 'checkpoints')
   steps = checkpoint.committed_steps(directory)
   if not cfg.schedule.resume:
-    if cfg.schedule.checkpoint_every and steps:
+    if steps:  # (with --checkpoint_every=0 too: this run would write its files beside that run's checkpoints)
       raise ValueError(f'--run_dir={run_dir} already holds checkpoints; pass --resume to continue that run '
                        f'({_checkpoint_state(directory)}) or choose another --run_dir.')
     return None

@@ -146,3 +146,14 @@ def test_a_popart_difference_is_named_by_its_flag(tmp_path, saved_rate, resume_r
                      match=r"value_stats\.\w+ only in (this run|the checkpoint).*\(value_stats is "
                      r"--value_norm_rate's state, set in one run and not the other\)"):
     resume_check.check_checkpoints(cfg(resume_rate, True))
+
+
+@pytest.mark.parametrize('every', [1, 0])
+def test_a_new_run_refuses_a_run_dir_with_checkpoints_even_without_checkpoints_of_its_own(tmp_path, every):
+  """--checkpoint_every=0 writes no checkpoint, but its config.json, summary.json and metrics would land beside
+  the other run's checkpoints: refused as with checkpoints on."""
+  with checkpoint.Checkpointer(str(tmp_path / 'checkpoints')) as ckpt:
+    ckpt.save(1, _state(), {'env_steps': 100, 'iterations': 1})
+  cfg = config_lib.Config(schedule=config_lib.ScheduleConfig(run_dir=str(tmp_path), checkpoint_every=every))
+  with pytest.raises(ValueError, match='already holds checkpoints; pass --resume'):
+    resume_check.check_checkpoints(cfg)
