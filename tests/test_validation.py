@@ -135,3 +135,20 @@ def test_a_truncated_newest_step_is_named_and_resume_continues_from_the_one_befo
   assert summary.iterations == 3 and summary.eval_curve[0]['env_steps'] == 1280
   saved = json.load(open(run_dir / 'summary.json'))
   assert saved['extra']['resumed_from']['step'] == 1
+
+
+def test_a_second_run_in_a_run_dir_in_use_is_refused_before_it_writes(tmp_path):
+  """A run holds its --run_dir while it goes (storage.lock_run_dir): a second one started there meanwhile is one
+  line naming the holder, and writes nothing; once the first has ended the directory is free again."""
+  from ebrl_jax.runtime import storage  # pylint: disable=g-import-not-at-top
+  run_dir = tmp_path / 'run'
+  held = storage.lock_run_dir(str(run_dir))  # as a run in another process holds it
+  try:
+    with pytest.raises(ValueError,
+                       match=rf'--run_dir={run_dir} is in use by a run that is still going \(pid '
+                       rf'{os.getpid()}\)'):
+      controller.run(runs_testlib.tiny_pendulum_config(run_dir))
+    assert sorted(os.listdir(run_dir)) == [storage.LOCK_FILE]
+  finally:
+    held.close()
+  assert controller.run(runs_testlib.tiny_pendulum_config(run_dir)).iterations >= 1

@@ -212,38 +212,44 @@ def run(cfg: config_lib.Config, start_unix: Optional[float] = None) -> driver.Ru
   Every time of the run counts from `start_unix` (`time.time()` at process start: main.py passes it; None: from
   this call)."""
   start = run_clock.StartClock(start_unix or time.time()).mark('imports')  # interpreter, flags, controller imports
-  with lifecycle.stop_signals_as_interrupt():
-    spec = cells_lib.resolve(cfg)  # the cells of the run: flags, else JAX_* / SLURM's environment
-    resumed = check_before_start(cfg)  # nothing is started or written before this
-    if resumed is not None:  # its files look whole; its data is read by the trainer, which names the step it restores
-      logging.info(
-          'Resuming the run in %s: newest checkpoint %d (env step %s, iteration %s)%s; the trainer restores it, or '
-          'an older one where its data does not read back, and names the step it restored.', cfg.schedule.run_dir,
-          resumed['step'], resumed['env_steps'], resumed['iterations'],
-          f', past damaged step(s) {resumed["skipped"]}' if resumed['skipped'] else '')
-    startup.configure_jax(cfg.resources.platform, cfg.schedule.compilation_cache_dir)
-    cell = cells_lib.join(cfg, spec)  # before JAX starts its backend; rank k > 0 writes under run_dir/rank<k>/
-    cfg = cells_lib.rank_config(cfg, cell)
-    check_host_memory(cfg)  # this rank's envs, on its host
-    _write_config(cfg)
-    metrics.quiet_library_logs()
-    logged_from = metrics.log_size(cfg.schedule.run_dir)  # this run's records in metrics.jsonl start here
-    summary, means = _run_schedule(cfg, start.mark('controller'), cell, logged_from)
-  _add_telemetry_and_trace(cfg, summary, means)
-  path = write_summary(cfg, summary)
-  cells_lib.finish(cell, summary)  # the end barrier of ranks that finished, or stopped together
-  if summary.stopped in _FAILURES:
-    kind, what, fix = _FAILURES[summary.stopped]
-    advice = (storage.checkpoint_advice(cfg.schedule.run_dir, fix)
-              if fix is not None else resume_check.divergence_advice(cfg))
-    said = summary.extra.get('failure')
-    raise kind(f'{f"{what}: " if what else ""}{said}; the run stopped. {path} holds the run so far. ' + advice)
-  if summary.stopped not in errors.STOP_SIGNALS:  # a signal's stop is main.py's one line
-    final = 'none' if summary.final_eval_return is None else f'{summary.final_eval_return:.1f}'
-    logging.info('%s: %d env steps, final eval return %s, %.0f env steps/s, start-up %.1f s, wall %.1f s.',
-                 'Finished' if summary.stopped in driver.FINISHED else f'Stopped ({summary.stopped})',
-                 summary.env_steps, final, summary.env_steps_per_s, summary.compile_s, summary.wall_s)
-  return summary
+  lock = None  # this run's hold on its --run_dir (storage.lock_run_dir), from before it writes there
+  try:
+    with lifecycle.stop_signals_as_interrupt():
+      spec = cells_lib.resolve(cfg)  # the cells of the run: flags, else JAX_* / SLURM's environment
+      resumed = check_before_start(cfg)  # nothing is started or written before this
+      if resumed is not None:  # its files look whole; its data is read by the trainer, which names the step it restores
+        logging.info(
+            'Resuming the run in %s: newest checkpoint %d (env step %s, iteration %s)%s; the trainer restores it, or '
+            'an older one where its data does not read back, and names the step it restored.', cfg.schedule.run_dir,
+            resumed['step'], resumed['env_steps'], resumed['iterations'],
+            f', past damaged step(s) {resumed["skipped"]}' if resumed['skipped'] else '')
+      startup.configure_jax(cfg.resources.platform, cfg.schedule.compilation_cache_dir)
+      cell = cells_lib.join(cfg, spec)  # before JAX starts its backend; rank k > 0 writes under run_dir/rank<k>/
+      cfg = cells_lib.rank_config(cfg, cell)
+      lock = storage.lock_run_dir(cfg.schedule.run_dir)  # a second run here meanwhile: refused, nothing written
+      check_host_memory(cfg)  # this rank's envs, on its host
+      _write_config(cfg)
+      metrics.quiet_library_logs()
+      logged_from = metrics.log_size(cfg.schedule.run_dir)  # this run's records in metrics.jsonl start here
+      summary, means = _run_schedule(cfg, start.mark('controller'), cell, logged_from)
+    _add_telemetry_and_trace(cfg, summary, means)
+    path = write_summary(cfg, summary)
+    cells_lib.finish(cell, summary)  # the end barrier of ranks that finished, or stopped together
+    if summary.stopped in _FAILURES:
+      kind, what, fix = _FAILURES[summary.stopped]
+      advice = (storage.checkpoint_advice(cfg.schedule.run_dir, fix)
+                if fix is not None else resume_check.divergence_advice(cfg))
+      said = summary.extra.get('failure')
+      raise kind(f'{f"{what}: " if what else ""}{said}; the run stopped. {path} holds the run so far. ' + advice)
+    if summary.stopped not in errors.STOP_SIGNALS:  # a signal's stop is main.py's one line
+      final = 'none' if summary.final_eval_return is None else f'{summary.final_eval_return:.1f}'
+      logging.info('%s: %d env steps, final eval return %s, %.0f env steps/s, start-up %.1f s, wall %.1f s.',
+                   'Finished' if summary.stopped in driver.FINISHED else f'Stopped ({summary.stopped})',
+                   summary.env_steps, final, summary.env_steps_per_s, summary.compile_s, summary.wall_s)
+    return summary
+  finally:
+    if lock is not None:
+      lock.close()
 
 
 def _run_schedule(cfg: config_lib.Config, start: run_clock.StartClock, cell: cells_lib.Cell, logged_from: int = 0):
