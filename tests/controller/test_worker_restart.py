@@ -6,30 +6,22 @@ import time
 
 import pytest
 
-from ebrl_jax import config as config_lib
 from ebrl_jax import controller
 from ebrl_jax.rollout import groups
 from ebrl_jax.rollout import worker as rollout_worker
 from ebrl_jax.runtime import feedback
 from ebrl_jax.trainer import worker as trainer_worker
+from test_pipeline import _config as pipeline_config  # pylint: disable=g-bad-import-order
 
 
-def _config(run_dir, schedule='sync'):
-  return config_lib.Config(sim=config_lib.SimConfig(task='inverted_pendulum',
-                                                    num_envs=32,
-                                                    num_eval_envs=8,
-                                                    num_threads=1),
-                           algo=config_lib.AlgoConfig(batch_size=32, num_minibatches=8),
-                           schedule=config_lib.ScheduleConfig(name=schedule,
-                                                              run_dir=str(run_dir),
-                                                              compilation_cache_dir='',
-                                                              progress_bar=False,
-                                                              transport='thread',
-                                                              num_groups=2,
-                                                              num_timesteps=3 * 1280,
-                                                              num_evals=1,
-                                                              evaluator='trainer'),
-                           resources=config_lib.ResourceConfig(telemetry_period_s=0))
+def _config(run_dir):
+  return pipeline_config(run_dir,
+                         'sync',
+                         'thread',
+                         num_groups=2,
+                         num_timesteps=3 * 1280,
+                         num_evals=1,
+                         evaluator='trainer')
 
 
 class _SlowFirst:
