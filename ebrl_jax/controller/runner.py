@@ -105,16 +105,21 @@ def how_it_ended(stopped: str) -> str:
   return f'the run stopped ({what})'
 
 
-def _write_config(cfg: config_lib.Config) -> None:
-  """The run's first writes, before any worker starts: its directory (0700) and config.json. A full disk is a
-  `DiskFull` (exit code 3) naming the directory and what --resume can load; any other OS error refuses the
-  --run_dir (a ValueError: exit code 2). Either leaves a previous run's config.json as it was (written atomically)."""
+def _write_config(cfg: config_lib.Config) -> int:
+  """The run's first writes, before any worker starts: its directory (0700), its lock (`storage.lock_run_dir`: a
+  run still going there refuses this one first) and config.json. A full disk is a `DiskFull` (exit code 3) naming
+  the directory and what --resume can load; any other OS error refuses the --run_dir (a ValueError: exit code 2).
+  Either leaves a previous run's config.json as it was (written atomically). Returns the lock's descriptor."""
   run_dir = cfg.schedule.run_dir
   path = os.path.join(run_dir, 'config.json')
+  lock = None
   try:
     storage.ensure_private_dir(run_dir)
+    lock = storage.lock_run_dir(run_dir)
     storage.write_json(path, dataclasses.asdict(cfg), indent=2)
   except (OSError, ValueError) as e:
+    if lock is not None:  # the run does not start: the directory is free again
+      os.close(lock)
     reason = storage.disk_full(e)  # ensure_private_dir's ValueError keeps the OS error's text
     if reason is not None:
       raise errors.DiskFull(f'the disk holding {os.path.abspath(run_dir)} is full ({reason}): {path} could not be '
@@ -123,6 +128,7 @@ def _write_config(cfg: config_lib.Config) -> None:
       raise
     raise ValueError(f'--run_dir={run_dir}: {path} cannot be written ({e}); fix the directory or choose another '
                      '--run_dir.') from None
+  return lock
 
 
 def check_run_dir_path(run_dir: str) -> None:
@@ -226,9 +232,8 @@ def run(cfg: config_lib.Config, start_unix: Optional[float] = None) -> driver.Ru
       startup.configure_jax(cfg.resources.platform, cfg.schedule.compilation_cache_dir)
       cell = cells_lib.join(cfg, spec)  # before JAX starts its backend; rank k > 0 writes under run_dir/rank<k>/
       cfg = cells_lib.rank_config(cfg, cell)
-      lock = storage.lock_run_dir(cfg.schedule.run_dir)  # a second run here meanwhile: refused, nothing written
       check_host_memory(cfg)  # this rank's envs, on its host
-      _write_config(cfg)
+      lock = _write_config(cfg)
       metrics.quiet_library_logs()
       logged_from = metrics.log_size(cfg.schedule.run_dir)  # this run's records in metrics.jsonl start here
       summary, means = _run_schedule(cfg, start.mark('controller'), cell, logged_from)
@@ -249,7 +254,7 @@ def run(cfg: config_lib.Config, start_unix: Optional[float] = None) -> driver.Ru
     return summary
   finally:
     if lock is not None:
-      lock.close()
+      os.close(lock)
 
 
 def _run_schedule(cfg: config_lib.Config, start: run_clock.StartClock, cell: cells_lib.Cell, logged_from: int = 0):

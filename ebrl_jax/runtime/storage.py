@@ -112,26 +112,17 @@ def open_append(path: str):
   return os.fdopen(fd, 'a', buffering=1)
 
 
-LOCK_FILE = '.run.lock'
-
-
-def lock_run_dir(run_dir: str):
-  """Holds --run_dir for this process's run (an exclusive `flock` on its .run.lock, which the kernel drops when the
-  process ends): a second run started there meanwhile is refused (ValueError naming the holder's pid) before it
-  writes anything, where it would have replaced the first one's files and deleted its checkpoints. Returns the
-  open lock file; closing it releases the directory."""
-  os.makedirs(run_dir, exist_ok=True)
-  lock = open(os.path.join(run_dir, LOCK_FILE), 'a+')  # pylint: disable=consider-using-with
+def lock_run_dir(run_dir: str) -> int:
+  """Holds the existing --run_dir for this process's run: an exclusive `flock` on the directory itself (no file is
+  written, so a full disk or a listing sees nothing of it; the kernel drops it when the process ends). A second
+  run started there meanwhile is refused (ValueError) before it writes anything, where it would have replaced the
+  first one's files and orbax would have deleted its checkpoints. Returns the directory's descriptor: closing it
+  (`os.close`) releases the directory."""
+  fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY)
   try:
-    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except BlockingIOError:
-    lock.seek(0)
-    holder = lock.read().strip() or 'another process'
-    lock.close()
-    raise ValueError(f'--run_dir={run_dir} is in use by a run that is still going (pid {holder}); wait for it to '
-                     'end, or choose another --run_dir.') from None
-  lock.seek(0)
-  lock.truncate()
-  lock.write(str(os.getpid()))
-  lock.flush()
-  return lock
+    os.close(fd)
+    raise ValueError(f'--run_dir={run_dir} is in use by a run that is still going (it holds the directory\'s '
+                     'lock); wait for it to end, or choose another --run_dir.') from None
+  return fd
