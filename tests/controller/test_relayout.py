@@ -84,6 +84,18 @@ def test_group_schedule_errors_name_the_flag(tmp_path, change, words):
                       }))
 
 
+def _two_to_four(tmp_path, iterations: int, at: int):
+  """`sync` in threads, 2 groups of the pendulum, then 4 from iteration `at`; the trainer evaluates."""
+  return _config(tmp_path,
+                 'sync',
+                 'thread',
+                 num_groups=2,
+                 num_timesteps=iterations * 1280,
+                 num_evals=1,
+                 evaluator='trainer',
+                 group_schedule=f'{at}:groups=4')
+
+
 def test_an_old_layout_worker_dying_during_a_change_ends_with_the_trainers_own_summary(tmp_path, monkeypatch):
   """A worker of the old layout crashes while it delivers its last iterations: the run stops with a WorkerFailure
   naming the change, and the trainer, alive, is asked for its summary so far (not rebuilt from its metrics log)."""
@@ -95,14 +107,7 @@ def test_an_old_layout_worker_dying_during_a_change_ends_with_the_trainers_own_s
     return retired(control, iteration)
 
   monkeypatch.setattr(rollout_worker, '_retired', crashes)
-  cfg = _config(tmp_path,
-                'sync',
-                'thread',
-                num_groups=2,
-                num_timesteps=16 * 1280,
-                num_evals=1,
-                evaluator='trainer',
-                group_schedule='3:groups=4')
+  cfg = _two_to_four(tmp_path, iterations=16, at=3)
   with pytest.raises(controller.RunError, match='during the change to 4 env groups'):
     controller.run(cfg)
   with open(tmp_path / 'summary.json') as f:
@@ -153,14 +158,7 @@ def test_a_standby_that_dies_once_swapped_in_is_restarted_at_the_boundary_and_th
   monkeypatch.setattr(supervisor_lib.Supervisor, 'start_rollout', spied_start)
   monkeypatch.setattr(rollout_worker, '_stand_by', dies_once_swapped_in)
   seen = _block_deliveries(monkeypatch)
-  cfg = _config(tmp_path,
-                'sync',
-                'thread',
-                num_groups=2,
-                num_timesteps=12 * 1280,
-                num_evals=1,
-                evaluator='trainer',
-                group_schedule='3:groups=4')
+  cfg = _two_to_four(tmp_path, iterations=12, at=3)
   summary = controller.run(cfg)
   relayout = summary.extra['relayout']
   assert summary.extra['worker_restarts'] == 1 and relayout['pending'] is None, relayout
@@ -201,14 +199,7 @@ def test_a_failed_change_stops_its_other_standbys_at_once(tmp_path, monkeypatch)
     return poll(self)
 
   monkeypatch.setattr(relayout_lib.GroupChanger, 'poll', spied_poll)
-  cfg = _config(tmp_path,
-                'sync',
-                'thread',
-                num_groups=2,
-                num_timesteps=16 * 1280,
-                num_evals=1,
-                evaluator='trainer',
-                group_schedule='2:groups=4')
+  cfg = _two_to_four(tmp_path, iterations=16, at=2)
   summary = controller.run(cfg)
   assert summary.extra['relayout']['changes'][0]['failed'] and len(standbys) == 4
   assert alive_later == [[False, False, False, False]], alive_later
