@@ -341,8 +341,8 @@ class Supervisor:
       self._start_evaluator()
       return
     group = int(role.split('/')[1])  # the group's envs reset; its unfinished segment is lost, never half-sent
-    # A new incarnation, after the iteration the dead one delivered last: one it delivered would reach the trainer
-    # twice (the trainer tells incarnations' records apart; the same rollout key would give the same segment).
+    # A new incarnation, after the iteration the dead one's delivery counted last (one it put but did not count is
+    # collected again, and the trainer drops the repeat: it takes each block's iteration once).
     dead = self.controls.get(role)
     start = dead.feedback.snapshot().next_iteration() if dead is not None else 0
     self.start_rollout(group, quota=self.rollout_quota.get(role), start_iteration=start)
