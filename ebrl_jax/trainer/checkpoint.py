@@ -299,7 +299,7 @@ class Checkpointer:
         except DamagedStep as e:
           reason = e.reason
         except FileNotFoundError as e:  # a step directory orbax does not list as a checkpoint
-          reason = str(e)
+          reason = f'its data does not read back ({root_cause(e)})'  # one line: orbax's text holds a whole spec
         else:
           self._move_aside(skipped)
           return restored + (skipped,)
