@@ -1,8 +1,8 @@
 """Every bad input is one line before anything starts, and a refused run changes no file of the previous run:
 flag errors (no flag list, no traceback), a resume of another task's checkpoint (refused by its shapes before any
 worker, saying that the checkpoint is intact), a --run_dir that cannot hold a run, a missing --memory_profile,
---sm_quotas naming a role twice or summing past 100 %, --use_mps without MPS. A truncated newest checkpoint step
-is named and --resume continues from the one before."""
+--sm_quotas naming a role twice or summing past 100 %, --use_mps without MPS, a GPU asked for where there is
+none. A truncated newest checkpoint step is named and --resume continues from the one before."""
 import hashlib
 import json
 import os
@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from ebrl_jax import controller
+from ebrl_jax.resources import telemetry
 
 import runs_testlib  # pylint: disable=g-bad-import-order
 
@@ -22,7 +23,7 @@ TINY = ('--task=inverted_pendulum', '--num_envs=32', '--batch_size=32', '--num_m
 
 
 def _main(*args, env=None):
-  env = dict(os.environ, JAX_PLATFORMS='cpu', **(env or {}))
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', **(env or {})}
   return subprocess.run([sys.executable, '-m', 'ebrl_jax.main', *args],
                         cwd=ROOT,
                         env=env,
@@ -110,6 +111,18 @@ def test_bad_run_state_and_files_are_refused_up_front_and_say_whether_a_checkpoi
 def test_use_mps_without_mps_is_an_error_not_a_warning(tmp_path):
   line = _one_fatal_line(_main(*TINY, '--schedule=async', '--num_groups=2', '--use_mps', f'--run_dir={tmp_path}/r'))
   assert 'nvidia-cuda-mps-control is not on PATH' in line and 'run without --use_mps' in line
+  assert not os.path.exists(tmp_path / 'r')
+
+
+@pytest.mark.skipif(telemetry.gpu_absent_reason() is None, reason='NVML sees a GPU here')
+@pytest.mark.parametrize('flag,environ,where', [('--platform=gpu', 'cpu', '--platform=gpu'),
+                                                ('--platform=', 'cuda,cpu', 'JAX_PLATFORMS=cuda,cpu')])
+def test_a_gpu_asked_for_on_a_machine_without_one_is_one_line_before_any_file(tmp_path, flag, environ, where):
+  """Before the fix: JAX's 'Unable to initialize backend' traceback at the first array, after config.json and
+  telemetry.jsonl were written."""
+  line = _one_fatal_line(_main(*TINY, flag, f'--run_dir={tmp_path}/r', env={'JAX_PLATFORMS': environ}))
+  assert f'{where} asks JAX for an NVIDIA GPU, but this machine has none (NVML' in line, line
+  assert 'run with --platform=cpu' in line
   assert not os.path.exists(tmp_path / 'r')
 
 

@@ -174,6 +174,19 @@ def check_host_memory(cfg: config_lib.Config) -> None:
                             f' (the run\'s: --num_envs={sim.num_envs:,} plus --num_eval_envs={sim.num_eval_envs:,})')
 
 
+def _check_platform(flag: str, environ_value: str) -> None:
+  """A GPU asked of JAX (--platform, else JAX_PLATFORMS: every platform listed must start) where NVML sees none:
+  refused here, before the run writes a file, instead of JAX's traceback at the run's first array."""
+  where = f'--platform={flag}' if flag else f'JAX_PLATFORMS={environ_value}'
+  asked = {name.strip() for name in (flag or environ_value).split(',')}
+  if not asked & {'gpu', 'cuda'}:
+    return
+  reason = telemetry_lib.gpu_absent_reason()
+  if reason is not None:
+    raise ValueError(f'{where} asks JAX for an NVIDIA GPU, but this machine has none ({reason}); run with '
+                     '--platform=cpu, or leave --platform and JAX_PLATFORMS unset to let JAX choose.')
+
+
 def _check_gpu_sharing(cfg: config_lib.Config) -> None:
   """--sm_quotas within 100 % for the processes that run at once; --use_mps only where MPS can run."""
   processes = cfg.schedule.name != 'fused' and cfg.schedule.transport == 'shm'
@@ -206,6 +219,7 @@ def check_before_start(cfg: config_lib.Config) -> Optional[dict]:
     raise ValueError(f'--schedule={cfg.schedule.name!r} is not valid; allowed values: {", ".join(SCHEDULES)}.')
   check_run_dir_path(cfg.schedule.run_dir)
   _check_files(cfg)
+  _check_platform(cfg.resources.platform, os.environ.get('JAX_PLATFORMS', ''))
   _check_gpu_sharing(cfg)
   return resume_check.check_checkpoints(cfg)
 

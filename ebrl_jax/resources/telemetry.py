@@ -46,6 +46,22 @@ def nvml_handle(pynvml, device: str):
   return pynvml.nvmlDeviceGetHandleByIndex(int(device))
 
 
+def gpu_absent_reason() -> Optional[str]:
+  """Why this machine has no NVIDIA GPU a process could compute on (NVML cannot start, or counts no device), or
+  None where NVML sees at least one."""
+  try:
+    pynvml.nvmlInit()
+  except pynvml.NVMLError as e:
+    return f'NVML cannot start: {e}'
+  try:
+    count = pynvml.nvmlDeviceGetCount()
+  except pynvml.NVMLError as e:
+    return f'NVML cannot count its devices: {e}'
+  finally:
+    pynvml.nvmlShutdown()
+  return None if count > 0 else 'NVML counts no GPU'
+
+
 class _Gpm:
   """NVML GPM SM activity/occupancy between consecutive samples, plus per-process GPU memory, of one GPU."""
 
