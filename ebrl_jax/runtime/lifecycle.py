@@ -28,6 +28,7 @@ import time
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from ebrl_jax.runtime import errors
+from ebrl_jax.runtime import hooks
 from ebrl_jax.runtime import storage
 
 # What a worker receives when its controller dies. No worker handles it, so the kernel ends the worker at once.
@@ -184,13 +185,14 @@ def stop_signals_as_interrupt():
     yield
     return
   previous = signal.signal(signal.SIGTERM, errors.interrupt)
-  previous_hook = sys.unraisablehook
-  if not getattr(previous_hook, 'redelivers', False):
-    sys.unraisablehook = _redeliver_swallowed_interrupts(previous_hook)
+  found = sys.unraisablehook
+  nested = getattr(found, 'redelivers', False) and getattr(found, 'on', True)  # an outer block's, still on
   try:
-    yield
+    with contextlib.ExitStack() as stack:
+      if not nested:  # taken out at the end without dropping a hook installed meanwhile (runtime/hooks.py)
+        stack.enter_context(hooks.unraisable_hook_within(_redeliver_swallowed_interrupts, redelivers=True))
+      yield
   finally:
-    sys.unraisablehook = previous_hook
     signal.signal(signal.SIGTERM, previous)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import sys
 import time
 from typing import Any, Dict, Optional, Protocol, Tuple
 
@@ -20,6 +19,7 @@ from ebrl_jax import sim
 from ebrl_jax.generation import policies
 from ebrl_jax.rollout import keys
 from ebrl_jax.runtime import errors
+from ebrl_jax.runtime import hooks
 from ebrl_jax.runtime import metrics as metrics_lib
 from ebrl_jax.runtime import run_clock
 from ebrl_jax.runtime import startup
@@ -143,22 +143,24 @@ def _disk_full_said_once():
   """Around a checkpoint's save: a full disk is said once, by the driver (a stop's warning) or the run's
   `errors.DiskFull` line, without the tracebacks orbax, asyncio and tensorstore print beside it. After a save
   the full disk failed, both filters stay: their late reports come until the process ends."""
-  quiet, previous = _DiskFullNoise(), sys.unraisablehook
+  quiet = _DiskFullNoise()
   loggers = (logging.get_absl_logger(), logging.logging.getLogger('asyncio'))  # where the records are made
   for logger in loggers:
     logger.addFilter(quiet)
-  sys.unraisablehook = _loop_closed_unsaid(previous)
   keep = False
   try:
-    yield
-  except Exception as e:
-    keep = storage.disk_full(e) is not None
-    raise
+    with hooks.unraisable_hook_within(_loop_closed_unsaid) as hook:
+      try:
+        yield
+      except Exception as e:
+        keep = storage.disk_full(e) is not None
+        if keep:
+          hook.keep()
+        raise
   finally:
     if not keep:
       for logger in loggers:
         logger.removeFilter(quiet)
-      sys.unraisablehook = previous
 
 
 def _saved_already(cfg, checkpointer, progress: cadence.Progress) -> bool:
