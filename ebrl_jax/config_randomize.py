@@ -17,8 +17,9 @@ from typing import Optional, Tuple
 RANDOMIZE_PARAMS = {
     'friction': "scale of each geom's sliding friction (geom_friction[:, 0])",
     'mass': "scale of each body's mass and inertia (body_mass, body_inertia)",
-    'gain': "scale of each actuator's gain (actuator_gainprm[:, 0] and actuator_biasprm[:, 1], a position "
-            "actuator's -kp)",
+    'gain': "scale of each actuator's force law: its gain and bias terms (actuator_gainprm[:, :3], "
+            "actuator_biasprm[:, :3]: a motor's gear, a position servo's kp and kv, a velocity servo's kv); "
+            "affine actuators only",
     'camera': "offset in metres added to each camera's position, per axis (cam_pos)",
     'camera_tilt': "rotation in radians of each camera about its own x axis (cam_quat)",
     'color': "scale of each geom's R, G and B, clipped to [0, 1] (geom_rgba[:, :3])",

@@ -50,8 +50,22 @@ def fields_of(cfg: config_lib.RandomizationConfig) -> Tuple[str, ...]:
   return tuple(f for name, _ in cfg.ranges for f in MODEL_FIELDS[name])
 
 
+# MuJoCo's mjtGain / mjtBias values whose force is affine in the terms `gain` scales (mjGAIN_FIXED/AFFINE,
+# mjBIAS_NONE/AFFINE); a muscle's or a user actuator's parameters mean other things.
+_AFFINE_GAINS, _AFFINE_BIASES = (0, 1), (0, 1)
+
+
 def base_fields(cfg: config_lib.RandomizationConfig, model) -> Dict[str, np.ndarray]:
-  """The model's own values (an MjModel or an mjx.Model) of the fields `cfg` rewrites."""
+  """The model's own values (an MjModel or an mjx.Model) of the fields `cfg` rewrites. `gain` scales an
+  actuator's whole force law (gain * ctrl + bias), so a servo stays the servo it was with its strength scaled:
+  refused (ValueError naming the actuators) for any actuator whose gain or bias is not affine."""
+  if cfg.gain is not None:
+    gains, biases = np.asarray(model.actuator_gaintype), np.asarray(model.actuator_biastype)
+    odd = [i for i in range(len(gains)) if gains[i] not in _AFFINE_GAINS or biases[i] not in _AFFINE_BIASES]
+    if odd:
+      raise ValueError(f'--randomize=gain scales an affine actuator\'s gain and bias, but actuator(s) {odd} of '
+                       'this model are muscles or user actuators (gaintype/biastype not fixed or affine); drop '
+                       'gain from --randomize for this task.')
   return {f: getattr(model, f) for f in fields_of(cfg)}
 
 
@@ -102,8 +116,8 @@ def apply(cfg: config_lib.RandomizationConfig,
       out['body_inertia'] = base['body_inertia'] * v[:, None]
     elif name == 'gain':
       g, b = base['actuator_gainprm'], base['actuator_biasprm']
-      out['actuator_gainprm'] = xp.concatenate([g[:, :1] * v[:, None], g[:, 1:]], axis=1)
-      out['actuator_biasprm'] = xp.concatenate([b[:, :1], b[:, 1:2] * v[:, None], b[:, 2:]], axis=1)
+      out['actuator_gainprm'] = xp.concatenate([g[:, :3] * v[:, None], g[:, 3:]], axis=1)
+      out['actuator_biasprm'] = xp.concatenate([b[:, :3] * v[:, None], b[:, 3:]], axis=1)
     elif name == 'camera':
       out['cam_pos'] = base['cam_pos'] + v
     elif name == 'camera_tilt':

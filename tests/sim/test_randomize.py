@@ -93,6 +93,41 @@ def test_cpu_step_uses_the_drawn_model():
       np.testing.assert_array_equal(a, b)
 
 
+SERVOS = """<mujoco><worldbody><body><joint name="a" type="hinge"/><geom size="0.1"/>
+  <body pos="0 0 -0.3"><joint name="b" type="hinge"/><geom size="0.1"/>
+  <body pos="0 0 -0.3"><joint name="c" type="hinge"/><geom size="0.1"/></body></body></body></worldbody>
+  <actuator><motor joint="a" gear="3"/><position joint="b" kp="40" kv="3"/><velocity joint="c" kv="7"/></actuator>
+</mujoco>"""
+
+
+def test_gain_scales_each_actuators_whole_force_law_servos_included():
+  """gain=2:2 doubles every actuator's force at any state: a motor's, a position servo's with damping and a
+  velocity servo's. Before the fix only gainprm[0] and biasprm[1] were scaled, so the velocity servo's -kv
+  (biasprm[2]) and the position servo's damping kept their values: a servo to another target, not a stronger one."""
+  model = mujoco.MjModel.from_xml_string(SERVOS)
+  cfg = config.parse_randomize('gain=2:2')
+  base = randomize.base_fields(cfg, model)
+  fields = randomize.apply(cfg, base, randomize.draw_numpy(cfg, base, np.random.default_rng(0)))
+  scaled = mujoco.MjModel.from_xml_string(SERVOS)
+  for name, value in fields.items():
+    getattr(scaled, name)[:] = value
+  forces = []
+  for m in (model, scaled):
+    d = mujoco.MjData(m)
+    d.qpos[:], d.qvel[:], d.ctrl[:] = (0.3, -0.2, 0.1), (0.5, 1.5, -2.0), (0.4, 0.7, 0.9)
+    mujoco.mj_forward(m, d)
+    forces.append(d.actuator_force.copy())
+  assert np.all(np.abs(forces[0]) > 0.1), forces
+  np.testing.assert_allclose(forces[1], 2.0 * forces[0], rtol=1e-12)
+
+
+def test_gain_is_refused_for_a_muscle():
+  model = mujoco.MjModel.from_xml_string(
+      SERVOS.replace('<velocity joint="c" kv="7"/>', '<muscle joint="c" lengthrange="0.5 1.5"/>'))
+  with pytest.raises(ValueError, match=r'actuator\(s\) \[2\] of this model are muscles or user actuators'):
+    randomize.base_fields(config.parse_randomize('gain=0.5:2'), model)
+
+
 def test_cpu_off_is_unchanged():
   with _pool() as plain, _pool(config.RandomizationConfig()) as off, _pool(config.parse_randomize(SPEC)) as on:
     assert off.env_model(0) is off.model and off.randomization is None
