@@ -160,12 +160,18 @@ def entry(summary, layout: str, predicted: float, fused_predicted: float, trial_
 def verdict(trial: dict) -> Tuple[bool, str]:
   """(keep the process schedule?, why): kept only if its trial measured more than fused's trial by
   MEASURED_MARGIN, or, where fused's trial measured nothing, more than fused's prediction by PREDICTED_MARGIN; a
-  process trial that measured nothing keeps the prediction's choice."""
+  process trial that measured nothing keeps the prediction's choice where that prediction beat fused's by
+  PREDICTED_MARGIN (a layout tried because the model could not tell, `schedule_choice.uncertain`, did not)."""
   layout, rate = trial['layout'], trial['measured_env_steps_per_s']
   schedule = schedule_of(layout)
   if rate is None:
-    return True, (f'{schedule} kept on its prediction: its trial ended ({trial["stopped"]}) after '
-                  f'{trial["iterations"]} iteration(s), too few to measure')
+    ended = (f'its trial ended ({trial["stopped"]}) after {trial["iterations"]} iteration(s), too few to '
+             'measure')
+    predicted, fused = trial['predicted_env_steps_per_s'], trial['fused_predicted_env_steps_per_s']
+    if predicted > fused * (1 + PREDICTED_MARGIN):
+      return True, f'{schedule} kept on its prediction: {ended}'
+    return False, (f'fused: {ended}, and {schedule}\'s prediction ({predicted:,.0f} env-steps/s) does not beat '
+                   f'fused\'s ({fused:,.0f}) by the {PREDICTED_MARGIN:.0%} margin')
   fused = trial.get('fused_measured_env_steps_per_s')
   if fused is not None:
     margin, against = MEASURED_MARGIN, f'fused\'s trial, {fused:,.0f} over {trial["fused_measured_s"]:.1f} s'

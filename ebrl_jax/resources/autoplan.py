@@ -319,6 +319,10 @@ def plan_auto(cfg: config_lib.Config,
     cfg, generation = choose_generation(cfg, store, mps_active, 'async')
     space = plan_space(cfg, mps_active)
     choice = schedule_choice.choose(store, space, handoff, _pinned(cfg, space, mps_active))
+    if choice.plan is None and mps_active and cfg.resources.auto_trial_s:  # the model's bounds straddle fused
+      probe = schedule_choice.uncertain(store, space, handoff)
+      if probe is not None:
+        choice = probe._replace(predicted=choice.predicted, reason=f'{probe.reason} ({choice.reason})')
   else:  # nothing to predict from: the sequential baseline needs no profile
     generation = None
     choice = schedule_choice.Choice(

@@ -77,6 +77,39 @@ def best_case(profiles: Mapping, space: planner.PlanSpace, handoff_s: float) -> 
   return min(plans, key=lambda p: (round(p.iteration_s, 9), p.num_groups))
 
 
+def uncertain(profiles: Mapping,
+              space: planner.PlanSpace,
+              handoff_s: float,
+              margin: float = MARGIN) -> Optional[Choice]:
+  """Under MPS, a process schedule without quotas to try where the model cannot tell it from fused: `choose`
+  adds the processes' GPU work up (`shared`: right where the GPU time-slices them), but MPS runs their kernels
+  side by side, so on a GPU that no stage fills the truth lies between that sum and the same layout with none
+  slowing another (`best_case`'s bound). Of the layouts whose bound beats fused by more than `margin`, the one
+  with the best sum (the least to lose; fewer groups on a tie) is returned for a trial (auto_trial.py), which
+  measures it against fused; None where no layout's bound does. W1 on the H200 (results/README.md,
+  matrix_w1_s0_train30_h200.json): every process schedule's sum was below fused, async by hand measured +6.3 %."""
+  fused = predict_fused(profiles, space)
+  bound = dataclasses.replace(space, quota_limit=True, iteration_handoff_s=space.iteration_handoff_s + handoff_s)
+  with_handoff = dataclasses.replace(space, iteration_handoff_s=space.iteration_handoff_s + handoff_s)
+  full = {role: 100 for role in space.roles}
+  candidates = []
+  for name in planner.SCHEDULES:
+    for groups, _ in space.layouts:
+      best = planner.evaluate(profiles, bound, groups, full, name)
+      if best.env_steps_per_s > fused.env_steps_per_s * (1 + margin):
+        candidates.append((planner.evaluate(profiles, with_handoff, groups, {}, name, shared=True), best))
+  if not candidates:
+    return None
+  summed, best = max(candidates, key=lambda c: (round(c[0].env_steps_per_s, 6), -c[0].num_groups))
+  reason = (f'{best.schedule} ({best.num_groups} group(s), no quotas) on trial: the model puts it between '
+            f'{summed.env_steps_per_s:,.0f} env-steps/s (the processes\' GPU work added up) and '
+            f'{best.env_steps_per_s:,.0f} (none slowing another, '
+            f'{best.env_steps_per_s / fused.env_steps_per_s - 1:+.1%}) against fused\'s '
+            f'{fused.env_steps_per_s:,.0f}; MPS runs their kernels side by side, and only a trial tells where')
+  predicted = {'fused': fused.env_steps_per_s, best.schedule: summed.env_steps_per_s}
+  return Choice(best.schedule, dataclasses.replace(summed, reason=reason), predicted, reason)
+
+
 def quotas_cannot_win(profiles: Mapping,
                       space: planner.PlanSpace,
                       handoff_s: float,

@@ -50,6 +50,11 @@ def test_a_process_schedule_is_kept_only_past_fused_trial_and_the_margin():
   assert auto_trial.PREDICTED_MARGIN == schedule_choice.MARGIN
   keep, why = auto_trial.verdict(_trial(None, iterations=2, stopped='max_wall_s'))  # nothing measured
   assert keep and 'kept on its prediction' in why and 'max_wall_s' in why
+  # A layout tried because the model could not tell (schedule_choice.uncertain: predicted below fused) and whose
+  # trial measured nothing is not kept on that prediction.
+  keep, why = auto_trial.verdict(dict(_trial(None, iterations=2, stopped='max_wall_s'),
+                                      predicted_env_steps_per_s=900.0))
+  assert not keep and why.startswith('fused:') and 'does not beat' in why and '(900 env-steps/s)' in why
 
 
 def test_the_trials_file_keeps_each_layout_and_a_damaged_one_is_read_as_empty(tmp_path):

@@ -159,3 +159,39 @@ def test_a_training_bound_run_like_w2_is_not_skipped():
   assert schedule_choice.predict_fused(w2, space).iteration_s == pytest.approx(0.724, rel=1e-3)
   assert schedule_choice.best_case(w2, space, 0.0).iteration_s == pytest.approx(0.5514)
   assert schedule_choice.quotas_cannot_win(w2, space, 0.0) is None
+
+
+def _w1_h200():
+  """W1's 100 % stage profile on the H200 (--schedule=auto's calibration, matrix_w1_s0_train30_h200.json's run):
+  per step of a group, sim 2.76 / 2.75 / 3.32 / 3.79 ms and generation 0.20 / 0.24 / 0.21 / 0.28 ms at 512 /
+  1024 / 2048 / 4096 envs, train 79.2 ms for the 327,680-transition batch; 80 steps per iteration."""
+  w1 = {name: StageProfile(name) for name in ('sim', 'generation', 'train')}
+  for e, sim_ms, gen_ms in ((512, 2.756, 0.199), (1024, 2.746, 0.236), (2048, 3.322, 0.206), (4096, 3.793, 0.277)):
+    w1['sim'].add_sample(e, 100, sim_ms * 1e-3)
+    w1['generation'].add_sample(e, 100, gen_ms * 1e-3)
+  w1['train'].add_sample(327680, 100, 0.0792)
+  space = planner.PlanSpace(num_envs=4096, steps_per_iteration=80, num_groups=(1, 2, 4), quotas=(100,))
+  return w1, space
+
+
+def test_under_mps_a_layout_the_model_cannot_tell_from_fused_goes_to_a_trial():
+  # W1 on the H200, calibrated at 100 % only, hand-off 39.7 ms. fused: 80 * (3.80 + 0.30) ms + 79.2 ms = 0.4071 s
+  # (804.9 k env-steps/s, the profile's fit). With the processes' GPU work added up (what `choose` predicts without
+  # quotas) every process schedule is slower: async with 1 group 0.3279 + 0.0792 + 0.0397 = 0.4468 s, -8.9 %:
+  # fused. With none slowing another, async with 1 group is max(0.3279, 0.0792) + 0.0397 = 0.3676 s (+10.7 %), 2
+  # and 4 groups more; of those past the 5 % margin, 1 group loses least if the sum is right: its trial is asked
+  # for (async with 2 groups by hand measured +6.3 % on that machine).
+  w1, space = _w1_h200()
+  choice = schedule_choice.choose(w1, space, 0.0397)
+  assert choice.schedule == 'fused' and '-8.9%' in choice.reason
+  assert choice.predicted['fused'] == pytest.approx(4096 * 80 / 0.40711, rel=1e-4)
+  probe = schedule_choice.uncertain(w1, space, 0.0397)
+  assert (probe.schedule, probe.plan.num_groups, probe.plan.shared) == ('async', 1, True)
+  assert probe.plan.iteration_s == pytest.approx(0.4468, rel=1e-3)  # its own prediction: the sum
+  assert 'on trial' in probe.reason and '+10.7%' in probe.reason and probe.plan.reason == probe.reason
+  # An 80 ms hand-off: 1 group's bound (0.408 s) no longer beats fused; 2 groups' does (max(80 * 3.42 ms, 79.2
+  # ms) + 80 ms = 0.353 s, +15.2 %; 3.42 ms: the profile's fit of a 2048-env step), with the best sum of those left.
+  probe = schedule_choice.uncertain(w1, space, 0.08)
+  assert (probe.schedule, probe.plan.num_groups) == ('async', 2) and '+15.2%' in probe.reason
+  # 150 ms: even 4 groups' bound (0.246 + 0.15 s) is within the margin: no trial.
+  assert schedule_choice.uncertain(w1, space, 0.15) is None
