@@ -10,7 +10,7 @@ import dataclasses
 import math
 from typing import Optional, Tuple
 
-from ebrl_jax.config_cells import LAUNCHERS, CellConfig, check_run_cells
+from ebrl_jax.config_cells import LAUNCHERS, CellConfig, agreed_flags, check_run_cells
 from ebrl_jax.config_checks import check_choice as _check_choice, check_positive as _check_positive
 from ebrl_jax.config_checks import check_episode_length, check_playground_sim, check_solver_caps
 from ebrl_jax.config_checks import check_env_slices, check_host_rollout_quotas, check_range as _check_range, check_seed

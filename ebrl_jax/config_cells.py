@@ -60,3 +60,20 @@ def check_run_cells(cfg, num_cells: int) -> None:
     raise ValueError(f'{what} with --target_return need --evaluator=trainer: an evaluator process answers each '
                      'cell at its own time, so the ranks would stop at different iterations and leave one in an '
                      'all-reduce (the trainer evaluates in line, alike on every rank).')
+
+
+# What every cell must run alike: the task and its envs (num_threads is a host's own), the policy, the algorithm,
+# and the schedule's length, seed and layout; a cell's rank, run directory, caches and limits may differ.
+_PER_HOST_SIM = ('num_threads',)
+_AGREED_SCHEDULE = ('name', 'num_timesteps', 'num_evals', 'seed', 'resume', 'num_groups', 'max_staleness',
+                    'target_return', 'deterministic_eval')
+
+
+def agreed_flags(sim, policy, algo, schedule) -> dict:
+  """--flag -> its value (as text) for every setting the cells must share (`runtime.distributed.agree` compares
+  them across the ranks once they have joined)."""
+  out = {f'--{k}': repr(v) for k, v in dataclasses.asdict(sim).items() if k not in _PER_HOST_SIM}
+  out.update({f'--{k}': repr(v) for k, v in dataclasses.asdict(policy).items()})
+  out.update({f'--{k}': repr(v) for k, v in dataclasses.asdict(algo).items()})
+  out.update({f'--{k}': repr(getattr(schedule, k)) for k in _AGREED_SCHEDULE})
+  return out

@@ -96,6 +96,42 @@ class Transition(NamedTuple):
   policy_version: Array
 
 
+# A segment's ranks: (T, S) first in every field, then the observation's [O], the action chunk's [K, A].
+_SEGMENT_RANKS = {
+    'raw_action': 4,
+    'reward': 2,
+    'termination': 2,
+    'truncation': 2,
+    'behaviour_log_prob': 2,
+    'mask': 2,
+    'policy_version': 2
+}
+
+
+def check_segment(batch: Transition) -> Tuple[int, int]:
+  """(T, S) of a segment batch, its shapes checked (at trace time: they are static): ValueError naming the field
+  whose rank is off, whose leading axes are not reward's [T, S], or, for next_obs, whose shapes differ from
+  obs's (`losses` bootstraps from next_obs[-1]: a [T + 1, ...] stack would bootstrap from the wrong step)."""
+  shapes = {name: [tuple(x.shape) for x in jax.tree.leaves(getattr(batch, name))] for name in Transition._fields}
+  if len(shapes['reward'][0]) != 2:
+    raise ValueError(f'Transition.reward must be [T, S]; got shape {shapes["reward"][0]}.')
+  lead = shapes['reward'][0]
+  for name, found in shapes.items():
+    rank = _SEGMENT_RANKS.get(name)
+    state = tuple(getattr(proprioception(getattr(batch, name)), 'shape', ())) if rank is None else None
+    if rank is not None and len(found[0]) != rank or state is not None and len(state) != 3:
+      raise ValueError(f'Transition.{name} has shape {state or found[0]}; a segment\'s is '
+                       f'{"[T, S, K, A]" if name == "raw_action" else "[T, S]" if rank else "[T, S, O]"}.')
+    for shape in found:
+      if shape[:2] != lead:
+        raise ValueError(f'Transition.{name} has shape {shape}; every field leads with reward\'s [T, S] = '
+                         f'{list(lead)}.')
+  if shapes['next_obs'] != shapes['obs']:
+    raise ValueError(f'Transition.next_obs has shape(s) {shapes["next_obs"]}, obs {shapes["obs"]}: each step\'s '
+                     'next observation, the same shapes as obs (not a [T + 1, ...] stack).')
+  return lead
+
+
 class StepResult(NamedTuple):
   """What one env step returns for a batch of envs (both backends, numpy or jax arrays).
 

@@ -71,6 +71,7 @@ def join(cfg: config_lib.Config, spec: Optional[distributed.DistributedSpec] = N
   if not trainer_here(cfg):
     return Cell(spec.process_id, spec.num_processes, spec, cfg.schedule.run_dir)
   distributed.initialize(spec)
+  distributed.agree(spec, config_lib.agreed_flags(cfg.sim, cfg.policy, cfg.algo, cfg.schedule))
   import jax  # lazy: after initialize (the process's JAX backend starts with the ranks joined)
   return Cell(jax.process_index(), jax.process_count(), spec, cfg.schedule.run_dir)
 

@@ -122,6 +122,9 @@ def _normalize(params: PolicyParams, obs):
   """The state [B, O] (a `PixelObs`'s state part) normalised; pixels pass unchanged."""
   state = types.proprioception(obs)
   chex.assert_rank(state, 2)
+  if state.shape[-1] != params.normalizer.mean.shape[-1]:  # the statistics would broadcast a [B, 1] silently
+    raise ValueError(f'obs has {state.shape[-1]} features (shape {tuple(state.shape)}); these params were '
+                     f'initialised for {params.normalizer.mean.shape[-1]} (init_train_state\'s obs_dim).')
   if not params.normalize_observations:
     return obs
   return types.with_state(obs, normalization.normalize(params.normalizer, state))

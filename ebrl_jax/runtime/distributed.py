@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import socket
 import sys
@@ -26,6 +27,7 @@ import numpy as np
 from ebrl_jax.runtime import errors
 
 _KEY = 'ebrl_jax/rank/'
+_AGREE_KEY = 'ebrl_jax/agree/'
 _JOINED = []  # the spec this process joined with (initialize): at most one
 
 
@@ -46,6 +48,10 @@ class DistributedSpec:
 
 class RankFailed(errors.RunError):
   """A trainer rank (or its host) died; the run stops on every rank."""
+
+
+class RanksDisagree(errors.RunError):
+  """The trainer ranks were started with different settings (`agree`); every rank stops before training."""
 
 
 def resolve(coordinator_address: str = '',
@@ -91,6 +97,34 @@ def initialize(spec: DistributedSpec) -> None:
   client = _client()
   if client is not None:
     client.key_value_set(f'{_KEY}{jax.process_index()}', f'{socket.gethostname()} pid {os.getpid()}')
+
+
+def agree(spec: DistributedSpec, values: Dict[str, str]) -> None:
+  """After `initialize`: every rank publishes `values` (flag -> value) and compares them with every other rank's;
+  where any differs, every rank raises the same `RanksDisagree` naming the flags (ranks that trained apart would
+  all-reduce different batches, or one would stop first and the others call it dead)."""
+  client = _client()
+  if client is None or not _JOINED:
+    return
+  import jax  # lazy: see initialize
+  me, count, timeout_ms = jax.process_index(), jax.process_count(), spec.heartbeat_timeout_s * 3000
+  mine = json.loads(json.dumps(values, sort_keys=True))
+  client.key_value_set(f'{_AGREE_KEY}{me}', json.dumps(mine, sort_keys=True))
+  gone = RankFailed(f'trainer rank {me}: not every rank reached the check of their flags within '
+                    f'{timeout_ms / 1000:.0f} s (3 heartbeat timeouts); a rank died or hangs.')
+  if not barrier('ebrl_jax/agree', timeout_ms / 1000):
+    raise gone
+  everyone = [json.loads(client.blocking_key_value_get(f'{_AGREE_KEY}{r}', timeout_ms)) for r in range(count)]
+  if not barrier('ebrl_jax/agree_read', timeout_ms / 1000):  # every rank has read before any stops on it
+    raise gone
+  for rank, theirs in enumerate(everyone):
+    if theirs == mine:
+      continue
+    differ = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+    shown = ', '.join(f'{k}={mine.get(k)} here, {theirs.get(k)} there' for k in differ[:4])
+    raise RanksDisagree(f'trainer rank {me} and rank {rank} were started with different settings: {shown}'
+                        f'{f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""}; every cell must run '
+                        'the same flags (only its rank, run directory, caches and limits may differ).')
 
 
 def joined() -> bool:

@@ -111,7 +111,8 @@ def _physics_step(env, state: EnvGroupState, actions: jax.Array) -> Tuple[EnvGro
   """`step` without rendering: pixels are carried as they are, result.obs is the state [B, O]."""
   num_envs = state.episode_return.shape[0]
   chex.assert_rank(actions, 2)
-  chex.assert_axis_dimension(actions, 0, num_envs)
+  if tuple(actions.shape) != (num_envs, env.action_size):
+    raise ValueError(f'actions {tuple(actions.shape)} must be [{num_envs}, {env.action_size}] (B envs, A actions).')
   frozen = _frozen(env, state)  # with auto-reset, done only marks the env the AutoResetWrapper has just restarted
   brax_state = strong_types(env.step(state.brax_state, actions))
   reward = brax_state.reward.astype(jnp.float32)
@@ -140,6 +141,9 @@ def step_chunk(env, state: EnvGroupState, actions: jax.Array) -> Tuple[EnvGroupS
   """
   chex.assert_rank(actions, 3)
   num_envs = state.episode_return.shape[0]
+  if actions.shape[0] != num_envs or actions.shape[2] != env.action_size:
+    raise ValueError(f'actions {tuple(actions.shape)} must be [{num_envs}, K, {env.action_size}] (B envs, a chunk '
+                     'of K steps, A actions).')
   zeros = jnp.zeros(num_envs, jnp.float32)
   init = (state, jnp.zeros(num_envs, bool),
           types.StepResult(obs=state.brax_state.obs,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 from typing import Any, Dict, Optional, Tuple
 
-import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -331,10 +330,7 @@ def train_step(network: nn.Module,
   traced step by step (`_scan`): on XLA:CPU with camera observations a step runs ~27x faster, but memory grows
   with the steps (a run's resident memory reached 16 GB at 8 steps of 80 frames of 64 x 64), so it is off by default.
   """
-  t, s = batch.reward.shape
-  chex.assert_shape([batch.termination, batch.truncation, batch.behaviour_log_prob, batch.mask], (t, s))
-  proprio, next_proprio = types.proprioception(batch.obs), types.proprioception(batch.next_obs)
-  chex.assert_rank([proprio, next_proprio, batch.raw_action], [3, 3, 4])
+  t, s = types.check_segment(batch)  # ValueError naming a field whose shape is off
   if s % algo.num_minibatches:
     raise ValueError(f'{s} segments do not split into --num_minibatches={algo.num_minibatches}.')
   if recompute_proximal:
@@ -349,8 +345,8 @@ def train_step(network: nn.Module,
 
   params = state.params
   if params.normalize_observations:
-    params = params.replace(
-        normalizer=normalization.update_stats(params.normalizer, proprio, batch.mask, axis_name=axis_name))
+    params = params.replace(normalizer=normalization.update_stats(
+        params.normalizer, types.proprioception(batch.obs), batch.mask, axis_name=axis_name))
   value_stats = state.value_stats
   if value_stats is not None:
     params, value_stats = _refresh_value_stats(network, algo, params, value_stats, batch, axis_name)

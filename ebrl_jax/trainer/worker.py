@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ebrl_jax import config as config_lib
 from ebrl_jax import types
 from ebrl_jax.rollout import evaluation
 from ebrl_jax.rollout import keys
@@ -315,6 +316,8 @@ def trainer_main(cfg: driver.TrainerConfig, channels: TrainerChannels, env: Opti
   finished, code = False, 0
   try:
     try:
+      if joins:  # every rank's flags alike, before any trains (distributed.RanksDisagree names those that differ)
+        distributed.agree(cfg.ranks, config_lib.agreed_flags(cfg.sim, cfg.policy, cfg.algo, cfg.schedule))
       summary = driver.run_training(cfg, lambda c, s, n, o: ChannelSource(c, s, n, o, channels), _remote(cfg, channels))
     except jax.errors.JaxRuntimeError as e:  # an all-reduce failed: a peer rank died
       if not distributed.joined():

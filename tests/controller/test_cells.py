@@ -21,6 +21,7 @@ from ebrl_jax.controller import cells as cells_lib
 from ebrl_jax.controller import topology as topology_lib
 from ebrl_jax.rollout import keys
 from ebrl_jax.runtime import distributed
+from ebrl_jax.runtime import launch as launch_lib
 from ebrl_jax.runtime import lifecycle
 from ebrl_jax.trainer import checkpoint
 
@@ -185,3 +186,32 @@ def test_the_topology_describes_the_cell_and_one_gpu_is_the_cell_of_one(tmp_path
   assert cell.trainer.env_steps_per_iteration == 2 * one.trainer.env_steps_per_iteration  # the global batch
   assert cell.trainer.ranks == spec and cell.trainer.checkpoint_run_dir == str(tmp_path)  # rank 0's checkpoints
   assert (one.rollout.cell, cell.rollout.cell, cell.generation.cell) == (0, 1, 1)  # the cell's own keys
+
+
+def test_cells_started_with_different_flags_are_refused_by_every_rank_before_training(tmp_path):
+  """Two fused ranks started by hand (as ssh or SLURM would) with another --seed and --learning_rate on rank 1.
+  Before the check both trained apart and finished with exit code 0 (different parameter chains and curves); with
+  another --num_timesteps one finished and the other called it dead."""
+  port = launch_lib.free_port()
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  common = ('--num_processes=2', f'--coordinator_address=127.0.0.1:{port}', '--num_timesteps=1600')
+  procs = [
+      subprocess.Popen(_main(tmp_path / 'run', *common, f'--process_id={rank}', *extra),
+                       cwd=cells_testlib.ROOT,
+                       env=env,
+                       stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE,
+                       text=True) for rank, extra in ((0, ()), (1, ('--seed=7', '--learning_rate=0.1')))
+  ]
+  try:
+    logs = [p.communicate(timeout=180)[1] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  for rank, (p, log) in enumerate(zip(procs, logs)):
+    fatal = [line for line in log.splitlines() if line.startswith('FATAL: ')]
+    assert p.returncode == 3 and len(fatal) == 1, log[-3000:]
+    mine, theirs = ('0.0003', '0.1') if rank == 0 else ('0.1', '0.0003')
+    assert f'trainer rank {rank} and rank {1 - rank} were started with different settings' in fatal[0], fatal
+    assert f'--learning_rate={mine} here, {theirs} there' in fatal[0] and '--seed=' in fatal[0], fatal
+  assert not (tmp_path / 'run' / 'summary.json').exists() and not (tmp_path / 'run' / 'checkpoints').exists()

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 from jax import numpy as jnp
 import numpy as np
+import pytest
 
 from ebrl_jax import config as config_lib
 from ebrl_jax import types
@@ -110,3 +111,13 @@ def test_an_env_whose_simulation_blows_up_ends_its_episode_as_a_failure_and_rese
   np.testing.assert_array_equal(np.asarray(res.obs)[0], np.asarray(state.brax_state.obs)[0])  # auto-reset
   for field in ('obs', 'reward', 'done'):
     np.testing.assert_array_equal(np.asarray(getattr(res, field))[1:], np.asarray(getattr(clean, field))[1:])
+
+
+def test_actions_of_the_wrong_size_are_refused_naming_the_shape():
+  """Before the fix only the env axis was checked: 3 actions for the pendulum's 1 failed deep in MJX's scan
+  (IndexError: 'f argument "6" with type "u" has length "3"...'), as native MuJoCo's pool never did."""
+  state = _initial()
+  with pytest.raises(ValueError, match=r'actions \(4, 3\) must be \[4, 1\]'):
+    _step(ENV, state, jnp.zeros((NUM_ENVS, 3)))
+  with pytest.raises(ValueError, match=r'actions \(4, 2, 3\) must be \[4, K, 1\]'):
+    _chunk(ENV, state, jnp.zeros((NUM_ENVS, 2, 3)))

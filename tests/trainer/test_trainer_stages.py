@@ -233,3 +233,26 @@ def test_jitted_init_equals_the_op_by_op_init(kind):
   assert jax.tree.structure(eager) == jax.tree.structure(jitted)
   for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_batch_whose_shapes_are_off_is_refused_naming_the_field():
+  """Before the fix only next_obs's rank was checked: a [T + 1, S, O] next_obs stack bootstrapped from the wrong
+  step without a word, one with fewer segments than obs left NaN parameters; an obs of the wrong width
+  broadcast against the normaliser's statistics in act."""
+  cfg = AlgoConfig(batch_size=2, num_minibatches=4, num_updates_per_batch=1, unroll_length=T)
+  opt = stages.make_optimizer(cfg)
+  state = stages.init_train_state(NET, opt, jax.random.PRNGKey(0), OBS)
+  batch = _batch(NET, state.params, jax.random.PRNGKey(1))
+  cases = [
+      (batch._replace(next_obs=jnp.concatenate([batch.next_obs, batch.next_obs[-1:]])),
+       'Transition.next_obs has shape'),
+      (batch._replace(next_obs=batch.next_obs[:, :S - 4]), 'Transition.next_obs has shape (4, 4, 5); every field'),
+      (batch._replace(raw_action=batch.raw_action[:, :,
+                                                  0]), "Transition.raw_action has shape (4, 8, 2); a segment's is"),
+      (batch._replace(mask=batch.mask[:, :1]), "Transition.mask has shape (4, 1); every field leads with reward's"),
+  ]
+  for bad, words in cases:
+    with pytest.raises(ValueError, match=words.replace('(', r'\(').replace(')', r'\)').replace('[', r'\[')):
+      train_jit(NET, opt, cfg, 1e-3, state, bad, jax.random.PRNGKey(2))
+  with pytest.raises(ValueError, match=r'obs has 1 features \(shape \(8, 1\)\); these params were initialised for 5'):
+    gen_stages.act(NET, state.params, jnp.ones((8, 1)), jax.random.PRNGKey(3))
