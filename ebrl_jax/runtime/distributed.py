@@ -107,11 +107,11 @@ def agree(spec: DistributedSpec, values: Dict[str, str]) -> None:
   if client is None or not _JOINED:
     return
   import jax  # lazy: see initialize
-  me, count, timeout_ms = jax.process_index(), jax.process_count(), spec.heartbeat_timeout_s * 3000
+  me, count, timeout_ms = jax.process_index(), jax.process_count(), max(60, spec.heartbeat_timeout_s * 3) * 1000
   mine = json.loads(json.dumps(values, sort_keys=True))
   client.key_value_set(f'{_AGREE_KEY}{me}', json.dumps(mine, sort_keys=True))
   gone = RankFailed(f'trainer rank {me}: not every rank reached the check of their flags within '
-                    f'{timeout_ms / 1000:.0f} s (3 heartbeat timeouts); a rank died or hangs.')
+                    f'{timeout_ms / 1000:.0f} s; a rank died or hangs.')
   if not barrier('ebrl_jax/agree', timeout_ms / 1000):
     raise gone
   everyone = [json.loads(client.blocking_key_value_get(f'{_AGREE_KEY}{r}', timeout_ms)) for r in range(count)]
@@ -120,11 +120,30 @@ def agree(spec: DistributedSpec, values: Dict[str, str]) -> None:
   for rank, theirs in enumerate(everyone):
     if theirs == mine:
       continue
+    _leave_after_the_others(client, spec, me, count)
     differ = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
     shown = ', '.join(f'{k}={mine.get(k)} here, {theirs.get(k)} there' for k in differ[:4])
     raise RanksDisagree(f'trainer rank {me} and rank {rank} were started with different settings: {shown}'
                         f'{f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""}; every cell must run '
                         'the same flags (only its rank, run directory, caches and limits may differ).')
+
+
+def _leave_after_the_others(client, spec: DistributedSpec, me: int, count: int) -> None:
+  """Before every rank stops on a check they all made: each other rank says it is leaving (its last call on the
+  coordination service) and rank 0, whose process holds the service, ends only once the service has seen them
+  go (within 3 heartbeat timeouts): a rank whose service vanishes under it is aborted by JAX with a C++ fatal
+  error instead of ending on its one line."""
+  if me:
+    client.key_value_set(f'{_AGREE_KEY}left/{me}', '1')
+    return
+  deadline = time.time() + 3 * spec.heartbeat_timeout_s
+  try:
+    for rank in range(1, count):
+      client.blocking_key_value_get(f'{_AGREE_KEY}left/{rank}', 10_000)
+    while time.time() < deadline and len(client.get_live_nodes(list(range(count)))) > 1:
+      time.sleep(0.2)
+  except Exception:  # pylint: disable=broad-except  (a rank that died meanwhile: nothing more to wait for)
+    pass
 
 
 def joined() -> bool:
