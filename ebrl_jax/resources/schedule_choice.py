@@ -87,10 +87,10 @@ def uncertain(profiles: Mapping,
   slowing another (`best_case`'s bound). Of the layouts whose bound beats fused by more than `margin`, the one
   with the best sum (the least to lose; fewer groups on a tie) is returned for a trial (auto_trial.py), which
   measures it against fused; None where no layout's bound does. W1 on the H200 (results/README.md,
-  matrix_w1_s0_train30_h200.json): every process schedule's sum was below fused, async by hand measured +6.3 %."""
+  w1_matrix_train30_h200.json): every process schedule's sum was below fused, async by hand measured +6.3 %."""
   fused = predict_fused(profiles, space)
-  bound = dataclasses.replace(space, quota_limit=True, iteration_handoff_s=space.iteration_handoff_s + handoff_s)
   with_handoff = dataclasses.replace(space, iteration_handoff_s=space.iteration_handoff_s + handoff_s)
+  bound = dataclasses.replace(with_handoff, quota_limit=True)
   full = {role: 100 for role in space.roles}
   candidates = []
   for name in planner.SCHEDULES:

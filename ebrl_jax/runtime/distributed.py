@@ -108,7 +108,7 @@ def agree(spec: DistributedSpec, values: Dict[str, str]) -> None:
     return
   import jax  # lazy: see initialize
   me, count, timeout_ms = jax.process_index(), jax.process_count(), max(60, spec.heartbeat_timeout_s * 3) * 1000
-  mine = json.loads(json.dumps(values, sort_keys=True))
+  mine = dict(values)
   client.key_value_set(f'{_AGREE_KEY}{me}', json.dumps(mine, sort_keys=True))
   gone = RankFailed(f'trainer rank {me}: not every rank reached the check of their flags within '
                     f'{timeout_ms / 1000:.0f} s; a rank died or hangs.')

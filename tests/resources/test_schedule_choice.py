@@ -162,7 +162,7 @@ def test_a_training_bound_run_like_w2_is_not_skipped():
 
 
 def _w1_h200():
-  """W1's 100 % stage profile on the H200 (--schedule=auto's calibration, matrix_w1_s0_train30_h200.json's run):
+  """W1's 100 % stage profile on the H200 (--schedule=auto's calibration, w1_matrix_train30_h200.json's run):
   per step of a group, sim 2.76 / 2.75 / 3.32 / 3.79 ms and generation 0.20 / 0.24 / 0.21 / 0.28 ms at 512 /
   1024 / 2048 / 4096 envs, train 79.2 ms for the 327,680-transition batch; 80 steps per iteration."""
   w1 = {name: StageProfile(name) for name in ('sim', 'generation', 'train')}
