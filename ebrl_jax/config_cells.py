@@ -17,18 +17,20 @@ LAUNCHERS = ('', 'local', 'ray')
 @dataclasses.dataclass(frozen=True)
 class CellConfig:
   """The cells' launch: `launcher`, the rank count (0: from the environment, else 1), rank 0's coordinator
-  'host:port' and this process's rank (-1: from the environment), and the seconds of silence after which the
-  coordination service declares a rank dead."""
+  'host:port' and this process's rank (-1: from the environment), the seconds of silence after which the
+  coordination service declares a rank dead, and the seconds a rank waits for the others to join."""
   launcher: str = ''
   num_processes: int = 0
   coordinator_address: str = ''
   process_id: int = -1
   heartbeat_timeout_s: int = 10
+  init_timeout_s: int = 120  # JAX's own default (300 s) holds a rank deaf to SIGTERM that long
 
   def __post_init__(self):
     _check_choice('launcher', self.launcher, LAUNCHERS)
     _check_positive('num_processes', self.num_processes, allow_zero=True)
     _check_positive('heartbeat_timeout_s', self.heartbeat_timeout_s)
+    _check_positive('init_timeout_s', self.init_timeout_s)
     if self.process_id < -1:
       raise ValueError(f'--process_id={self.process_id} must be a rank (>= 0), or -1 to take it from the environment.')
     if self.launcher and (self.coordinator_address or self.process_id >= 0):

@@ -196,6 +196,8 @@ _HELP = {
         "This cell's rank in [0, --num_processes); -1: JAX_PROCESS_ID or SLURM_PROCID.",
     'heartbeat_timeout_s':
         'Seconds of silence after which the ranks declare a cell dead.',
+    'init_timeout_s':
+        "Seconds a cell waits for the others to join (rank k > 0 first waits that long for rank 0's coordinator).",
     'colocate_generation': ('sync/async: act inside each rollout worker (True) or in one generation worker that '
                             'batches every group\'s requests (False; native MuJoCo or MJX groups).'),
     'generation_transport':

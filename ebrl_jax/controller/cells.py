@@ -52,7 +52,11 @@ class Cell:
 def resolve(cfg: config_lib.Config) -> distributed.DistributedSpec:
   """The launch of `cfg` completed from the environment (JAX_*, SLURM); refuses what cells cannot run."""
   c = cfg.cells
-  spec = distributed.resolve(c.coordinator_address, c.num_processes, c.process_id, c.heartbeat_timeout_s)
+  spec = distributed.resolve(c.coordinator_address,
+                             c.num_processes,
+                             c.process_id,
+                             c.heartbeat_timeout_s,
+                             init_timeout_s=c.init_timeout_s)
   config_lib.check_run_cells(cfg, spec.num_processes)
   return spec
 

@@ -3,7 +3,11 @@
 Only trainer ranks join (one per cell); rollout and generation processes never call `initialize`. The
 coordinator address, process count and process id come from flags, else from the environment
 (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`), else, under SLURM, from JAX's own SLURM
-detection (one task per cell).
+detection (one task per cell). A 'host:port' that is not one is refused where it is resolved (`resolve`). Before
+joining, rank 0 checks that its coordinator's port is free here and every other rank waits, in Python (so that
+SIGTERM or Ctrl-C end it at once), until the coordinator accepts connections (`wait_for_coordinator`), both within
+`init_timeout_s`, which also bounds JAX's own wait for every rank; whatever `jax.distributed.initialize` raises
+comes back as a `JoinFailed` naming the coordinator.
 
 A rank that dies breaks the next all-reduce on every other rank at once (gloo: "connection closed by peer"), and
 the coordination service (in rank 0's process) learns which rank after `heartbeat_timeout_s`. `failed_rank`
@@ -14,13 +18,14 @@ sees the failure, so the caller reports and exits (`exit_now`) instead of unwind
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
 import socket
 import sys
 import time
-from typing import Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -34,12 +39,14 @@ _JOINED = []  # the spec this process joined with (initialize): at most one
 @dataclasses.dataclass(frozen=True)
 class DistributedSpec:
   """coordinator_address 'host:port' ('' with num_processes 1: one rank, no jax.distributed); process_id: this
-  rank; heartbeat_timeout_s: how long the coordination service waits before it declares a silent rank dead."""
+  rank; heartbeat_timeout_s: how long the coordination service waits before it declares a silent rank dead;
+  init_timeout_s: how long a rank waits for the others to join (`initialize`)."""
   coordinator_address: str = ''
   num_processes: int = 1
   process_id: int = 0
   heartbeat_timeout_s: int = 10
   slurm: bool = False  # JAX's SLURM detection supplies all three
+  init_timeout_s: int = 120
 
   @property
   def multi(self) -> bool:
@@ -50,6 +57,11 @@ class RankFailed(errors.RunError):
   """A trainer rank (or its host) died; the run stops on every rank."""
 
 
+class JoinFailed(errors.RunError):
+  """This rank could not join the others: rank 0's port is taken, the coordinator never answered, or
+  `jax.distributed.initialize` failed (its error, with the coordinator's address)."""
+
+
 class RanksDisagree(errors.RunError):
   """The trainer ranks were started with different settings (`agree`); every rank stops before training."""
 
@@ -58,41 +70,130 @@ def resolve(coordinator_address: str = '',
             num_processes: int = 0,
             process_id: int = -1,
             heartbeat_timeout_s: int = 10,
-            environ: Optional[Dict[str, str]] = None) -> DistributedSpec:
-  """The flags' values (0 / -1 / '': unset) completed from the environment."""
+            environ: Optional[Dict[str, str]] = None,
+            init_timeout_s: int = 120) -> DistributedSpec:
+  """The flags' values (0 / -1 / '': unset) completed from the environment; a ValueError names a coordinator
+  address that is not 'host:port' and where it came from."""
   env = os.environ if environ is None else environ
   address = coordinator_address or env.get('JAX_COORDINATOR_ADDRESS', '')
+  source = '--coordinator_address' if coordinator_address else 'JAX_COORDINATOR_ADDRESS'
   num = num_processes or int(env.get('JAX_NUM_PROCESSES', '0') or 0)
   pid = process_id if process_id >= 0 else int(env.get('JAX_PROCESS_ID', '-1') or -1)
   if not address and not num and int(env.get('SLURM_NTASKS', '1') or 1) > 1:
     return DistributedSpec(num_processes=int(env['SLURM_NTASKS']),
                            process_id=int(env.get('SLURM_PROCID', '0')),
                            heartbeat_timeout_s=heartbeat_timeout_s,
-                           slurm=True)
+                           slurm=True,
+                           init_timeout_s=init_timeout_s)
   num = num or 1
   if num > 1 and (not address or pid < 0 or pid >= num):
     raise ValueError(f'--num_processes={num} needs --coordinator_address (host:port of rank 0) and '
                      f'--process_id in [0, {num}); got {address!r} and {pid}.')
-  return DistributedSpec(address, num, max(pid, 0), heartbeat_timeout_s)
+  if num > 1:
+    split_address(address, source)
+  return DistributedSpec(address, num, max(pid, 0), heartbeat_timeout_s, init_timeout_s=init_timeout_s)
+
+
+def split_address(address: str, source: str = '--coordinator_address') -> Tuple[str, int]:
+  """(host, port) of 'host:port' ('[v6 address]:port' too); else a ValueError naming `source` and the value (JAX
+  itself crashes on a port-less or out-of-range address)."""
+  host, sep, port = address.rpartition(':')
+  bracketed = host.startswith('[') and host.endswith(']')
+  host = host[1:-1] if bracketed else host
+  if not sep or not host or (':' in host and
+                             not bracketed) or not (port.isascii() and port.isdigit()) or not (0 < int(port) < 65536):
+    raise ValueError(f'{source}={address!r} is not host:port (rank 0\'s host, then a port in 1..65535, e.g. '
+                     'host0:12345 or [::1]:12345).')
+  return host, int(port)
+
+
+def check_port_free(address: str) -> None:
+  """Rank 0, before JAX binds its coordinator on every interface: a `JoinFailed` where another process holds the
+  port here (JAX's gRPC server would crash the process instead)."""
+  port = split_address(address)[1]
+  for family, anywhere in ((socket.AF_INET6, '::'), (socket.AF_INET, '')):
+    try:
+      sock = socket.socket(family)
+    except OSError:  # no IPv6 here
+      continue
+    with sock:
+      sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free to gRPC too
+      try:
+        sock.bind((anywhere, port))
+        return
+      except OSError as e:
+        if e.errno in (errno.EADDRINUSE, errno.EACCES):
+          raise JoinFailed(f'trainer rank 0 cannot open its coordinator at {address} (--coordinator_address): '
+                           f'port {port} is not free on this host ({e.strerror}); another process (a run '
+                           'still going?) holds it: choose another port.') from e
+
+
+def wait_for_coordinator(address: str, timeout_s: float, rank: int, poll_s: float = 0.25) -> None:
+  """Rank `rank` > 0, before it joins: returns once rank 0's coordinator at `address` accepts a TCP connection;
+  a `JoinFailed` after `timeout_s` (or at once for a host name that does not resolve). A Python loop of short
+  connects and sleeps, so a signal's handler (SIGTERM, Ctrl-C) ends the wait at once, where JAX's own wait in
+  C++ would hold the process until its timeout."""
+  host, port = split_address(address)
+  deadline = time.monotonic() + timeout_s
+  try:
+    last = _connect_until(host, port, deadline, poll_s)
+  except KeyboardInterrupt as stop:  # the handler's stop (SIGTERM, Ctrl-C): this rank never joined
+    print(f'trainer rank {rank}: stopped ({stop}) while waiting for the coordinator at {address}.',
+          file=sys.stderr,
+          flush=True)
+    raise
+  if last is None:
+    return
+  if isinstance(last, socket.gaierror):
+    raise JoinFailed(f'trainer rank {rank}: the coordinator\'s host in --coordinator_address={address} is '
+                     f'unknown here ({last.strerror}).') from last
+  raise JoinFailed(f'trainer rank {rank}: the coordinator at {address} (rank 0, --coordinator_address) '
+                   f'accepted no connection within {timeout_s:g} s (--init_timeout_s; last: '
+                   f'{last.strerror or last}); is rank 0 running, and its port reachable from this host?') from last
+
+
+def _connect_until(host: str, port: int, deadline: float, poll_s: float) -> Optional[OSError]:
+  """None once (host, port) accepted a connection; else the last error, at `deadline` (an unknown host: at once)."""
+  while True:
+    try:
+      with socket.create_connection((host, port), timeout=min(1.0, max(0.05, deadline - time.monotonic()))):
+        return None
+    except socket.gaierror as e:
+      if e.errno == socket.EAI_NONAME:
+        return e
+      last = e
+    except OSError as e:
+      last = e
+    if time.monotonic() >= deadline:
+      return last
+    time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 
 
 def initialize(spec: DistributedSpec) -> None:
   """Joins the trainer ranks (a no-op for one rank) and records this rank's host and pid for the others."""
   if not spec.multi:
     return
+  if not spec.slurm and spec.process_id == 0:
+    check_port_free(spec.coordinator_address)
+  elif not spec.slurm:
+    wait_for_coordinator(spec.coordinator_address, spec.init_timeout_s, spec.process_id)
   import jax  # lazy: a worker sets its environment (apply_worker_env) before JAX is imported
   # Without it the JAX client aborts a survivor (C++ fatal) the moment the service declares a rank dead, which
   # races `failed_rank` asking the same service which rank that was; the run still stops: `exit_now`.
   jax.config.update('jax_enable_recoverability', True)
-  if spec.slurm:
-    jax.distributed.initialize(heartbeat_timeout_seconds=spec.heartbeat_timeout_s,
-                               shutdown_timeout_seconds=max(30, spec.heartbeat_timeout_s))
-  else:
-    jax.distributed.initialize(spec.coordinator_address,
-                               spec.num_processes,
-                               spec.process_id,
-                               heartbeat_timeout_seconds=spec.heartbeat_timeout_s,
-                               shutdown_timeout_seconds=max(30, spec.heartbeat_timeout_s))
+  timeouts = dict(initialization_timeout=spec.init_timeout_s,
+                  heartbeat_timeout_seconds=spec.heartbeat_timeout_s,
+                  shutdown_timeout_seconds=max(30, spec.heartbeat_timeout_s))
+  where = ('SLURM\'s coordinator' if spec.slurm else f'the coordinator at {spec.coordinator_address} '
+           '(--coordinator_address)')
+  try:
+    if spec.slurm:
+      jax.distributed.initialize(**timeouts)
+    else:
+      jax.distributed.initialize(spec.coordinator_address, spec.num_processes, spec.process_id, **timeouts)
+  except Exception as e:  # pylint: disable=broad-except  (JAX's errors carry no address: name it)
+    raise JoinFailed(f'trainer rank {spec.process_id} of {spec.num_processes} could not join the others through '
+                     f'{where}, --init_timeout_s={spec.init_timeout_s}: {type(e).__name__}: {_first_line(e)}') from e
   _JOINED.append(spec)
   client = _client()
   if client is not None:
@@ -167,11 +268,10 @@ def _where(client, rank: int) -> str:
 
 
 def _coordinator_reachable(address: str, timeout_s: float = 2.0) -> bool:
-  host, _, port = address.rpartition(':')
   try:
-    with socket.create_connection((host, int(port)), timeout=timeout_s):
+    with socket.create_connection(split_address(address), timeout=timeout_s):
       return True
-  except OSError:
+  except (OSError, ValueError):
     return False
 
 

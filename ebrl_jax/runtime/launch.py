@@ -31,6 +31,7 @@ GRACE_S = 10.0  # after SIGTERM, before SIGKILL
 STOP_GRACE_S = 120.0  # after a stop passed on to the cells (they end their step, write their summaries), besides
 # rank 0's checkpoint save there: as long as the run's saves took, and while it is written (runtime/stop_grace.py)
 _STOPPED = {128 + signal.SIGTERM: 'SIGTERM', 128 + signal.SIGINT: 'SIGINT'}  # a cell's exit code after a stop
+SUMMARY_WAIT_S = 3.0  # how long a cell that ended on a stop's exit code is given to show its summary (`_agreed_stop`)
 
 
 def free_port(interface: str = '127.0.0.1') -> int:
@@ -42,13 +43,17 @@ def free_port(interface: str = '127.0.0.1') -> int:
 
 def gpu_ids(platform: str) -> List[str]:
   """The GPUs this host gives its cells (CUDA_VISIBLE_DEVICES' entries, else nvidia-smi's GPUs by UUID); none with
-  --platform=cpu. A UUID names the same GPU under the cell's own MPS daemon, which renumbers its visible GPUs
-  from 0 (an index would not)."""
-  if platform == 'cpu':
+  --platform=cpu, with JAX_PLATFORMS naming no GPU platform (JAX_PLATFORMS=cpu), or with CUDA_VISIBLE_DEVICES
+  empty or -1 (CUDA sees no GPU past an entry of -1). A UUID names the same GPU under the cell's own MPS daemon,
+  which renumbers its visible GPUs from 0 (an index would not)."""
+  platforms = [p.strip().lower() for p in os.environ.get('JAX_PLATFORMS', '').split(',') if p.strip()]
+  if platform == 'cpu' or (platforms and not set(platforms) & {'cuda', 'gpu', 'rocm'}):
     return []
   visible = os.environ.get('CUDA_VISIBLE_DEVICES')
   if visible is not None:
-    return [g for g in visible.split(',') if g.strip()]
+    entries = [g.strip() for g in visible.split(',')]
+    shown = entries[:next((i for i, g in enumerate(entries) if g.startswith('-')), len(entries))]
+    return [g for g in shown if g]
   if shutil.which('nvidia-smi') is None:
     return []
   try:
@@ -165,10 +170,13 @@ def watch(procs: Sequence, hosts: Sequence[str], run_dir: str, heartbeat_timeout
   """Watches the cells `procs` (rank order; `subprocess.Popen`s, or anything with their pid, poll, returncode,
   send_signal, wait and kill) on `hosts` until every one has ended; returns the run's exit code (0, 3, or a
   signal's). A stop asked for is passed on to every cell once, and the cells are given STOP_GRACE_S to stop
-  together; a cell that stopped on a signal of its own (its exit code 143 or 130: a stop its ranks agreed on) is
-  waited for alike; a cell that fails otherwise stops the run (`_after_failure`)."""
+  together; a cell that stopped on a signal of its own (its exit code 143 or 130) with the stop its ranks agreed
+  on in the summary it wrote (`_agreed_stop`) is waited for alike; a cell that fails otherwise, or ends on such a
+  signal without that record (it stopped alone: the others are left in an all-reduce), stops the run
+  (`_after_failure`)."""
   num = len(procs)
   exited: Dict[int, float] = {}
+  before = [_summary_stamp(run_dir, r) for r in range(num)]  # a summary already there is an earlier run's
   try:
     while len(exited) < num:
       stop = stop_requested()
@@ -182,7 +190,7 @@ def watch(procs: Sequence, hosts: Sequence[str], run_dir: str, heartbeat_timeout
       now = time.monotonic()
       new = [r for r, p in enumerate(procs) if r not in exited and p.poll() is not None]
       exited.update({r: now for r in new})
-      stopped = [r for r in new if procs[r].returncode in _STOPPED]
+      stopped = [r for r in new if procs[r].returncode in _STOPPED and _agreed_stop(run_dir, r, before[r])]
       if stopped:  # the others stop after the same step (their exit codes are checked in the line)
         _end(procs, None, STOP_GRACE_S, os.path.join(run_dir, 'checkpoints'))
         what = f'the cells stopped together on {_STOPPED[procs[stopped[0]].returncode]} (sent to a cell, not here)'
@@ -190,11 +198,45 @@ def watch(procs: Sequence, hosts: Sequence[str], run_dir: str, heartbeat_timeout
         return procs[stopped[0]].returncode
       failed = sorted((r for r in new if procs[r].returncode != 0), key=lambda r: procs[r].returncode >= 0)
       if failed:
-        return _after_failure(procs, failed[0], exited, hosts[failed[0]], run_dir, heartbeat_timeout_s, poll_s)
+        alone = procs[failed[0]].returncode in _STOPPED  # a stop's exit code, no agreed stop in its summary
+        why = (f': {_STOPPED[procs[failed[0]].returncode]}, but {_summary_path(run_dir, failed[0])} records no '
+               'stop the ranks agreed on, so it stopped alone') if alone else ''
+        return _after_failure(procs, failed[0], exited, hosts[failed[0]], run_dir, heartbeat_timeout_s, poll_s, why)
       time.sleep(poll_s)
   finally:
     _end(procs, signal.SIGTERM, GRACE_S)
   return 0
+
+
+def _summary_path(run_dir: str, rank: int) -> str:
+  """Where cell `rank` writes its summary.json (controller.cells.rank_run_dir: rank k > 0 under rank<k>/)."""
+  return os.path.join(run_dir, *([f'rank{rank}'] if rank else []), 'summary.json')
+
+
+def _summary_stamp(run_dir: str, rank: int) -> Optional[tuple]:
+  try:
+    st = os.stat(_summary_path(run_dir, rank))
+  except OSError:
+    return None
+  return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _agreed_stop(run_dir: str, rank: int, before: Optional[tuple]) -> bool:
+  """Whether cell `rank` wrote a summary (another than the one there at `before`, its stamp then) recording the
+  stop its ranks agreed on (`extra.cells.stop`, trainer.ranks.stopped_together). Looked for up to SUMMARY_WAIT_S
+  (a shared filesystem may show another host's new file late)."""
+  deadline = time.monotonic() + SUMMARY_WAIT_S
+  while True:
+    stamp = _summary_stamp(run_dir, rank)
+    try:
+      if stamp is not None and stamp != before:
+        with open(_summary_path(run_dir, rank)) as f:
+          return bool(json.load(f)['extra']['cells']['stop'])
+    except (OSError, ValueError, KeyError, TypeError):
+      pass
+    if time.monotonic() >= deadline:
+      return False
+    time.sleep(0.1)
 
 
 def _stopped_line(what: str, procs: Sequence, run_dir: str) -> str:
@@ -209,9 +251,16 @@ def _stopped_line(what: str, procs: Sequence, run_dir: str) -> str:
   return f'STOPPED: {what} ({ends}); rank 0 {where}. {_newest_checkpoint(run_dir)}.'
 
 
-def _after_failure(procs, dead: int, exited: Dict[int, float], host: str, run_dir: str, heartbeat_timeout_s: int,
-                   poll_s: float) -> int:
-  """Cell `dead` failed: how fast the others stop on their own (bounded), then the rest ended; one FATAL line."""
+def _after_failure(procs,
+                   dead: int,
+                   exited: Dict[int, float],
+                   host: str,
+                   run_dir: str,
+                   heartbeat_timeout_s: int,
+                   poll_s: float,
+                   why: str = '') -> int:
+  """Cell `dead` failed (`why`: how, beyond its exit code): how fast the others stop on their own (bounded), then
+  the rest ended; one FATAL line."""
   died = exited[dead]
   deadline = died + 2 * heartbeat_timeout_s + 10
   while True:
@@ -226,7 +275,7 @@ def _after_failure(procs, dead: int, exited: Dict[int, float], host: str, run_di
   left = [r for r, p in enumerate(procs) if p.poll() is None]
   _end(procs, signal.SIGTERM, GRACE_S)
   print(
-      f'FATAL: cell rank {dead} (pid {procs[dead].pid} on {host}) died ({_describe(procs[dead].returncode)}); '
+      f'FATAL: cell rank {dead} (pid {procs[dead].pid} on {host}) died ({_describe(procs[dead].returncode)}{why}); '
       f'the other cells stopped: {"; ".join(noticed) or "none on its own"}'
       f'{f"; ranks {left} were still running and were ended" if left else ""}. {_newest_checkpoint(run_dir)}.',
       file=sys.stderr,

@@ -4,7 +4,8 @@ The command run with --launcher=ray (the driver) connects to the cluster (RAY_AD
 `ray start` runs on this machine, else a Ray of its own on this machine), plans the cells over the alive nodes
 (`plan`: a node takes as many cells as it has GPUs, else as its `ebrl_cells` resource says, else one; rank 0 on
 the driver's node when it has room, the coordinator on rank 0's host), and starts one `HostAgent` actor on each
-node that gets cells, holding those GPUs (and `ebrl_cells`). Each agent starts its node's cells as ordinary
+node that gets cells, holding those GPUs (or the `ebrl_cells` a node without GPUs has, where it has that resource:
+a cluster whose nodes lack it is not asked for it). Each agent starts its node's cells as ordinary
 subprocesses: the `python -m ebrl_jax.main` cell command of --launcher=local, with the coordinator address and
 the process ids given (`launch.cell_command`), one GPU each. Ray stays off the per-step path: the cells train
 through jax.distributed and their own shared memory; the driver only asks the agents, twice a second, whether
@@ -43,11 +44,13 @@ def require_ray() -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Node:
-  """An alive node of the cluster: its Ray id, its address, how many cells it takes and whether those hold GPUs."""
+  """An alive node of the cluster: its Ray id, its address, how many cells it takes, whether those hold GPUs and
+  whether the node has the RESOURCE (only then do its agent's cells ask for it)."""
   node_id: str
   host: str
   slots: int
   gpus: bool
+  resource: bool = False
 
 
 def nodes_of(ray_nodes: Sequence[dict], platform: str = '') -> List[Node]:
@@ -63,7 +66,7 @@ def nodes_of(ray_nodes: Sequence[dict], platform: str = '') -> List[Node]:
     if gpu_cluster and not gpus:
       continue
     slots = gpus or int(n.get('Resources', {}).get(RESOURCE, 1))
-    out.append(Node(n['NodeID'], n.get('NodeManagerAddress', ''), slots, gpus > 0))
+    out.append(Node(n['NodeID'], n.get('NodeManagerAddress', ''), slots, gpus > 0, RESOURCE in n.get('Resources', {})))
   return out
 
 
@@ -189,12 +192,12 @@ def run_ray(argv: Sequence[str],
     agents = []
     for node, ranks in placed:
       strategy = scheduling_strategies.NodeAffinitySchedulingStrategy(node.node_id, soft=False)
+      # RESOURCE only where the node has it: an actor asking for a resource no node has is never placed
+      held = {RESOURCE: len(ranks)} if node.resource and not node.gpus else {}
       agents.append(
           agent_cls.options(num_cpus=0,
                             num_gpus=len(ranks) if node.gpus else 0,
-                            resources={} if node.gpus else {
-                                RESOURCE: len(ranks)
-                            },
+                            resources=held,
                             scheduling_strategy=strategy).remote(platform))
     wheres = ray.get([a.where.remote() for a in agents], timeout=_RPC_S)  # (host name, a free port) each
     address = f'{placed[0][0].host}:{wheres[0][1]}'  # rank 0's node

@@ -310,13 +310,12 @@ def trainer_main(cfg: driver.TrainerConfig, channels: TrainerChannels, env: Opti
   joins = cfg.ranks is not None and cfg.ranks.multi and not distributed.joined()  # a thread: the controller joined
   lifecycle.Phase(cfg.process.run_dir,
                   'trainer')('joining the trainer ranks' if joins else 'initialising the network and the train state')
-  if joins:
-    distributed.initialize(cfg.ranks)
   channels = channels._replace(stop=lifecycle.ParentWatch(channels.stop), interrupt=interrupt or channels.interrupt)
   finished, code = False, 0
   try:
     try:
-      if joins:  # every rank's flags alike, before any trains (distributed.RanksDisagree names those that differ)
+      if joins:  # a JoinFailed goes to the controller as any RunError; then every rank's flags alike, before any
+        distributed.initialize(cfg.ranks)  # trains (distributed.RanksDisagree names those that differ)
         distributed.agree(cfg.ranks, config_lib.agreed_flags(cfg.sim, cfg.policy, cfg.algo, cfg.schedule))
       summary = driver.run_training(cfg, lambda c, s, n, o: ChannelSource(c, s, n, o, channels), _remote(cfg, channels))
     except jax.errors.JaxRuntimeError as e:  # an all-reduce failed: a peer rank died

@@ -176,13 +176,19 @@ def test_the_vote_is_a_signal_else_the_budget_and_a_second_signal_interrupts():
 
 
 class _Cell:
-  """A stand-in cell: it ends with `code` at `end_t` (monotonic), and records the signals it was sent."""
+  """A stand-in cell: it ends with `code` at `end_t` (monotonic), first writing `summary` (path, dict) where given,
+  and records the signals it was sent."""
 
-  def __init__(self, pid, code, end_t):
+  def __init__(self, pid, code, end_t, summary=None):
     self.pid, self._code, self._end_t, self.returncode, self.signals = pid, code, end_t, None, []
+    self._summary = summary
 
   def poll(self):
     if self.returncode is None and time.monotonic() >= self._end_t:
+      if self._summary is not None:
+        os.makedirs(os.path.dirname(self._summary[0]), exist_ok=True)
+        with open(self._summary[0], 'w') as f:
+          json.dump(self._summary[1], f)
       self.returncode = self._code
     return self.returncode
 
@@ -202,12 +208,16 @@ class _Cell:
 
 def test_the_launcher_waits_for_cells_that_stopped_together_and_signals_none(tmp_path, capsys):
   now = time.monotonic()
-  cells = [_Cell(11, 143, now + 0.3), _Cell(12, 143, now + 0.1)]  # rank 1 was sent SIGTERM by someone else
+  agreed = {'stopped': 'SIGTERM', 'iterations': 3, 'extra': {'cells': {'stop': {'reason': 'SIGTERM', 'iteration': 3}}}}
+  cells = [
+      _Cell(11, 143, now + 0.3, (str(tmp_path / 'summary.json'), agreed)),
+      _Cell(12, 143, now + 0.1, (str(tmp_path / 'rank1' / 'summary.json'), agreed))
+  ]  # rank 1 was sent SIGTERM by someone else
   code = launch.watch(cells, ['h', 'h'], str(tmp_path), 3, lambda: None, 0.02)
   assert code == 143 and [c.signals for c in cells] == [[], []]  # rank 0 stopped on the vote, unsignalled
   err = capsys.readouterr().err
   assert ('STOPPED: the cells stopped together on SIGTERM (sent to a cell, not here) (rank 0: exit code 143; rank 1: '
-          'exit code 143); rank 0 wrote no summary.json.') in err, err
+          'exit code 143); rank 0 stopped (SIGTERM) at iteration 3.') in err, err
   cells = [_Cell(11, 143, now + 0.5), _Cell(12, 143, now + 0.5)]
   code = launch.watch(cells, ['h', 'h'], str(tmp_path), 3, lambda: 'SIGTERM', 0.02)
   assert code == 143 and [c.signals for c in cells] == [[signal.SIGTERM], [signal.SIGTERM]]  # passed on once

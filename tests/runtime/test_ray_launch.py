@@ -1,11 +1,13 @@
 """--launcher=ray (runtime/ray_launch.py): the cells' placement over a cluster's nodes, the host agent starting a
 node's cells and the driver watching them through it (without Ray: the agent is a plain object behind a stand-in
 of Ray's calls), the error without Ray, and (opt-in) a short async run over a local 2-node Ray cluster."""
+import importlib.machinery
 import os
 import re
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -86,6 +88,49 @@ def test_an_agents_cell_that_dies_stops_the_run_naming_its_rank_and_host(monkeyp
   assert agent.poll() == {0: 3, 1: 5}
 
 
+def _fake_ray(monkeypatch, nodes, options):
+  """A stand-in `ray` module for `run_ray` (the cluster `nodes`, the driver on the first), the agents' actor
+  options recorded in `options` and the agents plain objects in this process."""
+
+  class Actor:
+
+    def __init__(self, cls):
+      self._cls = cls
+
+    def options(self, **kwargs):
+      options.append(kwargs)
+      return self
+
+    def remote(self, *args):
+      return _Handle(self._cls(*args))
+
+  ray = types.ModuleType('ray')
+  ray.__spec__ = importlib.machinery.ModuleSpec('ray', None)  # found by require_ray's find_spec
+  ray.init = lambda **kwargs: None
+  ray.nodes = lambda: nodes
+  ray.get_runtime_context = lambda: types.SimpleNamespace(get_node_id=lambda: nodes[0]['NodeID'])
+  ray.remote = Actor
+  ray.get, ray.exceptions, ray.shutdown = _FakeRay.get, _FakeRay.exceptions, lambda: None
+  util, strategies = types.ModuleType('ray.util'), types.ModuleType('ray.util.scheduling_strategies')
+  strategies.NodeAffinitySchedulingStrategy = lambda node_id, soft: (node_id, soft)
+  ray.util, util.scheduling_strategies = util, strategies
+  for name, module in (('ray', ray), ('ray.util', util), ('ray.util.scheduling_strategies', strategies)):
+    monkeypatch.setitem(sys.modules, name, module)
+
+
+def test_the_agents_ask_for_the_cells_resource_only_on_nodes_that_have_it(monkeypatch, tmp_path, capsys):
+  # The driver's node has no ebrl_cells (one cell), the other says 2: an actor asking a node for a resource it
+  # lacks is never placed (the driver then failed on a timeout), so only the second node's agent asks for it.
+  options = []
+  _fake_ray(monkeypatch, [_node('a' * 8, '10.0.0.1'), _node('b' * 8, '10.0.0.2', cells=2)], options)
+  monkeypatch.setenv('RAY_DEDUP_LOGS', '0')
+  monkeypatch.setattr(launch, 'cell_command', lambda argv, rank, num, address: [sys.executable, '-c', 'pass'])
+  code = ray_launch.run_ray(['--flag'], 3, 'cpu', str(tmp_path), 3, lambda: None, poll_s=0.05)
+  assert code == 0, capsys.readouterr().err
+  assert [(o['resources'], o['num_gpus']) for o in options] == [({}, 0), ({'ebrl_cells': 2}, 0)]
+  assert '--launcher=ray: 3 cells on 2 nodes' in capsys.readouterr().err
+
+
 def test_an_agent_that_no_longer_answers_counts_as_its_cells_killed():
 
   class Gone:
@@ -153,6 +198,7 @@ def test_a_hosts_cells_get_their_own_cores_and_gpus_by_uuid(monkeypatch):
   assert launch.cell_cores([0], 2, 1) == [0]  # fewer cores than cells: every cell may use them all
   smi = 'GPU 0: NVIDIA H200 (UUID: GPU-1a2b-3c)\nGPU 1: NVIDIA H200 (UUID: GPU-4d5e-6f)\n'
   monkeypatch.delenv('CUDA_VISIBLE_DEVICES', raising=False)
+  monkeypatch.delenv('JAX_PLATFORMS', raising=False)  # conftest's cpu: no GPUs (test_cells_launch.py)
   monkeypatch.setattr(launch.shutil, 'which', lambda name: '/usr/bin/' + name)
   monkeypatch.setattr(launch.subprocess, 'run', lambda *a, **k: subprocess.CompletedProcess(a, 0, smi, ''))
   assert launch.gpu_ids('') == ['GPU-1a2b-3c', 'GPU-4d5e-6f'] and launch.gpu_ids('cpu') == []

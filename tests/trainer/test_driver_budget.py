@@ -83,7 +83,9 @@ def test_max_wall_s_stops_at_the_iteration_boundary_that_reaches_it(tmp_path):
   summary = driver.run_training(_trainer(tmp_path, max_wall_s=1.3), lambda *args: source)
   assert summary.stopped == 'max_wall_s'
   assert source.calls[0] == 1 and all(1 <= n < 4 for n in source.calls[1:]) and len(source.calls) >= 3, source.calls
-  assert source.calls[-1] == 1  # they shrink towards the budget (how fast depends on the machine's load)
+  # They shrink towards the budget: how fast depends on the machine's load (a loaded CI machine has ended on 2, not
+  # 1), so only the direction is pinned, and the wall-clock bound below holds the stop within an iteration of it.
+  assert source.calls[-1] <= source.calls[1], source.calls
   assert summary.iterations == sum(source.calls) and summary.env_steps == 20 * summary.iterations
   assert 1.3 <= summary.wall_s < 1.3 + ITERATION_S + 0.5
   assert [e['env_steps'] for e in summary.eval_curve] == [0, 80, summary.env_steps]  # the final one at the stop

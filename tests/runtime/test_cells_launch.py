@@ -1,0 +1,89 @@
+"""The cells' launchers (runtime/launch.py, shared by --launcher=ray): the GPUs a host gives its cells where JAX or
+CUDA is told to see none, and a cell that ends on a stop's exit code without the stop its ranks agreed on in its
+summary (it stopped alone: a failure of that cell, named), against one that recorded the agreed stop."""
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+from ebrl_jax.runtime import launch
+
+SMI = 'GPU 0: NVIDIA H200 (UUID: GPU-1a2b-3c)\nGPU 1: NVIDIA H200 (UUID: GPU-4d5e-6f)\n'
+AGREED = {'stopped': 'SIGTERM', 'iterations': 3, 'extra': {'cells': {'stop': {'reason': 'SIGTERM', 'iteration': 3}}}}
+
+
+def test_jax_or_cuda_told_to_see_no_gpu_gives_the_cells_none(monkeypatch):
+  monkeypatch.setattr(launch.shutil, 'which', lambda name: '/usr/bin/' + name)
+  monkeypatch.setattr(launch.subprocess, 'run', lambda *a, **k: subprocess.CompletedProcess(a, 0, SMI, ''))
+  monkeypatch.delenv('CUDA_VISIBLE_DEVICES', raising=False)
+  monkeypatch.setenv('JAX_PLATFORMS', 'cpu')  # the cells then run on the CPU, whatever nvidia-smi lists
+  assert launch.gpu_ids('') == []
+  monkeypatch.setenv('JAX_PLATFORMS', 'cuda,cpu')
+  assert launch.gpu_ids('') == ['GPU-1a2b-3c', 'GPU-4d5e-6f']
+  monkeypatch.delenv('JAX_PLATFORMS')
+  for visible, gpus in (('-1', []), ('', []), (' ', []), ('0,-1,1', ['0']), ('1,0', ['1', '0'])):
+    monkeypatch.setenv('CUDA_VISIBLE_DEVICES', visible)  # CUDA sees none past an entry of -1
+    assert launch.gpu_ids('') == gpus, visible
+
+
+class _Cell:
+  """A stand-in cell: it ends with `code` after `after_s`, first writing `summary` (path, dict) where given."""
+
+  def __init__(self, pid, code, after_s, summary=None):
+    self.pid, self._code, self._end_t, self._summary = pid, code, time.monotonic() + after_s, summary
+    self.returncode = None
+
+  def poll(self):
+    if self.returncode is None and time.monotonic() >= self._end_t:
+      if self._summary is not None:
+        os.makedirs(os.path.dirname(self._summary[0]), exist_ok=True)
+        with open(self._summary[0], 'w') as f:
+          json.dump(self._summary[1], f)
+      self.returncode = self._code
+    return self.returncode
+
+  def send_signal(self, sig):
+    del sig
+
+  def kill(self):
+    self.returncode = -signal.SIGKILL
+
+  def wait(self, timeout=None):
+    del timeout
+    while self.poll() is None:
+      time.sleep(0.01)
+    return self.returncode
+
+
+def test_a_cell_that_ends_on_sigterm_without_the_agreed_stop_in_its_summary_fails_the_run(
+    tmp_path, monkeypatch, capsys):
+  monkeypatch.setattr(launch, 'SUMMARY_WAIT_S', 0.2, raising=False)
+  stale = tmp_path / 'rank1' / 'summary.json'  # an earlier run's, with its agreed stop: not this cell's
+  stale.parent.mkdir()
+  stale.write_text(json.dumps(AGREED))
+  # rank 1 was SIGTERMed alone before it had a summary (e.g. in start-up); rank 0 then finds it gone and exits 3
+  cells = [_Cell(11, 3, 0.3), _Cell(12, 143, 0.05)]
+  code = launch.watch(cells, ['h0', 'h1'], str(tmp_path), 3, lambda: None, 0.02)
+  err = capsys.readouterr().err
+  assert code == 3, err
+  assert re.search(
+      r'FATAL: cell rank 1 \(pid 12 on h1\) died \(exit code 143: SIGTERM, but \S+rank1/summary.json records no '
+      r'stop the ranks agreed on, so it stopped alone\); the other cells stopped: rank 0 after [\d.]+ s \(exit code '
+      r'3\)', err), err
+  # a summary of its own without the agreed stop (a second signal stopped it alone) is a failure too
+  lone = dict(AGREED, extra={'cells': {'stop': None}})
+  cells = [_Cell(11, 3, 0.3), _Cell(12, 130, 0.05, (str(stale), lone))]
+  assert launch.watch(cells, ['h0', 'h1'], str(tmp_path), 3, lambda: None, 0.02) == 3
+  assert 'died (exit code 130: SIGINT, but' in capsys.readouterr().err
+
+
+def test_cells_that_recorded_the_agreed_stop_stop_the_run_together(tmp_path, capsys):
+  cells = [
+      _Cell(11, 143, 0.2, (str(tmp_path / 'summary.json'), AGREED)),
+      _Cell(12, 143, 0.05, (str(tmp_path / 'rank1' / 'summary.json'), AGREED))
+  ]
+  assert launch.watch(cells, ['h0', 'h1'], str(tmp_path), 3, lambda: None, 0.02) == 143
+  err = capsys.readouterr().err
+  assert 'STOPPED: the cells stopped together on SIGTERM' in err and 'FATAL' not in err, err
