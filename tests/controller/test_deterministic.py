@@ -1,6 +1,7 @@
 """--deterministic: two runs with the same seed give the same curve, parameters and target stop whatever the
 timing."""
 import random
+import threading
 import time
 
 import jax
@@ -14,6 +15,7 @@ from ebrl_jax.generation import policies
 from ebrl_jax.rollout import evaluator as evaluator_lib
 from ebrl_jax.rollout import groups
 from ebrl_jax.trainer import checkpoint
+from ebrl_jax.trainer import remote_eval
 from ebrl_jax.trainer import stages
 
 DETERMINISTIC = True
@@ -88,17 +90,25 @@ def test_deterministic_async_repeats_its_curve_and_parameters_under_different_ti
 
 def test_a_target_stop_comes_at_the_same_iteration_whatever_the_evaluators_pace(tmp_path, monkeypatch):
   """--target_return with the evaluator process: each evaluation point waits for the versions asked for before,
-  so the stop comes at the point after version 0 reached the target (0.0) in both runs, the second one's
-  evaluator 8 s slower per version (longer than the first iterations' start-up) (without the wait it stopped iterations later there)."""
+  so the stop comes at the point after version 0 reached the target (0.0) in both runs. The second run's evaluator
+  holds each version until the trainer waits for it at an evaluation point, then 1.5 s more: however loaded the
+  machine, the trainer is made to wait (without the wait it stopped iterations later there)."""
   target = dict(num_timesteps=40 * 320, num_evals=20, target_return=0.0)
   a = controller.run(_config(tmp_path / 'a', 'thread', **target))
-  evaluate = evaluator_lib.evaluate_version
+  evaluate, poll, waiting = evaluator_lib.evaluate_version, remote_eval.RemoteEvaluations.poll, threading.Event()
 
   def slow(*args):
-    time.sleep(8.0)
+    waiting.wait(60.0)  # a trainer that never waits gets its result a minute late: it stops iterations later
+    time.sleep(1.5)
     return evaluate(*args)
 
+  def noting_poll(self, *args):
+    if not self._all_reported():  # pylint: disable=protected-access
+      waiting.set()
+    return poll(self, *args)
+
   monkeypatch.setattr(evaluator_lib, 'evaluate_version', slow)
+  monkeypatch.setattr(remote_eval.RemoteEvaluations, 'poll', noting_poll)
   b = controller.run(_config(tmp_path / 'b', 'thread', **target))
   per_eval = 2  # 40 iterations, 20 evaluations
   for s in (a, b):
