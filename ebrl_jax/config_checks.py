@@ -248,6 +248,23 @@ def check_grpo_run(cfg) -> None:
                      f'--action_chunk={cfg.policy.action_chunk} for --algo=grpo.')
 
 
+def check_batch_shape(algo, t: int, s: int, k: int, rank_share: bool = False) -> None:
+  """A training batch of S segments of T policy steps (K actions each) against `algo` (a `config.AlgoConfig`), as
+  `trainer.stages.train_step` takes it: PPO's T x K must be --unroll_length and its S --batch_size x
+  --num_minibatches (unless `rank_share`: a data-parallel rank's S is its share of the ranks' batch); every S must
+  split into --num_minibatches. GRPO's T (an episode) and S (the envs) are the SimConfig's, not the algo's."""
+  if not algo.episodic:
+    u, segments = algo.unroll_length, algo.batch_size * algo.num_minibatches
+    if t * k != u:
+      raise ValueError(f'--unroll_length={u} env steps a segment expects T = {u / k:g} policy steps of K={k} '
+                       f'actions; the batch has T={t} ({t * k} env steps): collect segments of --unroll_length.')
+    if not rank_share and s != segments:
+      raise ValueError(f'--batch_size={algo.batch_size} x --num_minibatches={algo.num_minibatches} expects '
+                       f'S={segments} segments; the batch has S={s}.')
+  if s % algo.num_minibatches:
+    raise ValueError(f'the batch\'s S={s} segments do not split into --num_minibatches={algo.num_minibatches}.')
+
+
 GRAD_CLIP_SCOPES = ('global', 'per_network')  # trainer/stages.make_optimizer
 
 

@@ -1,11 +1,13 @@
-"""Building blocks the network families share (flax.linen): Brax's MLP, a pre-LayerNorm transformer block, and the
-encoder-and-heads of the Gaussian transformer actor-critics (`encode_with_heads`).
+"""Building blocks the network families share (flax.linen): their base class (`PolicyNetwork`), Brax's MLP, a
+pre-LayerNorm transformer block, and the encoder-and-heads of the Gaussian transformer actor-critics
+(`encode_with_heads`).
 
 `policies` (state networks) and `vision` (pixel networks) both build on these; `policies` re-exports them.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
 
 import chex
 import flax.linen as nn
@@ -16,6 +18,14 @@ from ebrl_jax.types import Array
 Dtype = Any
 EMBED_INIT = nn.initializers.normal(0.02)
 HEAD_INIT = nn.initializers.variance_scaling(0.01, 'fan_in', 'truncated_normal')
+
+
+class PolicyNetwork(nn.Module):
+  """The base of every actor-critic network family. `normalize_observations` is its `PolicyConfig`'s, recorded
+  by `policies.make_network` so that `stages.init_policy_params` (and the train state's init) honours the config
+  without being told again; None (a network built by hand) leaves it to init's argument. The network's own
+  computation never reads it: the normaliser runs in `stages`, on the params' statistics."""
+  normalize_observations: Optional[bool] = dataclasses.field(default=None, kw_only=True)
 
 
 class MLP(nn.Module):

@@ -40,7 +40,7 @@ def count_params(params: Params) -> int:
   return int(sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(params)))
 
 
-class MLPActorCritic(nn.Module):
+class MLPActorCritic(layers.PolicyNetwork):
   """Brax's PPO networks: policy MLP `O -> hidden -> 2A`, value MLP `O -> hidden -> 1`, nothing shared."""
   policy_hidden_sizes: Sequence[int]
   value_hidden_sizes: Sequence[int]
@@ -58,7 +58,7 @@ class MLPActorCritic(nn.Module):
     return dist_params[:, None, :], value[:, 0]
 
 
-class TransformerActorCritic(nn.Module):
+class TransformerActorCritic(layers.PolicyNetwork):
   """Encoder over `N = ceil(O / obs_token_size)` observation tokens + K action queries + 1 value token.
 
   Params are float32; `dtype` (e.g. jnp.bfloat16) is the compute dtype of the trunk. The heads run in float32,
@@ -106,8 +106,16 @@ def make_network(policy_config: PolicyConfig, obs_dim: int, action_dim: int, pix
   sizes at init). The transformer and token policies, and with pixels the MLP policy's CNN encoder, compute in
   `policy_config.compute_dtype` (params stay float32); the token policy cuts the state into `obs_token_size`
   tokens with `token_policy.StateTokenizer`.
-  With `pixel_shape` (`--obs=pixels`) the network takes a `types.PixelObs`: see `_make_pixel_network`."""
+  With `pixel_shape` (`--obs=pixels`) the network takes a `types.PixelObs`: see `_make_pixel_network`.
+  The network records `policy_config.normalize_observations` (`layers.PolicyNetwork`), which
+  `stages.init_policy_params` and `trainer.stages.init_train_state` take up."""
   del obs_dim
+  network = _build_network(policy_config, action_dim, pixel_shape)
+  return network.clone(normalize_observations=policy_config.normalize_observations)
+
+
+def _build_network(policy_config: PolicyConfig, action_dim: int, pixel_shape: Tuple[int, ...]) -> nn.Module:
+  """`make_network`'s network, before it records the config's normalize_observations."""
   critic = config_generation.critic_of(policy_config, pixels=bool(pixel_shape))
   if pixel_shape:
     return _make_pixel_network(policy_config, action_dim, critic)

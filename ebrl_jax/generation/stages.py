@@ -16,7 +16,7 @@ A action dim.
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple
 
 import chex
 import flax.linen as nn
@@ -134,13 +134,30 @@ def _rows(obs) -> int:
   return types.proprioception(obs).shape[0]
 
 
-def init_policy_params(network: nn.Module,
-                       key: PRNGKey,
-                       obs_dim: int,
-                       normalize_observations: bool = True,
-                       pixel_shape: Tuple[int, ...] = ()) -> PolicyParams:
+def normalizes_observations(network: nn.Module, normalize_observations: Optional[bool] = None) -> bool:
+  """Whether params initialised for `network` normalise observations: `normalize_observations` where given, else
+  the network's own (`policies.make_network` records its `PolicyConfig`'s, `layers.PolicyNetwork`), else True.
+  ValueError where both are given and differ: the config is never overruled without a word."""
+  recorded = getattr(network, 'normalize_observations', None)
+  if normalize_observations is None:
+    return True if recorded is None else bool(recorded)
+  if recorded is not None and bool(recorded) != bool(normalize_observations):
+    raise ValueError(f'normalize_observations={bool(normalize_observations)} contradicts the network\'s '
+                     f'PolicyConfig(normalize_observations={bool(recorded)}) (recorded by make_network): pass the '
+                     'same value, or leave the argument out to take the config\'s.')
+  return bool(normalize_observations)
+
+
+def init_policy_params(
+    network: nn.Module,
+    key: PRNGKey,
+    obs_dim: int,
+    normalize_observations: Optional[bool] = None,
+    pixel_shape: Tuple[int, ...] = ()) -> PolicyParams:
   """Initialises network variables (from a dummy `[1, O]` observation, or a `PixelObs` with `pixel_shape`
-  [H, W, C] pixels beside it) and empty observation statistics (of the state)."""
+  [H, W, C] pixels beside it) and empty observation statistics (of the state). `normalize_observations`: see
+  `normalizes_observations` (None: the network's PolicyConfig's)."""
+  normalize_observations = normalizes_observations(network, normalize_observations)
   # One compiled init instead of op-by-op dispatch (seconds for a tiny MLP on CPU); nests fine under jit.
   init = jax.jit(functools.partial(head_of(network).init, network))
   dummy = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), types.obs_template((1,), obs_dim, pixel_shape))

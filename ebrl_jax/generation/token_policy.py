@@ -200,7 +200,7 @@ class _ObsEmbed(nn.Module):
     return jnp.concatenate([x, bos.astype(self.dtype)], axis=1)
 
 
-class TokenPolicy(nn.Module):
+class TokenPolicy(layers.PolicyNetwork):
   """Decoder over [obs tokens, BOS, action tokens] with a categorical head over `num_bins` and a value head.
 
   Params are float32; `dtype` is the compute dtype of the trunk and the KV cache; logits and values are float32.

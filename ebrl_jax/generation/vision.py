@@ -181,7 +181,7 @@ class PixelTokenizer(nn.Module):
     return jnp.concatenate([tokens, x], axis=1)
 
 
-class VisionTransformerActorCritic(nn.Module):
+class VisionTransformerActorCritic(layers.PolicyNetwork):
   """`PixelTokenizer` prefix + K action queries + 1 value token through pre-LN encoder blocks; with
   `critic='mlp'` no value token, but a separate MLP critic on the state beside the pixels (an asymmetric critic:
   `--critic=mlp`, config_generation).
@@ -227,7 +227,7 @@ class VisionTransformerActorCritic(nn.Module):
                                     value_hidden_sizes=self.value_hidden_sizes)
 
 
-class CNNActorCritic(nn.Module):
+class CNNActorCritic(layers.PolicyNetwork):
   """`ImpalaCNN` features ++ state, then separate policy and value MLPs (Brax-style heads); K = 1.
 
   obs: PixelObs -> (dist_params [B, 1, 2A] float32, value [B] float32). The encoder is shared by actor and critic.

@@ -262,8 +262,11 @@ class CpuEnvPool:
   def set_state(self, env_ids: Sequence[int], qpos: np.ndarray, qvel: np.ndarray) -> np.ndarray:
     """Starts a fresh episode of envs `env_ids` at qpos [n, nq], qvel [n, nv]; returns their obs [n, O]."""
     ids = self._ids(env_ids)
-    qpos = np.asarray(qpos, np.float64).reshape(ids.size, self.model.nq)
-    qvel = np.asarray(qvel, np.float64).reshape(ids.size, self.model.nv)
+    qpos, qvel = np.asarray(qpos, np.float64), np.asarray(qvel, np.float64)
+    for name, x, width in (('qpos', qpos, self.model.nq), ('qvel', qvel, self.model.nv)):
+      if x.shape != (ids.size, width):  # a reshape would take a transposed or flat array without a word
+        raise ValueError(f'CpuEnvPool.set_state: {name} must be [len(env_ids), {"nq" if name == "qpos" else "nv"}] '
+                         f'= ({ids.size}, {width}); got shape {x.shape}.')
     self._set(ids, qpos, qvel)
     return self._obs(ids)
 
@@ -310,12 +313,14 @@ class CpuEnvPool:
     episode_return [n] float32; episode_length [n] int32 (see the module docstring for the semantics).
     """
     ids = self._ids(env_ids)
+    n, a = ids.size, self._spec.action_dim
     actions = np.asarray(actions, np.float64)
+    if actions.ndim not in (2, 3) or actions.shape[0] != n or actions.shape[-1] != a or 0 in actions.shape[1:-1]:
+      raise ValueError(f'CpuEnvPool.step: actions must be [num_envs, action_size] = ({n}, {a}) or a chunk '
+                       f'[num_envs, K, action_size] = ({n}, K, {a}), K >= 1 ({n} envs stepped); got shape '
+                       f'{actions.shape}.')
     if actions.ndim == 2:
       actions = actions[:, None]
-    if actions.shape[0] != ids.size or actions.shape[2] != self._spec.action_dim:
-      raise ValueError(f'actions {actions.shape} must be [{ids.size}, (K,) {self._spec.action_dim}].')
-    n = ids.size
     running = ~self._finished[ids]
     stepped = running.copy()
     reward, done = np.zeros(n), self._finished[ids].copy()

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from ebrl_jax import config_checks
 from ebrl_jax.config import AlgoConfig
 from ebrl_jax.generation import normalization
 from ebrl_jax.generation import stages as gen_stages
@@ -100,11 +101,13 @@ def init_train_state(network: nn.Module,
                      optimizer: optax.GradientTransformation,
                      key: PRNGKey,
                      obs_dim: int,
-                     normalize_observations: bool = True,
+                     normalize_observations: Optional[bool] = None,
                      pixel_shape: Tuple[int, ...] = (),
                      value_norm: bool = False) -> TrainState:
-  """A fresh train state; `pixel_shape` [H, W, C] for a network that takes camera observations (`--obs=pixels`);
-  `value_norm`: with the value targets' statistics (`--value_norm_rate`), after checking the critic's output layer."""
+  """A fresh train state; `normalize_observations`: None takes the network's PolicyConfig's (`make_network`
+  records it), a value that contradicts it is a ValueError (`gen_stages.normalizes_observations`); `pixel_shape`
+  [H, W, C] for a network that takes camera observations (`--obs=pixels`); `value_norm`: with the value targets'
+  statistics (`--value_norm_rate`), after checking the critic's output layer."""
   params = gen_stages.init_policy_params(network, key, obs_dim, normalize_observations, pixel_shape)
   if value_norm:
     critic.output_layer(params.network)
@@ -118,7 +121,7 @@ def init_train_state(network: nn.Module,
 def init_fn(network: nn.Module,
             optimizer: optax.GradientTransformation,
             obs_dim: int,
-            normalize_observations: bool = True,
+            normalize_observations: Optional[bool] = None,
             pixel_shape: Tuple[int, ...] = (),
             value_norm: bool = False):
   """`init_train_state` with everything but its key bound, to be jitted (`key -> TrainState`): one compiled
@@ -305,7 +308,8 @@ def train_step(network: nn.Module,
                recompute_proximal: bool = True,
                axis_name: Optional[str] = None,
                unroll: bool = False) -> Tuple[TrainState, Dict[str, Array]]:
-  """One training iteration on `batch` (leading axes [T, S]).
+  """One training iteration on `batch` (leading axes [T, S]), its shapes checked against `algo`
+  (`config_checks.check_batch_shape`: PPO's T x K = unroll_length and S = batch_size x num_minibatches).
 
   1. Proximal log-probs of the stored raw actions under the params at entry (before the normaliser moves).
      With `recompute_proximal=False` the behaviour log-probs are used instead: exactly Brax's fused PPO, and
@@ -331,8 +335,7 @@ def train_step(network: nn.Module,
   with the steps (a run's resident memory reached 16 GB at 8 steps of 80 frames of 64 x 64), so it is off by default.
   """
   t, s = types.check_segment(batch)  # ValueError naming a field whose shape is off
-  if s % algo.num_minibatches:
-    raise ValueError(f'{s} segments do not split into --num_minibatches={algo.num_minibatches}.')
+  config_checks.check_batch_shape(algo, t, s, batch.raw_action.shape[2], rank_share=axis_name is not None)
   if recompute_proximal:
     proximal = _proximal_log_prob(network, state.params, batch, min_std)
   else:

@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from ebrl_jax.config import PolicyConfig
 from ebrl_jax.generation import distribution, normalization, policies
@@ -14,7 +15,7 @@ init_jit = jax.jit(stages.init_policy_params, static_argnums=(0, 2, 3))
 
 
 def _setup(kind='mlp', k=1, normalize=True):
-  cfg = PolicyConfig(kind=kind, d_model=16, num_layers=1, num_heads=2, action_chunk=k)
+  cfg = PolicyConfig(kind=kind, d_model=16, num_layers=1, num_heads=2, action_chunk=k, normalize_observations=normalize)
   net = policies.make_network(cfg, 7, 3)
   return net, init_jit(net, jax.random.PRNGKey(0), 7, normalize)
 
@@ -56,3 +57,14 @@ def test_normalizer_is_applied_only_when_enabled():
     out = act_jit(net, params, obs, jax.random.PRNGKey(0), deterministic=True)
     net_in = normalization.normalize(stats, obs) if enabled else obs
     np.testing.assert_allclose(out.values, apply_jit(net, params.network, net_in)[1], rtol=1e-5)
+
+
+def test_init_policy_params_takes_normalize_observations_from_the_policy_config():
+  """Before the fix the params of a network made from PolicyConfig(normalize_observations=False) normalised."""
+  raw = policies.make_network(PolicyConfig(normalize_observations=False), 7, 3)
+  params = jax.eval_shape(lambda: stages.init_policy_params(raw, jax.random.PRNGKey(0), 7))
+  assert params.normalize_observations is False
+  assert raw.normalize_observations is False and policies.make_network(PolicyConfig(), 7, 3).normalize_observations
+  assert stages.normalizes_observations(raw) is False and stages.normalizes_observations(raw, False) is False
+  with pytest.raises(ValueError, match='normalize_observations=True contradicts'):
+    stages.normalizes_observations(raw, True)

@@ -1,4 +1,6 @@
 """Contract tests of the native-MuJoCo pool: groups, episode bookkeeping, chunks, subsets, threads."""
+import re
+
 import numpy as np
 import pytest
 
@@ -162,6 +164,25 @@ def test_invalid_arguments_name_the_field():
     _pool(episode_length=0)
   with pytest.raises(ValueError, match='Unknown task'):
     _pool('cartpole')
+
+
+def test_wrongly_shaped_actions_and_states_are_refused_naming_both_shapes():
+  """Before the fix an [n] action vector raised IndexError, an [n, 1, A, 1] array a broadcast error from inside the
+  physics, an empty chunk [n, 0, A] stepped nothing without a word, and set_state reshaped a transposed qpos."""
+  with _pool(num_envs=3) as pool:  # inverted_pendulum: A = 1, nq = nv = 2
+    a = pool.spec.action_dim
+    for shape in ((3,), (3, 1, a, 1), (3, 0, a), (2, a), (3, a + 1), ()):
+      words = f'actions must be [num_envs, action_size] = (3, {a}) or a chunk'
+      with pytest.raises(ValueError, match=re.escape(words) + '.*' + re.escape(f'got shape {shape}.')):
+        pool.step(np.zeros(shape))
+    with pytest.raises(ValueError, match=re.escape(f'= (1, {a})')):  # one env stepped: one row
+      pool.step(np.zeros((3, a)), env_ids=[0])
+    qpos, qvel = pool.get_state()
+    with pytest.raises(ValueError,
+                       match=re.escape(f'qpos must be [len(env_ids), nq] = (3, {qpos.shape[1]}); got '
+                                       f'shape {qpos.T.shape}.')):
+      pool.set_state(range(3), qpos.T, qvel)
+    assert pool.step(np.zeros((3, a))).obs.shape == (3, pool.spec.obs_dim)  # the right shapes still step
 
 
 def test_a_pool_past_the_hosts_available_memory_is_refused_naming_num_envs(monkeypatch):

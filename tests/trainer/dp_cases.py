@@ -29,7 +29,7 @@ class Case(NamedTuple):
 # One minibatch per epoch: the ranks' step is the one-rank step on the concatenated batch (to rounding). The
 # entropy estimate draws noise per rank, so the exact comparisons leave it out. With more minibatches each one
 # is the union of the ranks' minibatches, a different partition from one rank's: not compared here.
-_COMMON = dict(num_updates_per_batch=2, max_grad_norm=1.0, learning_rate=3e-3, entropy_cost=0.0)
+_COMMON = dict(num_updates_per_batch=2, unroll_length=T, max_grad_norm=1.0, learning_rate=3e-3, entropy_cost=0.0)
 CASES = (
     Case('ppo', AlgoConfig(batch_size=8, num_minibatches=1, reward_scaling=1.0, **_COMMON)),
     Case('grpo', AlgoConfig(name='grpo', batch_size=8, num_minibatches=1, **_COMMON), group_size=2),

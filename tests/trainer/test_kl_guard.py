@@ -78,7 +78,12 @@ def _train(algo, lr=3e-3):
   return initial, state, metrics
 
 
-_ALGO = dict(batch_size=4, num_minibatches=2, num_updates_per_batch=3, learning_rate=3e-2, max_grad_norm=1.0)
+_ALGO = dict(batch_size=4,
+             num_minibatches=2,
+             num_updates_per_batch=3,
+             unroll_length=tts.T,
+             learning_rate=3e-2,
+             max_grad_norm=1.0)
 
 
 def test_far_bound_is_the_unguarded_step_bit_for_bit():

@@ -1,5 +1,6 @@
 """train_step: runs jitted, learns on a tiny batch, bookkeeping, GRPO, and one-step parity with Brax's SGD."""
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +8,7 @@ import numpy as np
 import optax
 import pytest
 
+from ebrl_jax import config_checks
 from ebrl_jax.config import AlgoConfig, PolicyConfig
 from ebrl_jax.generation import policies
 from ebrl_jax.generation import stages as gen_stages
@@ -17,6 +19,8 @@ import brax_testlib  # pylint: disable=g-bad-import-order
 
 OBS, ACT, T, S = 5, 2, 4, 8
 NET = policies.make_network(PolicyConfig(policy_hidden_sizes=(16, 16), value_hidden_sizes=(32, 32)), OBS, ACT)
+RAW_NET = policies.make_network(
+    PolicyConfig(policy_hidden_sizes=(16, 16), value_hidden_sizes=(32, 32), normalize_observations=False), OBS, ACT)
 train_jit = jax.jit(stages.train_step,
                     static_argnums=(0, 1, 2, 3),
                     static_argnames=('group_size', 'recompute_proximal'),
@@ -48,6 +52,7 @@ def test_ppo_train_step_learns_and_keeps_bookkeeping():
   algo = AlgoConfig(batch_size=4,
                     num_minibatches=2,
                     num_updates_per_batch=2,
+                    unroll_length=T,
                     max_grad_norm=1.0,
                     learning_rate=3e-3,
                     reward_scaling=1.0)
@@ -77,7 +82,7 @@ def test_ppo_train_step_learns_and_keeps_bookkeeping():
 
 
 def test_first_step_is_on_policy():
-  algo = AlgoConfig(batch_size=4, num_minibatches=2, num_updates_per_batch=1)
+  algo = AlgoConfig(batch_size=4, num_minibatches=2, num_updates_per_batch=1, unroll_length=T)
   optimizer = stages.make_optimizer(algo)
   state = stages.init_train_state(NET, optimizer, jax.random.PRNGKey(0), OBS)
   batch = _batch(NET, state.params, jax.random.PRNGKey(1))
@@ -98,11 +103,11 @@ def test_minibatch_shuffle_is_one_permutation_of_segments():
 def test_grpo_train_step_leaves_the_critic_alone():
   algo = AlgoConfig(name='grpo', batch_size=4, num_minibatches=2, num_updates_per_batch=2)
   optimizer = stages.make_optimizer(algo)
-  state = stages.init_train_state(NET, optimizer, jax.random.PRNGKey(0), OBS, normalize_observations=False)
-  batch = _batch(NET, state.params, jax.random.PRNGKey(1))
+  state = stages.init_train_state(RAW_NET, optimizer, jax.random.PRNGKey(0), OBS, normalize_observations=False)
+  batch = _batch(RAW_NET, state.params, jax.random.PRNGKey(1))
   value_before = jax.tree_util.tree_map(np.asarray, state.params.network['params']['value'])
   policy_before = jax.tree_util.tree_map(np.asarray, state.params.network['params']['policy'])
-  state, metrics = train_jit(NET, optimizer, algo, 0.001, state, batch, jax.random.PRNGKey(2), group_size=2)
+  state, metrics = train_jit(RAW_NET, optimizer, algo, 0.001, state, batch, jax.random.PRNGKey(2), group_size=2)
   assert int(state.policy_version) == 1 and float(metrics['value_loss']) == 0.0
   jax.tree_util.tree_map(np.testing.assert_array_equal, state.params.network['params']['value'], value_before)
   changed = jax.tree_util.tree_map(lambda a, b: not np.array_equal(a, b), state.params.network['params']['policy'],
@@ -117,7 +122,7 @@ def test_one_sgd_step_matches_brax():
   rs = pytest.importorskip('brax.training.acme.running_statistics')
   # One epoch, one minibatch, no entropy term (its sample depends on key handling): Brax's update is
   # normaliser update, then grad of compute_ppo_loss, then Adam.
-  algo = AlgoConfig(batch_size=S, num_minibatches=1, num_updates_per_batch=1, entropy_cost=0.0)
+  algo = AlgoConfig(batch_size=S, num_minibatches=1, num_updates_per_batch=1, unroll_length=T, entropy_cost=0.0)
   optimizer = stages.make_optimizer(algo)
   state = stages.init_train_state(NET, optimizer, jax.random.PRNGKey(0), OBS)
   batch = _batch(NET, state.params, jax.random.PRNGKey(1))
@@ -194,7 +199,12 @@ def _token_batch(net, params, key):
 @pytest.mark.slow
 @pytest.mark.parametrize('algo_name', ['ppo', 'grpo'])
 def test_token_policy_train_step_runs_and_moves_the_params(algo_name):
-  algo = AlgoConfig(name=algo_name, batch_size=4, num_minibatches=2, num_updates_per_batch=1, learning_rate=1e-3)
+  algo = AlgoConfig(name=algo_name,
+                    batch_size=4,
+                    num_minibatches=2,
+                    num_updates_per_batch=1,
+                    unroll_length=T * TOKEN_K,
+                    learning_rate=1e-3)
   optimizer = stages.make_optimizer(algo)
   state = stages.init_train_state(TOKEN_NET, optimizer, jax.random.PRNGKey(0), OBS)
   batch = _token_batch(TOKEN_NET, state.params, jax.random.PRNGKey(1))
@@ -250,9 +260,62 @@ def test_a_batch_whose_shapes_are_off_is_refused_naming_the_field():
       (batch._replace(raw_action=batch.raw_action[:, :,
                                                   0]), "Transition.raw_action has shape (4, 8, 2); a segment's is"),
       (batch._replace(mask=batch.mask[:, :1]), "Transition.mask has shape (4, 1); every field leads with reward's"),
+      (batch._replace(reward=batch.reward[..., None]), 'Transition.reward must be [T, S]; got shape (4, 8, 1).'),
   ]
   for bad, words in cases:
     with pytest.raises(ValueError, match=words.replace('(', r'\(').replace(')', r'\)').replace('[', r'\[')):
       train_jit(NET, opt, cfg, 1e-3, state, bad, jax.random.PRNGKey(2))
   with pytest.raises(ValueError, match=r'obs has 1 features \(shape \(8, 1\)\); these params were initialised for 5'):
     gen_stages.act(NET, state.params, jnp.ones((8, 1)), jax.random.PRNGKey(3))
+
+
+def test_a_batch_that_disagrees_with_the_algo_config_is_refused_naming_the_flag():
+  """Before the fix train_step read neither --unroll_length nor --batch_size: a batch of another T, or of another
+  S (minibatches of S / num_minibatches segments, not batch_size), trained as it came. Checked while tracing, so
+  `eval_shape` shows it without compiling."""
+  opt = stages.make_optimizer(AlgoConfig())
+  state = stages.init_train_state(NET, opt, jax.random.PRNGKey(0), OBS)
+  batch = _batch(NET, state.params, jax.random.PRNGKey(1))  # T = 4, S = 8, K = 1
+  cases = [
+      (AlgoConfig(batch_size=4, num_minibatches=2, unroll_length=5),
+       '--unroll_length=5 env steps a segment expects T = 5 policy steps of K=1 actions; the batch has T=4'),
+      (AlgoConfig(batch_size=2, num_minibatches=2,
+                  unroll_length=T), '--batch_size=2 x --num_minibatches=2 expects S=4 segments; the batch has S=8.'),
+      (AlgoConfig(name='grpo', num_minibatches=3), "the batch's S=8 segments do not split into --num_minibatches=3."),
+  ]
+  for algo, words in cases:
+    with pytest.raises(ValueError, match=re.escape(words)):
+      jax.eval_shape(functools.partial(stages.train_step, NET, opt, algo, 1e-3), state, batch, jax.random.PRNGKey(2))
+  # K actions per policy step: T x K env steps make the unroll (T = 8 / 2 = 4).
+  chunked = AlgoConfig(batch_size=4, num_minibatches=2, unroll_length=8)
+  config_checks.check_batch_shape(chunked, 4, 8, 2)
+  with pytest.raises(ValueError, match=re.escape('expects T = 4 policy steps of K=2 actions; the batch has T=8')):
+    config_checks.check_batch_shape(chunked, 8, 8, 2)
+  # What the config does not fix is taken as it comes: GRPO's T and S (the episode's and the envs'), and a
+  # data-parallel rank's share of the segments (here 2 of 8), which still splits into the minibatches.
+  config_checks.check_batch_shape(AlgoConfig(name='grpo', num_minibatches=2), 7, 6, 1)
+  config_checks.check_batch_shape(chunked, 4, 2, 2, rank_share=True)
+  with pytest.raises(ValueError, match=re.escape("S=3 segments do not split into --num_minibatches=2")):
+    config_checks.check_batch_shape(chunked, 4, 3, 2, rank_share=True)
+
+
+def test_init_takes_normalize_observations_from_the_networks_policy_config():
+  """Before the fix make_network dropped PolicyConfig.normalize_observations and init_train_state's own default
+  (True) normalised a policy configured not to; the network now carries the config's value to the init, and an
+  explicit argument that contradicts it is refused."""
+  opt = stages.make_optimizer(AlgoConfig())
+  key = jax.random.PRNGKey(0)
+
+  def normalizes(net, **kw):
+    return jax.eval_shape(lambda: stages.init_train_state(net, opt, key, OBS, **kw)).params.normalize_observations
+
+  assert normalizes(RAW_NET) is False and normalizes(NET) is True
+  assert (RAW_NET.normalize_observations, NET.normalize_observations) == (False, True)
+  assert jax.eval_shape(stages.init_fn(RAW_NET, opt, OBS), key).params.normalize_observations is False
+  assert normalizes(RAW_NET, normalize_observations=False) is False  # the explicit argument, agreeing
+  by_hand = policies.MLPActorCritic((16,), (16,), ACT)  # no PolicyConfig behind it: the argument decides
+  assert normalizes(by_hand) is True and normalizes(by_hand, normalize_observations=False) is False
+  for net, value in ((RAW_NET, True), (NET, False)):
+    words = f"normalize_observations={value} contradicts the network's PolicyConfig(normalize_observations={not value})"
+    with pytest.raises(ValueError, match=re.escape(words)):
+      normalizes(net, normalize_observations=value)

@@ -105,6 +105,7 @@ def _algo(rate):
   return AlgoConfig(batch_size=4,
                     num_minibatches=2,
                     num_updates_per_batch=2,
+                    unroll_length=tts.T,
                     learning_rate=1e-2,
                     reward_scaling=1.0,
                     value_norm_rate=rate)
