@@ -256,8 +256,8 @@ def check_batch_shape(algo, t: int, s: int, k: int, rank_share: bool = False) ->
   if not algo.episodic:
     u, segments = algo.unroll_length, algo.batch_size * algo.num_minibatches
     if t * k != u:
-      raise ValueError(f'--unroll_length={u} env steps a segment expects T = {u / k:g} policy steps of K={k} '
-                       f'actions; the batch has T={t} ({t * k} env steps): collect segments of --unroll_length.')
+      raise ValueError(f'--unroll_length={u} actions a segment expects T = {u / k:g} policy steps of K={k} '
+                       f'actions; the batch has T={t} ({t * k} actions): collect segments of --unroll_length.')
     if not rank_share and s != segments:
       raise ValueError(f'--batch_size={algo.batch_size} x --num_minibatches={algo.num_minibatches} expects '
                        f'S={segments} segments; the batch has S={s}.')

@@ -278,7 +278,7 @@ def test_a_batch_that_disagrees_with_the_algo_config_is_refused_naming_the_flag(
   batch = _batch(NET, state.params, jax.random.PRNGKey(1))  # T = 4, S = 8, K = 1
   cases = [
       (AlgoConfig(batch_size=4, num_minibatches=2, unroll_length=5),
-       '--unroll_length=5 env steps a segment expects T = 5 policy steps of K=1 actions; the batch has T=4'),
+       '--unroll_length=5 actions a segment expects T = 5 policy steps of K=1 actions; the batch has T=4'),
       (AlgoConfig(batch_size=2, num_minibatches=2,
                   unroll_length=T), '--batch_size=2 x --num_minibatches=2 expects S=4 segments; the batch has S=8.'),
       (AlgoConfig(name='grpo', num_minibatches=3), "the batch's S=8 segments do not split into --num_minibatches=3."),
