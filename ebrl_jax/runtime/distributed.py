@@ -5,9 +5,10 @@ coordinator address, process count and process id come from flags, else from the
 (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`), else, under SLURM, from JAX's own SLURM
 detection (one task per cell). A 'host:port' that is not one is refused where it is resolved (`resolve`). Before
 joining, rank 0 checks that its coordinator's port is free here and every other rank waits, in Python (so that
-SIGTERM or Ctrl-C end it at once), until the coordinator accepts connections (`wait_for_coordinator`), both within
-`init_timeout_s`, which also bounds JAX's own wait for every rank; whatever `jax.distributed.initialize` raises
-comes back as a `JoinFailed` naming the coordinator.
+SIGTERM, Ctrl-C or the trainer's stop end it at once), until the coordinator accepts connections
+(`wait_for_coordinator`), within `init_timeout_s`, of which JAX's own wait for every rank gets what is left;
+whatever `jax.distributed.initialize` raises comes back as a `JoinFailed` naming the coordinator and where its
+address came from.
 
 A rank that dies breaks the next all-reduce on every other rank at once (gloo: "connection closed by peer"), and
 the coordination service (in rank 0's process) learns which rank after `heartbeat_timeout_s`. `failed_rank`
@@ -21,11 +22,12 @@ import dataclasses
 import errno
 import hashlib
 import json
+import math
 import os
 import socket
 import sys
 import time
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -34,19 +36,22 @@ from ebrl_jax.runtime import errors
 _KEY = 'ebrl_jax/rank/'
 _AGREE_KEY = 'ebrl_jax/agree/'
 _JOINED = []  # the spec this process joined with (initialize): at most one
+MIN_JAX_WAIT_S = 5  # JAX's own join wait (initialization_timeout) after the Python wait, however late it ended
 
 
 @dataclasses.dataclass(frozen=True)
 class DistributedSpec:
   """coordinator_address 'host:port' ('' with num_processes 1: one rank, no jax.distributed); process_id: this
   rank; heartbeat_timeout_s: how long the coordination service waits before it declares a silent rank dead;
-  init_timeout_s: how long a rank waits for the others to join (`initialize`)."""
+  init_timeout_s: how long a rank waits for the others to join (`initialize`); address_source: where the address
+  came from ('--coordinator_address' or 'JAX_COORDINATOR_ADDRESS', `resolve`), for the messages that name it."""
   coordinator_address: str = ''
   num_processes: int = 1
   process_id: int = 0
   heartbeat_timeout_s: int = 10
   slurm: bool = False  # JAX's SLURM detection supplies all three
   init_timeout_s: int = 120
+  address_source: str = '--coordinator_address'
 
   @property
   def multi(self) -> bool:
@@ -91,7 +96,12 @@ def resolve(coordinator_address: str = '',
                      f'--process_id in [0, {num}); got {address!r} and {pid}.')
   if num > 1:
     split_address(address, source)
-  return DistributedSpec(address, num, max(pid, 0), heartbeat_timeout_s, init_timeout_s=init_timeout_s)
+  return DistributedSpec(address,
+                         num,
+                         max(pid, 0),
+                         heartbeat_timeout_s,
+                         init_timeout_s=init_timeout_s,
+                         address_source=source)
 
 
 def split_address(address: str, source: str = '--coordinator_address') -> Tuple[str, int]:
@@ -107,85 +117,118 @@ def split_address(address: str, source: str = '--coordinator_address') -> Tuple[
   return host, int(port)
 
 
-def check_port_free(address: str) -> None:
+def check_port_free(address: str, source: str = '--coordinator_address') -> None:
   """Rank 0, before JAX binds its coordinator on every interface: a `JoinFailed` where another process holds the
-  port here (JAX's gRPC server would crash the process instead)."""
-  port = split_address(address)[1]
+  port here, or where it needs privileges (JAX's gRPC server would crash the process instead). The IPv6 probe is
+  dual-stack (IPV6_V6ONLY off: with net.ipv6.bindv6only=1 a bind to '::' alone misses an IPv4 holder); where that
+  cannot be set, IPv4 is probed too."""
+  port = split_address(address, source)[1]
+  also_v4 = True
   for family, anywhere in ((socket.AF_INET6, '::'), (socket.AF_INET, '')):
+    if family == socket.AF_INET and not also_v4:
+      return
     try:
       sock = socket.socket(family)
     except OSError:  # no IPv6 here
       continue
     with sock:
       sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free to gRPC too
+      if family == socket.AF_INET6:
+        try:
+          sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+          also_v4 = False
+        except (OSError, AttributeError):  # no dual-stack socket here: IPv4 is probed as well
+          pass
       try:
         sock.bind((anywhere, port))
-        return
       except OSError as e:
-        if e.errno in (errno.EADDRINUSE, errno.EACCES):
-          raise JoinFailed(f'trainer rank 0 cannot open its coordinator at {address} (--coordinator_address): '
-                           f'port {port} is not free on this host ({e.strerror}); another process (a run '
-                           'still going?) holds it: choose another port.') from e
+        where = f'trainer rank 0 cannot open its coordinator at {address} ({source}): port {port}'
+        if e.errno == errno.EACCES:
+          raise JoinFailed(f'{where} needs privileges on this host ({e.strerror}; ports below 1024 need root or '
+                           'CAP_NET_BIND_SERVICE): choose a port of 1024 or above.') from e
+        if e.errno == errno.EADDRINUSE:
+          raise JoinFailed(f'{where} is not free on this host ({e.strerror}); another process (a run still '
+                           'going?) holds it: choose another port.') from e
+        also_v4 = True  # IPv6 refused here otherwise (disabled): IPv4 decides
 
 
-def wait_for_coordinator(address: str, timeout_s: float, rank: int, poll_s: float = 0.25) -> None:
-  """Rank `rank` > 0, before it joins: returns once rank 0's coordinator at `address` accepts a TCP connection;
-  a `JoinFailed` after `timeout_s` (or at once for a host name that does not resolve). A Python loop of short
-  connects and sleeps, so a signal's handler (SIGTERM, Ctrl-C) ends the wait at once, where JAX's own wait in
-  C++ would hold the process until its timeout."""
-  host, port = split_address(address)
-  deadline = time.monotonic() + timeout_s
+def wait_for_coordinator(address: str,
+                         timeout_s: float,
+                         rank: int,
+                         poll_s: float = 0.25,
+                         should_stop: Optional[Callable[[], Optional[str]]] = None,
+                         source: str = '--coordinator_address') -> float:
+  """Rank `rank` > 0, before it joins: returns the seconds it waited once rank 0's coordinator at `address` (from
+  `source`) accepts a TCP connection; a `JoinFailed` after `timeout_s`. A host name that does not resolve (yet: on
+  Kubernetes rank 0's name appears once its pod is up) is asked again until then. A Python loop of short connects
+  and sleeps, so a signal's handler (SIGTERM, Ctrl-C) ends the wait at once, where JAX's own wait in C++ would
+  hold the process until its timeout; so does `should_stop` (asked each poll: a reason, e.g. 'SIGINT', or None),
+  as a `KeyboardInterrupt(reason)`."""
+  host, port = split_address(address, source)
+  t0 = time.monotonic()
   try:
-    last = _connect_until(host, port, deadline, poll_s)
-  except KeyboardInterrupt as stop:  # the handler's stop (SIGTERM, Ctrl-C): this rank never joined
+    last = _connect_until(host, port, t0 + timeout_s, poll_s, should_stop)
+  except KeyboardInterrupt as stop:  # the handler's stop (SIGTERM, Ctrl-C), or should_stop's: this rank never joined
     print(f'trainer rank {rank}: stopped ({stop}) while waiting for the coordinator at {address}.',
           file=sys.stderr,
           flush=True)
     raise
   if last is None:
-    return
+    return time.monotonic() - t0
   if isinstance(last, socket.gaierror):
-    raise JoinFailed(f'trainer rank {rank}: the coordinator\'s host in --coordinator_address={address} is '
-                     f'unknown here ({last.strerror}).') from last
-  raise JoinFailed(f'trainer rank {rank}: the coordinator at {address} (rank 0, --coordinator_address) '
+    raise JoinFailed(f'trainer rank {rank}: unknown host: the coordinator\'s host in {source}={address} did not '
+                     f'resolve here within {timeout_s:g} s (--init_timeout_s; last: {last.strerror or last}); is '
+                     'the name right, and rank 0 (its pod, its node) up?') from last
+  raise JoinFailed(f'trainer rank {rank}: the coordinator at {address} (rank 0, {source}) '
                    f'accepted no connection within {timeout_s:g} s (--init_timeout_s; last: '
                    f'{last.strerror or last}); is rank 0 running, and its port reachable from this host?') from last
 
 
-def _connect_until(host: str, port: int, deadline: float, poll_s: float) -> Optional[OSError]:
-  """None once (host, port) accepted a connection; else the last error, at `deadline` (an unknown host: at once)."""
+def _connect_until(host: str,
+                   port: int,
+                   deadline: float,
+                   poll_s: float,
+                   should_stop: Optional[Callable[[], Optional[str]]] = None) -> Optional[OSError]:
+  """None once (host, port) accepted a connection; else the last error (a `socket.gaierror` too), at `deadline`;
+  a `KeyboardInterrupt` with `should_stop`'s reason once it gives one."""
   while True:
+    reason = should_stop() if should_stop is not None else None
+    if reason:
+      raise KeyboardInterrupt(reason)
     try:
       with socket.create_connection((host, port), timeout=min(1.0, max(0.05, deadline - time.monotonic()))):
         return None
-    except socket.gaierror as e:
-      if e.errno == socket.EAI_NONAME:
-        return e
-      last = e
-    except OSError as e:
+    except OSError as e:  # socket.gaierror among them: a name not (yet) known
       last = e
     if time.monotonic() >= deadline:
       return last
     time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
 
 
-def initialize(spec: DistributedSpec) -> None:
-  """Joins the trainer ranks (a no-op for one rank) and records this rank's host and pid for the others."""
+def initialize(spec: DistributedSpec, should_stop: Optional[Callable[[], Optional[str]]] = None) -> None:
+  """Joins the trainer ranks (a no-op for one rank) and records this rank's host and pid for the others. Rank
+  k > 0 waits for the coordinator first (`wait_for_coordinator`, ended by `should_stop` too); JAX's own wait then
+  gets what is left of `init_timeout_s` (at least MIN_JAX_WAIT_S), so the join takes about init_timeout_s in all."""
   if not spec.multi:
     return
+  waited = 0.0
   if not spec.slurm and spec.process_id == 0:
-    check_port_free(spec.coordinator_address)
+    check_port_free(spec.coordinator_address, spec.address_source)
   elif not spec.slurm:
-    wait_for_coordinator(spec.coordinator_address, spec.init_timeout_s, spec.process_id)
+    waited = wait_for_coordinator(spec.coordinator_address,
+                                  spec.init_timeout_s,
+                                  spec.process_id,
+                                  should_stop=should_stop,
+                                  source=spec.address_source)
   import jax  # lazy: a worker sets its environment (apply_worker_env) before JAX is imported
   # Without it the JAX client aborts a survivor (C++ fatal) the moment the service declares a rank dead, which
   # races `failed_rank` asking the same service which rank that was; the run still stops: `exit_now`.
   jax.config.update('jax_enable_recoverability', True)
-  timeouts = dict(initialization_timeout=spec.init_timeout_s,
+  timeouts = dict(initialization_timeout=max(MIN_JAX_WAIT_S, math.ceil(spec.init_timeout_s - waited)),
                   heartbeat_timeout_seconds=spec.heartbeat_timeout_s,
                   shutdown_timeout_seconds=max(30, spec.heartbeat_timeout_s))
-  where = ('SLURM\'s coordinator' if spec.slurm else f'the coordinator at {spec.coordinator_address} '
-           '(--coordinator_address)')
+  where = ('SLURM\'s coordinator'
+           if spec.slurm else f'the coordinator at {spec.coordinator_address} ({spec.address_source})')
   try:
     if spec.slurm:
       jax.distributed.initialize(**timeouts)

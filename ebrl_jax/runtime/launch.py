@@ -31,6 +31,7 @@ GRACE_S = 10.0  # after SIGTERM, before SIGKILL
 STOP_GRACE_S = 120.0  # after a stop passed on to the cells (they end their step, write their summaries), besides
 # rank 0's checkpoint save there: as long as the run's saves took, and while it is written (runtime/stop_grace.py)
 _STOPPED = {128 + signal.SIGTERM: 'SIGTERM', 128 + signal.SIGINT: 'SIGINT'}  # a cell's exit code after a stop
+NOTICE_S = 10.0  # beyond 2 heartbeat timeouts: how long the other cells are given to notice a cell that died
 SUMMARY_WAIT_S = 3.0  # how long a cell that ended on a stop's exit code is given to show its summary (`_agreed_stop`)
 
 
@@ -43,11 +44,12 @@ def free_port(interface: str = '127.0.0.1') -> int:
 
 def gpu_ids(platform: str) -> List[str]:
   """The GPUs this host gives its cells (CUDA_VISIBLE_DEVICES' entries, else nvidia-smi's GPUs by UUID); none with
-  --platform=cpu, with JAX_PLATFORMS naming no GPU platform (JAX_PLATFORMS=cpu), or with CUDA_VISIBLE_DEVICES
-  empty or -1 (CUDA sees no GPU past an entry of -1). A UUID names the same GPU under the cell's own MPS daemon,
-  which renumbers its visible GPUs from 0 (an index would not)."""
-  platforms = [p.strip().lower() for p in os.environ.get('JAX_PLATFORMS', '').split(',') if p.strip()]
-  if platform == 'cpu' or (platforms and not set(platforms) & {'cuda', 'gpu', 'rocm'}):
+  --platform=cpu, with no --platform and JAX_PLATFORMS naming no GPU platform (JAX_PLATFORMS=cpu; a --platform
+  overrides it in each cell: `startup.configure_jax`), or with CUDA_VISIBLE_DEVICES empty or -1 (CUDA sees no GPU
+  past an entry of -1). A UUID names the same GPU under the cell's own MPS daemon, which renumbers its visible
+  GPUs from 0 (an index would not)."""
+  platforms = [p.strip().lower() for p in (platform or os.environ.get('JAX_PLATFORMS', '')).split(',') if p.strip()]
+  if platforms and not set(platforms) & {'cuda', 'gpu', 'rocm'}:
     return []
   visible = os.environ.get('CUDA_VISIBLE_DEVICES')
   if visible is not None:
@@ -171,11 +173,15 @@ def watch(procs: Sequence, hosts: Sequence[str], run_dir: str, heartbeat_timeout
   send_signal, wait and kill) on `hosts` until every one has ended; returns the run's exit code (0, 3, or a
   signal's). A stop asked for is passed on to every cell once, and the cells are given STOP_GRACE_S to stop
   together; a cell that stopped on a signal of its own (its exit code 143 or 130) with the stop its ranks agreed
-  on in the summary it wrote (`_agreed_stop`) is waited for alike; a cell that fails otherwise, or ends on such a
-  signal without that record (it stopped alone: the others are left in an all-reduce), stops the run
-  (`_after_failure`)."""
+  on in its summary (`_agreed_stop`) is waited for alike. Rank k > 0 ends such a stop before rank 0 does (rank 0,
+  the coordinator, leaves the ranks' end barrier last), and its summary may never show here (--launcher=ray, a
+  run_dir not shared): it is held (`_held_decided`) until rank 0's summary (or its own) records the agreed stop,
+  or rank 0 ends, a cell fails, or the time the others take to notice a dead rank has passed. A cell that fails
+  otherwise, or ends on such a signal without that record (it stopped alone: the others are left in an
+  all-reduce), stops the run (`_after_failure`)."""
   num = len(procs)
   exited: Dict[int, float] = {}
+  held: Dict[int, float] = {}  # rank k > 0 that ended on a stop's exit code, the agreed stop not yet seen: deadline
   before = [_summary_stamp(run_dir, r) for r in range(num)]  # a summary already there is an earlier run's
   try:
     while len(exited) < num:
@@ -190,13 +196,21 @@ def watch(procs: Sequence, hosts: Sequence[str], run_dir: str, heartbeat_timeout
       now = time.monotonic()
       new = [r for r, p in enumerate(procs) if r not in exited and p.poll() is not None]
       exited.update({r: now for r in new})
-      stopped = [r for r in new if procs[r].returncode in _STOPPED and _agreed_stop(run_dir, r, before[r])]
+      held.update({r: now + 2 * heartbeat_timeout_s + NOTICE_S for r in new if r and procs[r].returncode in _STOPPED})
+      stopped = [
+          r for r in new if r not in held and procs[r].returncode in _STOPPED and _agreed_stop(run_dir, r, before[r])
+      ]
+      failed = [r for r in new if r not in held and r not in stopped and procs[r].returncode != 0]
+      if held and not stopped:
+        stopped, alone = _held_decided(held, exited, run_dir, before, now, bool(failed))
+        failed += alone
       if stopped:  # the others stop after the same step (their exit codes are checked in the line)
         _end(procs, None, STOP_GRACE_S, os.path.join(run_dir, 'checkpoints'))
         what = f'the cells stopped together on {_STOPPED[procs[stopped[0]].returncode]} (sent to a cell, not here)'
         print(_stopped_line(what, procs, run_dir), file=sys.stderr, flush=True)
         return procs[stopped[0]].returncode
-      failed = sorted((r for r in new if procs[r].returncode != 0), key=lambda r: procs[r].returncode >= 0)
+      # the cause first: a cell killed by a signal, then one that stopped alone, then an exit code's failure
+      failed.sort(key=lambda r: (procs[r].returncode >= 0, r not in held, exited[r], r))
       if failed:
         alone = procs[failed[0]].returncode in _STOPPED  # a stop's exit code, no agreed stop in its summary
         why = (f': {_STOPPED[procs[failed[0]].returncode]}, but {_summary_path(run_dir, failed[0])} records no '
@@ -206,6 +220,18 @@ def watch(procs: Sequence, hosts: Sequence[str], run_dir: str, heartbeat_timeout
   finally:
     _end(procs, signal.SIGTERM, GRACE_S)
   return 0
+
+
+def _held_decided(held: Dict[int, float], exited: Dict[int, float], run_dir: str, before: Sequence, now: float,
+                  failure: bool):
+  """The held ranks (`watch`): (every one, if rank 0's summary or its own records the agreed stop; else []) and
+  (those that stopped alone, once it is decided: rank 0 has ended, another cell failed or a deadline passed; else
+  []). Looked at without waiting until then; at that last look a summary is given SUMMARY_WAIT_S to show."""
+  last = failure or 0 in exited or now >= min(held.values())
+  wait_s = SUMMARY_WAIT_S if last else 0.0
+  if _agreed_stop(run_dir, 0, before[0], wait_s) or any(_agreed_stop(run_dir, r, before[r], 0.0) for r in held):
+    return sorted(held, key=exited.get), []
+  return [], (sorted(held) if last else [])
 
 
 def _summary_path(run_dir: str, rank: int) -> str:
@@ -221,11 +247,11 @@ def _summary_stamp(run_dir: str, rank: int) -> Optional[tuple]:
   return st.st_ino, st.st_mtime_ns, st.st_size
 
 
-def _agreed_stop(run_dir: str, rank: int, before: Optional[tuple]) -> bool:
+def _agreed_stop(run_dir: str, rank: int, before: Optional[tuple], wait_s: Optional[float] = None) -> bool:
   """Whether cell `rank` wrote a summary (another than the one there at `before`, its stamp then) recording the
-  stop its ranks agreed on (`extra.cells.stop`, trainer.ranks.stopped_together). Looked for up to SUMMARY_WAIT_S
-  (a shared filesystem may show another host's new file late)."""
-  deadline = time.monotonic() + SUMMARY_WAIT_S
+  stop its ranks agreed on (`extra.cells.stop`, trainer.ranks.stopped_together). Looked for up to `wait_s`
+  (default SUMMARY_WAIT_S: a shared filesystem may show another host's new file late)."""
+  deadline = time.monotonic() + (SUMMARY_WAIT_S if wait_s is None else wait_s)
   while True:
     stamp = _summary_stamp(run_dir, rank)
     try:
@@ -262,7 +288,7 @@ def _after_failure(procs,
   """Cell `dead` failed (`why`: how, beyond its exit code): how fast the others stop on their own (bounded), then
   the rest ended; one FATAL line."""
   died = exited[dead]
-  deadline = died + 2 * heartbeat_timeout_s + 10
+  deadline = died + 2 * heartbeat_timeout_s + NOTICE_S
   while True:
     now = time.monotonic()
     exited.update({r: now for r, p in enumerate(procs) if r not in exited and p.poll() is not None})

@@ -287,6 +287,14 @@ def _interrupt_on_sigint() -> Optional[threading.Event]:
   return flag
 
 
+def _stop_reason(channels: TrainerChannels) -> Optional[str]:
+  """A stop asked of this trainer before it trains (its SIGINT flag: 'SIGINT'; the run's stop, or the controller
+  gone), for the join's wait (`distributed.initialize`); None while there is none."""
+  if channels.interrupt is not None and channels.interrupt.is_set():
+    return 'SIGINT'
+  return 'stopped by the controller' if channels.stop.is_set() else None
+
+
 def _remote(cfg: driver.TrainerConfig, channels: TrainerChannels) -> Optional[remote_eval.RemoteEvaluations]:
   """With an evaluator process, the driver's link to it (its waits end on the run's stop and on SIGINT)."""
   if channels.evaluation is None:
@@ -314,8 +322,9 @@ def trainer_main(cfg: driver.TrainerConfig, channels: TrainerChannels, env: Opti
   finished, code = False, 0
   try:
     try:
-      if joins:  # a JoinFailed goes to the controller as any RunError; then every rank's flags alike, before any
-        distributed.initialize(cfg.ranks)  # trains (distributed.RanksDisagree names those that differ)
+      if joins:  # a JoinFailed goes to the controller as any RunError, a stop meanwhile ends the join as an
+        # interrupted start; then every rank's flags alike, before any trains (RanksDisagree names those that differ)
+        distributed.initialize(cfg.ranks, lambda: _stop_reason(channels))
         distributed.agree(cfg.ranks, config_lib.agreed_flags(cfg.sim, cfg.policy, cfg.algo, cfg.schedule))
       summary = driver.run_training(cfg, lambda c, s, n, o: ChannelSource(c, s, n, o, channels), _remote(cfg, channels))
     except jax.errors.JaxRuntimeError as e:  # an all-reduce failed: a peer rank died
