@@ -27,6 +27,7 @@ from ebrl_jax.trainer import checkpoint
 from ebrl_jax.trainer import driver
 from ebrl_jax.trainer import ranks
 from ebrl_jax.trainer import stages as trainer_stages
+from tests import launch_testlib
 
 # 8 envs x 2 unrolls x 5 steps = 80 env steps per cell and iteration; 2 cells: 160.
 FLAGS = ('--task=inverted_pendulum', '--backend=mujoco_cpu', '--num_envs=8', '--num_eval_envs=4', '--num_threads=1',
@@ -175,35 +176,7 @@ def test_the_vote_is_a_signal_else_the_budget_and_a_second_signal_interrupts():
   config_lib.Config(schedule=config_lib.ScheduleConfig(max_wall_s=5), cells=config_lib.CellConfig(num_processes=2))
 
 
-class _Cell:
-  """A stand-in cell: it ends with `code` at `end_t` (monotonic), first writing `summary` (path, dict) where given,
-  and records the signals it was sent."""
-
-  def __init__(self, pid, code, end_t, summary=None):
-    self.pid, self._code, self._end_t, self.returncode, self.signals = pid, code, end_t, None, []
-    self._summary = summary
-
-  def poll(self):
-    if self.returncode is None and time.monotonic() >= self._end_t:
-      if self._summary is not None:
-        os.makedirs(os.path.dirname(self._summary[0]), exist_ok=True)
-        with open(self._summary[0], 'w') as f:
-          json.dump(self._summary[1], f)
-      self.returncode = self._code
-    return self.returncode
-
-  def send_signal(self, sig):
-    self.signals.append(sig)
-
-  def kill(self):
-    self.returncode = -signal.SIGKILL
-
-  def wait(self, timeout=None):
-    while self.poll() is None:
-      if timeout is not None and time.monotonic() >= self._end_t + 1:
-        raise subprocess.TimeoutExpired('cell', timeout)
-      time.sleep(0.01)
-    return self.returncode
+_Cell = launch_testlib.StandInCell
 
 
 def test_the_launcher_waits_for_cells_that_stopped_together_and_signals_none(tmp_path, capsys):

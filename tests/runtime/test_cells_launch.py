@@ -3,13 +3,12 @@ CUDA is told to see none (an explicit --platform over JAX_PLATFORMS), and a cell
 without the stop its ranks agreed on in its summary (it stopped alone: a failure of that cell, named), against one
 that recorded the agreed stop, or whose summary the launcher cannot see while rank 0's records it."""
 import json
-import os
 import re
-import signal
 import subprocess
 import time
 
 from ebrl_jax.runtime import launch
+from tests import launch_testlib
 
 SMI = 'GPU 0: NVIDIA H200 (UUID: GPU-1a2b-3c)\nGPU 1: NVIDIA H200 (UUID: GPU-4d5e-6f)\n'
 AGREED = {'stopped': 'SIGTERM', 'iterations': 3, 'extra': {'cells': {'stop': {'reason': 'SIGTERM', 'iteration': 3}}}}
@@ -39,33 +38,9 @@ def test_an_explicit_platform_overrides_jax_platforms_as_each_cell_does(monkeypa
   assert launch.gpu_ids('cpu') == []
 
 
-class _Cell:
-  """A stand-in cell: it ends with `code` after `after_s`, first writing `summary` (path, dict) where given."""
-
-  def __init__(self, pid, code, after_s, summary=None):
-    self.pid, self._code, self._end_t, self._summary = pid, code, time.monotonic() + after_s, summary
-    self.returncode = None
-
-  def poll(self):
-    if self.returncode is None and time.monotonic() >= self._end_t:
-      if self._summary is not None:
-        os.makedirs(os.path.dirname(self._summary[0]), exist_ok=True)
-        with open(self._summary[0], 'w') as f:
-          json.dump(self._summary[1], f)
-      self.returncode = self._code
-    return self.returncode
-
-  def send_signal(self, sig):
-    del sig
-
-  def kill(self):
-    self.returncode = -signal.SIGKILL
-
-  def wait(self, timeout=None):
-    del timeout
-    while self.poll() is None:
-      time.sleep(0.01)
-    return self.returncode
+def _Cell(pid, code, after_s, summary=None):  # pylint: disable=invalid-name  (reads as the class it makes)
+  """A stand-in cell that ends with `code` `after_s` from now, first writing `summary` (path, dict) where given."""
+  return launch_testlib.StandInCell(pid, code, time.monotonic() + after_s, summary)
 
 
 def test_a_cell_that_ends_on_sigterm_without_the_agreed_stop_in_its_summary_fails_the_run(
