@@ -161,7 +161,8 @@ def verdict(trial: dict) -> Tuple[bool, str]:
   """(keep the process schedule?, why): kept only if its trial measured more than fused's trial by
   MEASURED_MARGIN, or, where fused's trial measured nothing, more than fused's prediction by PREDICTED_MARGIN; a
   process trial that measured nothing keeps the prediction's choice where that prediction beat fused's by
-  PREDICTED_MARGIN (a layout tried because the model could not tell, `schedule_choice.uncertain`, did not)."""
+  PREDICTED_MARGIN (a layout tried because the model could not tell, `schedule_choice.uncertain`, did not), and
+  such an uncertain layout is never kept without fused's trial."""
   layout, rate = trial['layout'], trial['measured_env_steps_per_s']
   schedule = schedule_of(layout)
   if rate is None:
@@ -175,6 +176,13 @@ def verdict(trial: dict) -> Tuple[bool, str]:
   fused = trial.get('fused_measured_env_steps_per_s')
   if fused is not None:
     margin, against = MEASURED_MARGIN, f'fused\'s trial, {fused:,.0f} over {trial["fused_measured_s"]:.1f} s'
+  elif trial['predicted_env_steps_per_s'] <= trial['fused_predicted_env_steps_per_s'] * (1 + PREDICTED_MARGIN):
+    # Tried because the model could not tell, and fused unmeasured: fused's prediction is no yardstick (on the H100
+    # W1's fused ran 903 k env-steps/s against its predicted 799 k, and async's trial measured 852 k in between).
+    doubted = trial['fused_predicted_env_steps_per_s']
+    return False, (f'fused: {schedule} ({layout}) was tried because the model could not tell, and fused\'s own '
+                   f'trial measured nothing ({trial.get("fused_trial", "none ran")}): a trial of {rate:,.0f} '
+                   f'env-steps/s is not weighed against a prediction ({doubted:,.0f}) the model itself doubted')
   else:
     fused, margin = trial['fused_predicted_env_steps_per_s'], PREDICTED_MARGIN
     against = f'fused\'s predicted {fused:,.0f} (fused\'s own trial measured nothing)'

@@ -16,6 +16,7 @@ from ebrl_jax.resources import auto_trial
 from ebrl_jax.resources import autoplan
 from ebrl_jax.resources import calibration_procs
 from ebrl_jax.resources import schedule_choice
+from ebrl_jax.runtime import errors
 from ebrl_jax.runtime import lifecycle
 from ebrl_jax.runtime import run_clock
 from ebrl_jax.trainer import driver
@@ -55,6 +56,10 @@ def test_a_process_schedule_is_kept_only_past_fused_trial_and_the_margin():
   keep, why = auto_trial.verdict(dict(_trial(None, iterations=2, stopped='max_wall_s'),
                                       predicted_env_steps_per_s=900.0))
   assert not keep and why.startswith('fused:') and 'does not beat' in why and '(900 env-steps/s)' in why
+  # Such a layout measured past fused's prediction, fused's own trial out of time: fused (on the H100, W1's async
+  # trial measured 852 k against fused's predicted 799 k, and fused ran 903 k).
+  keep, why = auto_trial.verdict(dict(_trial(1100.0), predicted_env_steps_per_s=900.0, fused_trial='out of time'))
+  assert not keep and why.startswith('fused:') and 'could not tell' in why and '(out of time)' in why
 
 
 def test_the_trials_file_keeps_each_layout_and_a_damaged_one_is_read_as_empty(tmp_path):
@@ -108,13 +113,14 @@ def test_a_kept_trial_decides_the_next_run_without_one(tmp_path, monkeypatch):
   assert chosen.schedule.name == 'async' and record['trial']['pending']
   layout, path = record['trial']['layout'], record['trial']['path']
   assert layout == auto_trial.key(chosen) and layout.startswith(f'async;groups={chosen.schedule.num_groups};')
-  fused = record['predicted']['fused']
-  auto_trial.save(path, layout, dict(_trial(0.9 * fused, fused), layout=layout))  # below fused's prediction
+  fused, predicted = record['predicted']['fused'], record['predicted_env_steps_per_s']  # async's beats fused's
+  auto_trial.save(path, layout, dict(_trial(0.9 * fused, fused), layout=layout,
+                                     predicted_env_steps_per_s=predicted))  # measured below fused's prediction
   chosen, record = autoplan.plan_auto(auto_cfg, mps_active=False, worker_env=None, handoff=0.0)
   assert chosen.schedule.name == 'fused' and record['schedule'] == 'fused' and not record['trial']['pending']
   assert record['choice_reason'] == record['trial']['verdict'] and 'within the 5% margin' in record['choice_reason']
   assert record['trial']['plan']['num_groups'] >= 1 and 'num_groups' not in record  # the plan that was tried
-  auto_trial.save(path, layout, dict(_trial(1.2 * fused, fused), layout=layout))
+  auto_trial.save(path, layout, dict(_trial(1.2 * fused, fused), layout=layout, predicted_env_steps_per_s=predicted))
   chosen, record = autoplan.plan_auto(auto_cfg, mps_active=False, worker_env=None, handoff=0.0)
   assert chosen.schedule.name == 'async' and record['trial']['kept'] and record['num_groups'] >= 1
   # --auto_trial_s=0: no trial asked for, none read
@@ -279,3 +285,25 @@ def test_run_process_gives_the_exit_code_or_none_at_its_timeout():
   assert calibration_procs.run_process(time.sleep, (0.0,), 'quick', 60) == 0
   assert calibration_procs.run_process(time.sleep, (30,), 'slow', 1.0) is None
   assert calibration_procs.exit_text(-9) == 'killed by SIGKILL' and calibration_procs.exit_text(3) == 'exit code 3'
+
+
+@pytest.mark.parametrize('exitcode', [None, 1], ids=['out_of_time', 'failed'])
+def test_a_fused_trial_out_of_the_budget_leaves_the_verdict_to_its_prediction(tmp_path, monkeypatch, exitcode):
+  # On the H100, W1's fused trial (a 48 s compile) got the 36 s the calibration budget had left, and the run ended
+  # on a FATAL line. Out of time, fused's prediction now stands in for its trial; a trial that failed still stops
+  # the run naming it.
+  auto_cfg = _async_auto(tmp_path, monkeypatch)
+  chosen, record = autoplan.plan_auto(auto_cfg, mps_active=False, worker_env=None, handoff=0.0)
+  fused = record['predicted']['fused']
+  monkeypatch.setattr(auto.pipeline, 'run', lambda cfg, pids, start: _summary(0.5 * fused, 12, 'max_train_s'))
+  monkeypatch.setattr(auto.calibration_procs, 'run_process', lambda *args: exitcode)
+  start = run_clock.StartClock(time.time())
+  if exitcode is not None:
+    with pytest.raises(errors.RunError, match=r"fused's trial ended without its summary \(exit code 1"):
+      auto.trial(auto_cfg, chosen, record, start)
+    return
+  after, record, ended = auto.trial(auto_cfg, chosen, record, start)
+  assert ended is None and record['trial']['fused_measured_env_steps_per_s'] is None
+  assert 'prediction stood in' in record['trial']['fused_trial']
+  # the process trial measured half of fused's prediction: fused it is
+  assert after.schedule.name == 'fused' == record['schedule'] and record['trial']['kept'] is False
