@@ -291,7 +291,7 @@ def _stop_line(cfg: config_lib.Config, summary) -> str:
   step = summary.extra.get('last_checkpoint')
   directory = os.path.join(cfg.schedule.run_dir, 'checkpoints')
   rank = (summary.extra.get('cells') or {}).get('rank', 0)
-  run_dir = os.path.join(cfg.schedule.run_dir, f'rank{rank}') if rank else cfg.schedule.run_dir
+  run_dir = distributed.rank_run_dir(cfg.schedule.run_dir, rank)
   if rank:
     resume = f'rank 0 writes the checkpoints ({directory}; its line says which one --resume continues from)'
   elif step is not None:

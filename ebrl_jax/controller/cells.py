@@ -136,16 +136,12 @@ def summary_cells(cell: Cell, envs_per_cell: int, env_steps_per_iteration: int, 
   }
 
 
-def rank_run_dir(run_dir: str, rank: int) -> str:
-  return run_dir if rank == 0 else os.path.join(run_dir, f'rank{rank}')
-
-
 def rank_config(cfg: config_lib.Config, cell: Cell) -> config_lib.Config:
   """The config this rank runs: rank 0's is `cfg`; rank k's writes under --run_dir/rank<k>/ and no checkpoint."""
   if cell.rank == 0:
     return cfg
   schedule = dataclasses.replace(cfg.schedule,
-                                 run_dir=rank_run_dir(cfg.schedule.run_dir, cell.rank),
+                                 run_dir=distributed.rank_run_dir(cfg.schedule.run_dir, cell.rank),
                                  checkpoint_every=0,
                                  first_checkpoint_iteration=0)
   return dataclasses.replace(cfg, schedule=schedule)

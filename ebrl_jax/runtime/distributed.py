@@ -104,6 +104,11 @@ def resolve(coordinator_address: str = '',
                          address_source=source)
 
 
+def rank_run_dir(run_dir: str, rank: int) -> str:
+  """Where cell `rank` writes its metrics, config and summary: --run_dir for rank 0, --run_dir/rank<k>/ else."""
+  return run_dir if rank == 0 else os.path.join(run_dir, f'rank{rank}')
+
+
 def split_address(address: str, source: str = '--coordinator_address') -> Tuple[str, int]:
   """(host, port) of 'host:port' ('[v6 address]:port' too); else a ValueError naming `source` and the value (JAX
   itself crashes on a port-less or out-of-range address)."""
@@ -121,35 +126,40 @@ def check_port_free(address: str, source: str = '--coordinator_address') -> None
   """Rank 0, before JAX binds its coordinator on every interface: a `JoinFailed` where another process holds the
   port here, or where it needs privileges (JAX's gRPC server would crash the process instead). The IPv6 probe is
   dual-stack (IPV6_V6ONLY off: with net.ipv6.bindv6only=1 a bind to '::' alone misses an IPv4 holder); where that
-  cannot be set, IPv4 is probed too."""
+  probe cannot be made, IPv4 is probed as well."""
   port = split_address(address, source)[1]
-  also_v4 = True
-  for family, anywhere in ((socket.AF_INET6, '::'), (socket.AF_INET, '')):
-    if family == socket.AF_INET and not also_v4:
-      return
-    try:
-      sock = socket.socket(family)
-    except OSError:  # no IPv6 here
-      continue
-    with sock:
-      sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free to gRPC too
-      if family == socket.AF_INET6:
-        try:
-          sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-          also_v4 = False
-        except (OSError, AttributeError):  # no dual-stack socket here: IPv4 is probed as well
-          pass
+  if not _probe_port(socket.AF_INET6, '::', port, address, source):
+    _probe_port(socket.AF_INET, '', port, address, source)
+
+
+def _probe_port(family: int, anywhere: str, port: int, address: str, source: str) -> bool:
+  """Binds `port` on every interface of `family`: a `JoinFailed` where it is taken or needs privileges; True where
+  the bind covered IPv4 too (a dual-stack IPv6 socket, or IPv4 itself), False where another probe must decide."""
+  try:
+    sock = socket.socket(family)
+  except OSError:  # no IPv6 here
+    return False
+  with sock:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free to gRPC too
+    dual = family == socket.AF_INET
+    if family == socket.AF_INET6:
       try:
-        sock.bind((anywhere, port))
-      except OSError as e:
-        where = f'trainer rank 0 cannot open its coordinator at {address} ({source}): port {port}'
-        if e.errno == errno.EACCES:
-          raise JoinFailed(f'{where} needs privileges on this host ({e.strerror}; ports below 1024 need root or '
-                           'CAP_NET_BIND_SERVICE): choose a port of 1024 or above.') from e
-        if e.errno == errno.EADDRINUSE:
-          raise JoinFailed(f'{where} is not free on this host ({e.strerror}); another process (a run still '
-                           'going?) holds it: choose another port.') from e
-        also_v4 = True  # IPv6 refused here otherwise (disabled): IPv4 decides
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        dual = True
+      except (OSError, AttributeError):  # no dual-stack socket here: IPv4 is probed as well
+        pass
+    try:
+      sock.bind((anywhere, port))
+    except OSError as e:
+      where = f'trainer rank 0 cannot open its coordinator at {address} ({source}): port {port}'
+      if e.errno == errno.EACCES:
+        raise JoinFailed(f'{where} needs privileges on this host ({e.strerror}; ports below 1024 need root or '
+                         'CAP_NET_BIND_SERVICE): choose a port of 1024 or above.') from e
+      if e.errno == errno.EADDRINUSE:
+        raise JoinFailed(f'{where} is not free on this host ({e.strerror}); another process (a run still '
+                         'going?) holds it: choose another port.') from e
+      return False  # refused here otherwise (IPv6 disabled): the other probe decides
+    return dual
 
 
 def wait_for_coordinator(address: str,

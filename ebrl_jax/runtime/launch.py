@@ -24,6 +24,7 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
+from ebrl_jax.runtime import distributed
 from ebrl_jax.runtime import lifecycle
 from ebrl_jax.runtime import stop_grace
 
@@ -235,8 +236,8 @@ def _held_decided(held: Dict[int, float], exited: Dict[int, float], run_dir: str
 
 
 def _summary_path(run_dir: str, rank: int) -> str:
-  """Where cell `rank` writes its summary.json (controller.cells.rank_run_dir: rank k > 0 under rank<k>/)."""
-  return os.path.join(run_dir, *([f'rank{rank}'] if rank else []), 'summary.json')
+  """Where cell `rank` writes its summary.json."""
+  return os.path.join(distributed.rank_run_dir(run_dir, rank), 'summary.json')
 
 
 def _summary_stamp(run_dir: str, rank: int) -> Optional[tuple]:

@@ -287,12 +287,16 @@ def _interrupt_on_sigint() -> Optional[threading.Event]:
   return flag
 
 
+def _stops(channels: TrainerChannels, interrupt: Optional[threading.Event]) -> tuple:
+  """The (flag, reason) pairs that stop this trainer's waits: its SIGINT flag `interrupt` (None: none) and the
+  run's stop (or the controller gone)."""
+  return ((interrupt, 'SIGINT'), (channels.stop, 'stopped by the controller'))
+
+
 def _stop_reason(channels: TrainerChannels) -> Optional[str]:
-  """A stop asked of this trainer before it trains (its SIGINT flag: 'SIGINT'; the run's stop, or the controller
-  gone), for the join's wait (`distributed.initialize`); None while there is none."""
-  if channels.interrupt is not None and channels.interrupt.is_set():
-    return 'SIGINT'
-  return 'stopped by the controller' if channels.stop.is_set() else None
+  """The reason of a stop asked of this trainer before it trains (`_stops`), for the join's wait
+  (`distributed.initialize`); None while there is none."""
+  return next((why for flag, why in _stops(channels, channels.interrupt) if flag is not None and flag.is_set()), None)
 
 
 def _remote(cfg: driver.TrainerConfig, channels: TrainerChannels) -> Optional[remote_eval.RemoteEvaluations]:
@@ -300,10 +304,9 @@ def _remote(cfg: driver.TrainerConfig, channels: TrainerChannels) -> Optional[re
   if channels.evaluation is None:
     return None
   interrupt = None if cfg.ranks is not None and cfg.ranks.multi else channels.interrupt  # a rank's: a vote
-  stops = ((interrupt, 'SIGINT'), (channels.stop, 'stopped by the controller'))
   return remote_eval.RemoteEvaluations(channels.evaluation,
                                        cfg.schedule.target_return,
-                                       stops,
+                                       _stops(channels, interrupt),
                                        cfg.schedule.evaluator_wait_s,
                                        settle=cfg.schedule.deterministic)
 
