@@ -178,7 +178,7 @@ def verdict(trial: dict) -> Tuple[bool, str]:
     margin, against = MEASURED_MARGIN, f'fused\'s trial, {fused:,.0f} over {trial["fused_measured_s"]:.1f} s'
   elif trial['predicted_env_steps_per_s'] <= trial['fused_predicted_env_steps_per_s'] * (1 + PREDICTED_MARGIN):
     # Tried because the model could not tell, and fused unmeasured: fused's prediction is no yardstick (on the H100
-    # W1's fused ran 903 k env-steps/s against its predicted 799 k, and async's trial measured 852 k in between).
+    # W1's fused ran 903 k env-steps/s against its predicted 799 k).
     doubted = trial['fused_predicted_env_steps_per_s']
     return False, (f'fused: {schedule} ({layout}) was tried because the model could not tell, and fused\'s own '
                    f'trial measured nothing ({trial.get("fused_trial", "none ran")}): a trial of {rate:,.0f} '

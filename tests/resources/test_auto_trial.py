@@ -56,8 +56,8 @@ def test_a_process_schedule_is_kept_only_past_fused_trial_and_the_margin():
   keep, why = auto_trial.verdict(dict(_trial(None, iterations=2, stopped='max_wall_s'),
                                       predicted_env_steps_per_s=900.0))
   assert not keep and why.startswith('fused:') and 'does not beat' in why and '(900 env-steps/s)' in why
-  # Such a layout measured past fused's prediction, fused's own trial out of time: fused (on the H100, W1's async
-  # trial measured 852 k against fused's predicted 799 k, and fused ran 903 k).
+  # Such a layout measured past fused's prediction, fused's own trial out of time: fused (on the H100, W1's fused
+  # ran 903 k against its predicted 799 k).
   keep, why = auto_trial.verdict(dict(_trial(1100.0), predicted_env_steps_per_s=900.0, fused_trial='out of time'))
   assert not keep and why.startswith('fused:') and 'could not tell' in why and '(out of time)' in why
 
